@@ -1,0 +1,455 @@
+"""Job spec: the one validated, frozen description of a GRPO run.
+
+A spec is a YAML file (see ``examples/``) validated into :class:`JobSpec`. Every model rejects unknown keys and
+is frozen after validation; numbers carry their unit in the field name (``timeout_s``, ``bucket_bytes``,
+``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
+
+Loading (:func:`load_spec`)::
+
+    spec = load_spec("examples/gsm8k_smollm2_cpu.yaml", ["rollout.group_size=8", "train.lr=1e-6"])
+
+- Overrides are ``dotted.key=value``; the value is parsed as YAML (``4`` → int, ``true`` → bool, ``[1, 2]`` →
+  list, an empty value → null). An unknown dotted key is an error that lists the valid keys at that level.
+- Relative paths: ``data.train_path`` / ``data.test_path`` written in the YAML file are resolved against the YAML
+  file's folder when the file exists there (so a spec can name data next to it), otherwise they are left as
+  written, relative to the working directory. ``model.path`` likewise, when it names an existing folder next to
+  the spec. Everything else (``output_dir``, ``checkpoint.dir``, ``model.cache_dir``) is relative to the working
+  directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
+- Every problem is reported in one :class:`SpecError`, one line each:
+  ``<file>:<line>: <dotted.field>: <message> (got <value>)``, with ``--set <key>`` in place of the line for
+  values that came from an override.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "parse_byte_size", "load_spec", "load_spec_text",
+    "spec_to_yaml",
+]
+
+REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
+"""Reward functions a spec may weight in ``algorithm.rewards`` (to be tied to the grpo reward registry)."""
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem by reasoning step by step. "
+    "End your reply with a final line of the form '#### <number>', where <number> is the final answer."
+)
+
+_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class SpecError(ValueError):
+    """A job spec could not be read or validated; the message lists every problem, one per line."""
+
+
+class _FieldConflict(ValueError):
+    """A cross-field check failed; ``field`` is the dotted path the message should point at."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> Any:
+    """Turn ``"64MiB"``, ``"512MB"``, ``"1GiB"`` or ``"4096"`` into an int number of bytes.
+
+    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024). Non-strings are
+    returned unchanged for the int validator to judge. Raises ValueError for unknown units or fractional bytes.
+    """
+    if not isinstance(value, str):
+        return value
+    match = _BYTE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"expected a byte size such as 67108864, '64MiB', '512MB' or '1GiB', got {value!r}")
+    number = float(match.group(1)) * _BYTE_UNITS[unit]
+    if number != int(number):
+        raise ValueError(f"expected a whole number of bytes, got {value!r} = {number} bytes")
+    return int(number)
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+
+
+class ModelSpec(BaseModel):
+    """Which policy model to train and how to hold its weights."""
+
+    model_config = _CONFIG
+    path: str = Field("builtin:SmolLM2-135M-Instruct", min_length=1, description=(
+        "Model to start from: a builtin alias ('builtin:<name>'), a local Hugging Face folder, or a hub id."))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype for training and rollout.")
+    cache_dir: str | None = Field(None, description=(
+        "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
+
+
+class DataSpec(BaseModel):
+    """Prompt data: GSM8K-style jsonl rows with a question and an answer ending in '#### <final answer>'."""
+
+    model_config = _CONFIG
+    train_path: str = Field(min_length=1, description="Training jsonl file (one JSON object per line).")
+    test_path: str | None = Field(None, description="Optional held-out jsonl file for evaluation.")
+    question_field: str = Field("question", min_length=1, description="JSON field holding the question.")
+    answer_field: str = Field("answer", min_length=1, description="JSON field holding the worked answer.")
+    system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
+        "System message placed before every question; null sends no system message."))
+    prompt_suffix: str = Field("", description="Text appended directly after the question in the user message.")
+    max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this many tokens are dropped.")
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (permutation derived from seed and epoch).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description=(
+        "Malformed rows: 'error' stops with file:line, 'skip' drops and counts them."))
+
+
+class RolloutSpec(BaseModel):
+    """Rollout engine replicas (vLLM) and sampling: B prompts × G completions per step."""
+
+    model_config = _CONFIG
+    replicas: int = Field(1, ge=1, description="Number of rollout engine replicas (Ray actors).")
+    num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs Ray reserves per rollout replica.")
+    num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs Ray reserves per rollout replica.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks inside one engine replica.")
+    prompts_per_step: int = Field(4, ge=1, description="B: prompts sampled per training step.")
+    group_size: int = Field(4, ge=2, description="G: completions per prompt (a group); advantages compare them.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    max_response_tokens: int = Field(256, ge=1, description="Completion length cap in tokens.")
+    kv_cache_gib: float = Field(2.0, gt=0, description="CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description=(
+        "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))
+    enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
+    max_model_len: int | None = Field(None, ge=1, description=(
+        "Engine context length in tokens; null lets the engine use the model's own."))
+    timeout_s: float = Field(900, gt=0, description="Seconds to wait for one step's rollouts before failing.")
+
+
+class TrainSpec(BaseModel):
+    """Train workers (FSDP2 ranks) and the AdamW optimizer."""
+
+    model_config = _CONFIG
+    world_size: int = Field(1, ge=1, description="Number of train ranks (Ray actors in one process group).")
+    num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per train rank.")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves per train rank.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
+        "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; null keeps torch's.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    max_tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one forward/backward pass.")
+    timeout_s: float = Field(900, gt=0, description="Seconds to wait for one train step before failing.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected each beta in [0, 1), got {list(betas)}")
+        return betas
+
+    @model_validator(mode="after")
+    def _backend_matches_devices(self) -> TrainSpec:
+        if self.backend == "nccl" and self.num_gpus_per_worker == 0:
+            raise _FieldConflict("train.backend", (
+                "backend 'nccl' needs GPUs, but train.num_gpus_per_worker is 0; "
+                "use 'gloo' or 'auto' on CPU, or reserve GPUs"))
+        return self
+
+
+class AlgorithmSpec(BaseModel):
+    """GRPO objective: advantage estimator, clipped policy loss, KL to the reference policy, rewards."""
+
+    model_config = _CONFIG
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
+        "Group advantage: grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)."))
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing (grpo).")
+    adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "seq-mean-token-mean", description="How per-token losses are reduced to one scalar.")
+    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="Lower ratio clip: ratio >= 1 - clip_eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
+    kl_coef: float = Field(0.04, ge=0, description="beta: weight of the KL penalty to the reference policy.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
+        f"Reward function name -> weight; names from {', '.join(REWARD_NAMES)}."))
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(rewards) - set(REWARD_NAMES))
+        if unknown:
+            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(REWARD_NAMES)}")
+        if not rewards:
+            raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
+        return rewards
+
+
+class SyncSpec(BaseModel):
+    """Streaming trainer weights into the rollout engines after each step."""
+
+    model_config = _CONFIG
+    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, description=(
+        "Bytes per broadcast bucket; ints or strings like '64MiB', '512MB', '1GiB'."))
+    verify: bool = Field(True, description="Check checksums / probe logprobs after every sync.")
+    timeout_s: float = Field(300, gt=0, description="Seconds to wait for one weight sync before failing.")
+
+
+class MetricsSpec(BaseModel):
+    """metrics.jsonl in output_dir, console lines, and a Prometheus endpoint."""
+
+    model_config = _CONFIG
+    host: str = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
+    port: int | None = Field(9300, ge=0, le=65535, description="Prometheus port; 0 picks a free one, null disables.")
+    log_every_steps: int = Field(1, ge=1, description="Print a console line every this many steps.")
+
+
+class CheckpointSpec(BaseModel):
+    """Saving the policy as a Hugging Face folder."""
+
+    model_config = _CONFIG
+    every_steps: int = Field(0, ge=0, description="Save every this many steps; 0 saves only at the end.")
+    save_final: bool = Field(True, description="Save after the last step.")
+    dir: str | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
+
+
+class RaySpec(BaseModel):
+    """Which Ray cluster to run on."""
+
+    model_config = _CONFIG
+    address: str | None = Field(None, description="Existing cluster address ('auto', 'ray://h:p'); null starts one.")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster; null uses all.")
+    dashboard_host: str = Field("127.0.0.1", description="Address the Ray dashboard binds to (local cluster).")
+
+
+class JobSpec(BaseModel):
+    """A whole GRPO job: model, data, rollout, training, algorithm, weight sync, metrics, checkpoints, Ray."""
+
+    model_config = _CONFIG
+    name: str = Field("grpo", min_length=1, description="Job name (metrics label, Ray job name).")
+    seed: int = Field(0, ge=0, description="Root seed; per-step and per-sample seeds derive from it.")
+    output_dir: str = Field(min_length=1, description="Folder for metrics.jsonl, logs and checkpoints.")
+    total_steps: int = Field(ge=1, description="Number of training steps (policy versions) to run.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
+    data: DataSpec = Field(description=DataSpec.__doc__)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
+    train: TrainSpec = Field(default_factory=TrainSpec, description=TrainSpec.__doc__)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description=AlgorithmSpec.__doc__)
+    sync: SyncSpec = Field(default_factory=SyncSpec, description=SyncSpec.__doc__)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=CheckpointSpec.__doc__)
+    ray: RaySpec = Field(default_factory=RaySpec, description=RaySpec.__doc__)
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> JobSpec:
+        rollout, train = self.rollout, self.train
+        needed = self.data.max_prompt_tokens + rollout.max_response_tokens
+        if rollout.max_model_len is not None and needed > rollout.max_model_len:
+            raise _FieldConflict("rollout.max_model_len", (
+                f"expected max_model_len >= data.max_prompt_tokens + rollout.max_response_tokens = "
+                f"{self.data.max_prompt_tokens} + {rollout.max_response_tokens} = {needed}, "
+                f"got {rollout.max_model_len}"))
+        cpus = rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
+        if self.ray.address is None and self.ray.num_cpus is not None and cpus > self.ray.num_cpus:
+            raise _FieldConflict("ray.num_cpus", (
+                f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
+                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
+                f"{self.ray.num_cpus}; Ray would wait forever"))
+        return self
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+Loc = tuple[str, ...]
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
+    """Read a YAML job spec, apply ``dotted.key=value`` overrides, validate; raises SpecError on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: spec file not found (cwd: {Path.cwd()})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read spec file: {exc}") from None
+    return load_spec_text(text, source=str(path), base_dir=path.parent, overrides=overrides)
+
+
+def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path | None = None,
+                   overrides: Sequence[str] = ()) -> JobSpec:
+    """Like :func:`load_spec` for YAML text; ``source`` names it in errors, ``base_dir`` anchors data paths."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(_yaml_error_message(exc, source)) from None
+    lines: dict[Loc, int] = {}
+    if root is not None:
+        _collect_lines(root, (), lines, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}:1: expected a mapping of top-level keys "
+                        f"({', '.join(JobSpec.model_fields)}), got {type(data).__name__}")
+    if base_dir is not None:
+        _resolve_relative_paths(data, Path(base_dir))
+    for section in [k for k, v in data.items() if v is None and _model_at((str(k),)) is not None]:
+        data[section] = {}  # a section whose keys are all commented out means "all defaults"
+    set_by = _apply_overrides(data, overrides)
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_errors(exc, source, lines, set_by)) from None
+
+
+def spec_to_yaml(spec: JobSpec) -> str:
+    """Serialise a spec to YAML text that :func:`load_spec_text` reads back into an equal spec."""
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def _yaml_error_message(exc: yaml.YAMLError, source: str) -> str:
+    """``file:line: invalid YAML: [context (line N): ]problem`` from a PyYAML error."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f"{source}:{mark.line + 1}" if mark is not None else source
+    problem = getattr(exc, "problem", None) or str(exc)
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        problem = f"{context} (line {context_mark.line + 1}): {problem}"
+    return f"{where}: invalid YAML: {problem}"
+
+
+def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: str) -> None:
+    """Map dotted paths to 1-based line numbers (a key's line, or a list item's); duplicate keys are errors."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            loc = (*prefix, str(key_node.value))
+            line = key_node.start_mark.line + 1
+            if loc in lines:
+                raise SpecError(f"{source}:{line}: {'.'.join(loc)}: duplicate key "
+                                f"{key_node.value!r} (first at line {lines[loc]})")
+            lines[loc] = line
+            _collect_lines(value_node, loc, lines, source)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            loc = (*prefix, str(index))
+            lines[loc] = item.start_mark.line + 1
+            _collect_lines(item, loc, lines, source)
+
+
+def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
+    """Rewrite data.*_path (existing files) and model.path (existing folders) found next to the spec file."""
+    for section, key, exists in (("data", "train_path", Path.is_file), ("data", "test_path", Path.is_file),
+                                 ("model", "path", Path.is_dir)):
+        block = data.get(section)
+        value = block.get(key) if isinstance(block, dict) else None
+        if isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("builtin:"):
+            candidate = base_dir / os.path.expanduser(value)
+            if exists(candidate):
+                block[key] = os.path.normpath(os.path.abspath(candidate))
+
+
+def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
+    """The spec model class found by walking field names from JobSpec, or None if loc leaves the models."""
+    cls: type[BaseModel] = JobSpec
+    for part in loc:
+        field = cls.model_fields.get(part)
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _check_override_key(loc: Loc, raw: str) -> None:
+    """Raise SpecError unless loc names a spec field (or an entry of a dict-valued field)."""
+    for depth, part in enumerate(loc):
+        parent = loc[:depth]
+        cls = _model_at(parent)
+        if cls is None:
+            field = _model_at(parent[:-1]).model_fields[parent[-1]]
+            if getattr(field.annotation, "__origin__", None) is dict and depth == len(loc) - 1:
+                return
+            raise SpecError(f"--set {raw}: {'.'.join(parent)} is a value, not a section; "
+                            f"cannot set {'.'.join(loc)!r}")
+        if part not in cls.model_fields:
+            level = ".".join(parent) or "top level"
+            raise SpecError(f"--set {raw}: unknown key {part!r} at {level}; allowed: {', '.join(cls.model_fields)}")
+
+
+def _apply_overrides(data: dict, overrides: Sequence[str]) -> dict[Loc, str]:
+    """Apply ``dotted.key=value`` strings in order; returns {loc: dotted key} of what they set."""
+    set_by: dict[Loc, str] = {}
+    for raw in overrides:
+        key, sep, text = raw.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SpecError(f"--set {raw!r}: expected 'dotted.key=value', e.g. 'rollout.group_size=8'")
+        loc = tuple(key.split("."))
+        if any(not part for part in loc):
+            raise SpecError(f"--set {raw!r}: empty segment in key {key!r}; expected 'section.field=value'")
+        _check_override_key(loc, raw)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        block = data
+        for part in loc[:-1]:
+            if not isinstance(block.get(part), dict):
+                block[part] = {}
+            block = block[part]
+        block[loc[-1]] = value
+        set_by[loc] = key
+    return set_by
+
+
+def _format_errors(exc: ValidationError, source: str, lines: Mapping[Loc, int], set_by: Mapping[Loc, str]) -> str:
+    """One ``<where>: <dotted.field>: <message> (got <value>)`` line per pydantic error."""
+    out = []
+    for err in exc.errors():
+        loc: Loc = tuple(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        cause = (err.get("ctx") or {}).get("error")
+        show_value = err["type"] not in ("missing", "extra_forbidden", "value_error")  # our messages name it
+        if isinstance(cause, _FieldConflict):
+            loc, msg, show_value = tuple(cause.field.split(".")), str(cause), False
+        elif err["type"] == "extra_forbidden":
+            cls = _model_at(loc[:-1])
+            allowed = ", ".join(cls.model_fields) if cls is not None else "?"
+            msg = f"unknown key {loc[-1]!r}; allowed: {allowed}"
+        elif err["type"] == "missing":
+            msg = f"required key {loc[-1]!r} is missing"
+        where = _where(loc, source, lines, set_by)
+        got = f" (got {_short_repr(err['input'])})" if show_value else ""
+        out.append(f"{where}: {'.'.join(loc) or '<spec>'}: {msg}{got}")
+    header = f"{source}: invalid job spec ({len(out)} problem{'s' if len(out) != 1 else ''}):"
+    return "\n".join([header, *("  " + line for line in out)])
+
+
+def _where(loc: Loc, source: str, lines: Mapping[Loc, int], set_by: Mapping[Loc, str]) -> str:
+    """Where loc's value came from: an override of it or a parent (``--set key``), else its YAML line."""
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in set_by:
+            return f"--set {set_by[loc[:end]]}"
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in lines:
+            return f"{source}:{lines[loc[:end]]}"
+    return source
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

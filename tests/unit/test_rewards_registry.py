@@ -1,0 +1,121 @@
+"""Unit tests for grpo.rewards: the reward-function registry and combine_rewards."""
+
+import math
+from typing import get_args
+
+import pytest
+import torch
+
+from grpo.rewards import (
+    REWARD_FUNCTIONS,
+    CombinedRewards,
+    RewardFunctionName,
+    combine_rewards,
+    register_reward_function,
+)
+
+COMPLETIONS = ["work\n#### 72", "The answer is 72", "#### 5", "nothing"]
+REFERENCES = ["... #### 72", "72", "... #### 6", "#### 1"]
+
+
+@pytest.fixture
+def temp_reward():
+    """Register reward functions under test names and remove them afterwards."""
+    added = []
+
+    def add(name, fn):
+        register_reward_function(name)(fn)
+        added.append(name)
+
+    yield add
+    for name in added:
+        REWARD_FUNCTIONS.pop(name)
+
+
+def test_registry_holds_the_literal_names():
+    assert set(get_args(RewardFunctionName)) <= set(REWARD_FUNCTIONS)
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward_function("accuracy")(lambda c, r: [])
+
+
+def test_builtin_batch_functions():
+    assert REWARD_FUNCTIONS["accuracy"](COMPLETIONS, REFERENCES) == [1.0, 1.0, 0.0, 0.0]
+    assert REWARD_FUNCTIONS["format"](COMPLETIONS, REFERENCES) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_weighted_sum_and_per_function():
+    result = combine_rewards(COMPLETIONS, REFERENCES, {"accuracy": 1.0, "format": 0.25})
+    assert isinstance(result, CombinedRewards)
+    total, per_function, num_failed = result
+    assert total.dtype == torch.float32 and total.shape == (4,)
+    torch.testing.assert_close(total, torch.tensor([1.25, 1.0, 0.25, 0.0]))
+    assert per_function["format"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert num_failed == {"accuracy": 0, "format": 0}
+
+
+def test_zero_weight_runs_but_stays_out_of_total(temp_reward):
+    temp_reward("test_all_none", lambda c, r: [None] * len(c))
+    total, per_function, _ = combine_rewards(COMPLETIONS, REFERENCES, {"format": 1.0, "test_all_none": 0.0})
+    torch.testing.assert_close(total, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert torch.isnan(per_function["test_all_none"]).all()
+
+
+def test_none_gives_nan_in_total(temp_reward):
+    temp_reward("test_partial", lambda c, r: [0.5, None, float("nan"), 2])
+    total, per_function, _ = combine_rewards(COMPLETIONS, REFERENCES, {"format": 1.0, "test_partial": 2.0})
+    assert total[0].item() == 2.0 and total[3].item() == 4.0
+    assert math.isnan(total[1].item()) and math.isnan(total[2].item())
+
+
+def test_wrong_count_raises_naming_function_and_counts(temp_reward):
+    temp_reward("test_short", lambda c, r: [1.0] * (len(c) - 1))
+    for on_error in ("raise", "none"):
+        with pytest.raises(ValueError, match=r"'test_short' returned 3 values, expected 4"):
+            combine_rewards(COMPLETIONS, REFERENCES, {"test_short": 1.0}, on_error=on_error)
+
+
+def test_non_numeric_values_raise(temp_reward):
+    temp_reward("test_str", lambda c, r: ["1.0"] * len(c))
+    with pytest.raises(ValueError, match="'test_str' returned str at row 0"):
+        combine_rewards(COMPLETIONS, REFERENCES, {"test_str": 1.0})
+
+
+def test_raising_function(temp_reward):
+    def boom(c, r):
+        raise KeyError("grader down")
+
+    temp_reward("test_boom", boom)
+    with pytest.raises(RuntimeError, match="'test_boom' raised KeyError") as info:
+        combine_rewards(COMPLETIONS, REFERENCES, {"format": 1.0, "test_boom": 1.0})
+    assert isinstance(info.value.__cause__, KeyError)
+    total, per_function, num_failed = combine_rewards(
+        COMPLETIONS, REFERENCES, {"format": 1.0, "test_boom": 1.0}, on_error="none"
+    )
+    assert torch.isnan(total).all() and torch.isnan(per_function["test_boom"]).all()
+    assert per_function["format"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert num_failed == {"format": 0, "test_boom": 4}
+
+
+def test_bad_reference_raises_through_accuracy():
+    with pytest.raises(RuntimeError, match="'accuracy' raised ValueError"):
+        combine_rewards(["#### 1"], ["no number"], {"accuracy": 1.0})
+
+
+@pytest.mark.parametrize(
+    "completions, references, weights, kwargs, match",
+    [
+        (["a"], ["1", "2"], {"format": 1.0}, {}, "1 completions but 2 references"),
+        (["a"], ["1"], {}, {}, "at least one"),
+        (["a"], ["1"], {"bleu": 1.0}, {}, "unknown reward function 'bleu'"),
+        (["a"], ["1"], {"format": float("inf")}, {}, "must be finite"),
+        (["a"], ["1"], {"format": 1.0}, {"on_error": "skip"}, "on_error"),
+    ],
+)
+def test_validation(completions, references, weights, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        combine_rewards(completions, references, weights, **kwargs)
+
+
+def test_empty_batch():
+    total, per_function, _ = combine_rewards([], [], {"accuracy": 1.0})
+    assert total.shape == (0,) and per_function["accuracy"].shape == (0,)

@@ -1,0 +1,221 @@
+"""Job spec validation: error messages name file, line, field, value; overrides; byte sizes; examples load."""
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from cluster.spec import JobSpec, SpecError, load_spec, load_spec_text, parse_byte_size, spec_to_yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+MINIMAL = """\
+output_dir: runs/test
+total_steps: 3
+data:
+  train_path: train.jsonl
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_minimal_spec_uses_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL))
+    assert spec.total_steps == 3
+    assert spec.rollout.group_size == 4
+    assert spec.sync.bucket_bytes == 64 * 2**20
+    assert spec.algorithm.rewards == {"accuracy": 1.0, "format": 0.1}
+    assert spec.metrics.port == 9300
+    assert "####" in spec.data.system_prompt
+
+
+def test_empty_section_means_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "rollout:\n  # replicas: 2\nmetrics:\n"))
+    assert spec.rollout.replicas == 1 and spec.metrics.port == 9300
+
+
+def test_unknown_key_names_key_line_and_allowed(tmp_path):
+    path = write(tmp_path, MINIMAL + "rollout:\n  replicas: 1\n  group_sise: 8\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    msg = str(info.value)
+    assert f"{path}:7: rollout.group_sise: unknown key 'group_sise'; allowed: replicas," in msg
+    assert "group_size" in msg
+
+
+def test_unknown_top_level_key(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml:5: bogus: unknown key 'bogus'; allowed: name, seed"):
+        load_spec(write(tmp_path, MINIMAL + "bogus: 1\n"))
+
+
+def test_out_of_range_names_field_value_and_bound(tmp_path):
+    path = write(tmp_path, MINIMAL + "rollout:\n  group_size: 1\n  top_p: 1.5\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    msg = str(info.value)
+    assert "2 problems" in msg
+    assert f"{path}:6: rollout.group_size: Input should be greater than or equal to 2 (got 1)" in msg
+    assert f"{path}:7: rollout.top_p: Input should be less than or equal to 1 (got 1.5)" in msg
+
+
+def test_literal_lists_allowed_values(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml:6: train.backend: Input should be 'auto', 'gloo' or 'nccl' "
+                                        r"\(got 'mpi'\)"):
+        load_spec(write(tmp_path, MINIMAL + "train:\n  backend: mpi\n"))
+
+
+def test_missing_required_fields(tmp_path):
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, "data:\n  test_path: x\n"))
+    msg = str(info.value)
+    assert "output_dir: required key 'output_dir' is missing" in msg
+    assert "total_steps: required key 'total_steps' is missing" in msg
+    assert "job.yaml:1: data.train_path: required key 'train_path' is missing" in msg
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml:7: invalid YAML: while parsing a flow sequence \(line 6\)"):
+        load_spec(write(tmp_path, MINIMAL + "rollout:\n  replicas: [1, 2\n"))
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml:3: data: duplicate key 'data' \(first at line 1\)"):
+        load_spec(write(tmp_path, "data: {}\ntotal_steps: 1\ndata: {}\n"))
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_spec(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(SpecError, match="spec file not found"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_overrides_parse_values_as_yaml(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), [
+        "rollout.group_size=8", "rollout.enforce_eager=false", "train.betas=[0.8, 0.9]", "train.lr=2e-6",
+        "algorithm.rewards.format=0.5", "model.cache_dir=", "name=my job", "sync.bucket_bytes=1GiB",
+    ])
+    assert spec.rollout.group_size == 8
+    assert spec.rollout.enforce_eager is False
+    assert spec.train.betas == (0.8, 0.9)
+    assert spec.train.lr == 2e-6
+    assert spec.algorithm.rewards == {"format": 0.5}
+    assert spec.model.cache_dir is None
+    assert spec.name == "my job"
+    assert spec.sync.bucket_bytes == 2**30
+
+
+def test_override_errors(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    with pytest.raises(SpecError, match=r"unknown key 'group_sise' at rollout; allowed: replicas, "):
+        load_spec(path, ["rollout.group_sise=8"])
+    with pytest.raises(SpecError, match=r"unknown key 'rolout' at top level; allowed: name, seed"):
+        load_spec(path, ["rolout.group_size=8"])
+    with pytest.raises(SpecError, match=r"rollout.replicas is a value, not a section"):
+        load_spec(path, ["rollout.replicas.x=1"])
+    with pytest.raises(SpecError, match=r"expected 'dotted.key=value'"):
+        load_spec(path, ["rollout.group_size"])
+    with pytest.raises(SpecError, match=r"--set rollout.group_size: rollout.group_size: Input should be greater "
+                                        r"than or equal to 2 \(got 1\)"):
+        load_spec(path, ["rollout.group_size=1"])
+
+
+def test_override_wins_over_yaml_line(tmp_path):
+    path = write(tmp_path, MINIMAL + "rollout:\n  group_size: 4\n")
+    with pytest.raises(SpecError, match=r"--set rollout: rollout.group_size"):
+        load_spec(path, ["rollout={group_size: 0}"])
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("64MiB", 64 * 2**20), ("512MB", 512 * 10**6), ("1GiB", 2**30), ("1.5 KiB", 1536), ("4096", 4096),
+    ("2kb", 2000), (8192, 8192),
+])
+def test_parse_byte_size(text, expected):
+    assert parse_byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["64 potatoes", "MiB", "-1MiB", "0.5B", "1e3"])
+def test_parse_byte_size_rejects(text):
+    with pytest.raises(ValueError, match="byte"):
+        parse_byte_size(text)
+
+
+def test_bucket_bytes_errors(tmp_path):
+    with pytest.raises(SpecError, match=r"job.yaml:6: sync.bucket_bytes: expected a byte size .* got '64 potatoes'"):
+        load_spec(write(tmp_path, MINIMAL + "sync:\n  bucket_bytes: 64 potatoes\n"))
+    with pytest.raises(SpecError, match=r"sync.bucket_bytes: Input should be greater than or equal to 1024 "
+                                        r"\(got 1000\)"):
+        load_spec(write(tmp_path, MINIMAL), ["sync.bucket_bytes=1KB"])
+
+
+def test_unknown_reward_lists_allowed(tmp_path):
+    with pytest.raises(SpecError, match=r"algorithm.rewards: unknown reward 'length'; allowed: accuracy, format"):
+        load_spec(write(tmp_path, MINIMAL), ["algorithm.rewards={accuracy: 1, length: 1}"])
+
+
+def test_cross_field_checks(tmp_path):
+    path = write(tmp_path, MINIMAL + "train:\n  backend: nccl\n")
+    with pytest.raises(SpecError, match=r"job.yaml:6: train.backend: backend 'nccl' needs GPUs"):
+        load_spec(path)
+    load_spec(path, ["train.num_gpus_per_worker=1"])
+    with pytest.raises(SpecError, match=r"rollout.max_model_len: expected max_model_len >= .* = 768, got 700"):
+        load_spec(write(tmp_path, MINIMAL), ["rollout.max_model_len=700"])
+    with pytest.raises(SpecError, match=r"ray.num_cpus: the job reserves 3 CPUs"):
+        load_spec(write(tmp_path, MINIMAL), ["ray.num_cpus=2", "train.world_size=2"])
+
+
+def test_non_finite_numbers_rejected(tmp_path):
+    with pytest.raises(SpecError, match=r"train.lr: Input should be a finite number"):
+        load_spec(write(tmp_path, MINIMAL), ["train.lr=.inf"])
+
+
+def test_spec_is_frozen(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL))
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        spec.total_steps = 5
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        spec.rollout.group_size = 5
+
+
+def test_round_trips(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), ["sync.bucket_bytes=1MiB", "train.betas=[0.5, 0.6]"])
+    assert JobSpec.model_validate(spec.model_dump()) == spec
+    assert load_spec_text(spec_to_yaml(spec)) == spec
+    again = tmp_path / "again.yaml"
+    again.write_text(spec_to_yaml(spec))
+    assert load_spec(again) == spec
+
+
+def test_data_paths_resolve_next_to_spec(tmp_path, monkeypatch):
+    (tmp_path / "train.jsonl").write_text("")
+    monkeypatch.chdir("/")
+    spec = load_spec(write(tmp_path, MINIMAL + "  test_path: missing.jsonl\n"))
+    assert spec.data.train_path == str(tmp_path / "train.jsonl")
+    assert spec.data.test_path == "missing.jsonl"
+    assert spec.output_dir == "runs/test"
+    assert load_spec(tmp_path / "job.yaml", ["data.train_path=train.jsonl"]).data.train_path == "train.jsonl"
+
+
+@pytest.mark.parametrize("name", ["gsm8k_smollm2_cpu.yaml", "tiny_cpu.yaml"])
+def test_examples_load(name):
+    spec = load_spec(EXAMPLES / name)
+    assert spec.data.train_path.endswith("gsm8k/train.jsonl")
+    assert spec.sync.bucket_bytes >= 1024
+    assert spec.train.world_size == 2
+
+
+def test_example_values():
+    demo = load_spec(EXAMPLES / "gsm8k_smollm2_cpu.yaml")
+    assert (demo.total_steps, demo.rollout.prompts_per_step, demo.rollout.group_size) == (10, 4, 8)
+    assert demo.algorithm.rewards == {"accuracy": 1.0, "format": 0.2}
+    assert demo.sync.bucket_bytes == 64 * 2**20
+    tiny = load_spec(EXAMPLES / "tiny_cpu.yaml", ["model.path=/tmp/tiny"])
+    assert (tiny.total_steps, tiny.rollout.prompts_per_step, tiny.rollout.max_response_tokens) == (2, 2, 16)
+    assert tiny.metrics.port == 0 and tiny.model.path == "/tmp/tiny"

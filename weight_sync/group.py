@@ -1,0 +1,75 @@
+"""The weight-sync process group: train rank 0 (rank 0 here) plus every rollout engine worker.
+
+It is built without ``init_process_group`` so it can coexist with the trainers' own FSDP group and vLLM's internal
+groups in the same processes: a ``TCPStore`` hosted by the sender, then a backend process group over it.
+Backends: gloo (CPU), or NCCL through vLLM's ``PyNcclCommunicator`` on GPUs (vLLM's RLHF recipe).
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+from torch.distributed import BroadcastOptions, TCPStore
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class SyncGroup:
+    """A broadcast-only group of ``world_size`` ranks; rank 0 is the sender.
+
+    Args:
+        host, port: the TCPStore address (rank 0 hosts it).
+        rank: this member's rank in ``[0, world_size)``.
+        world_size: 1 sender + number of engine workers.
+        timeout_s: every store wait and collective fails after this many seconds instead of hanging.
+        backend: ``"gloo"`` or ``"nccl"``.
+
+    Raises:
+        RuntimeError: a peer did not join within ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        timeout = timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            self.store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
+                                  wait_for_workers=False)
+            self._pg = torch.distributed.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            self._nccl = None
+        elif backend == "nccl":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            spg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
+                                               store_timeout=int(timeout_s))
+            self._nccl = PyNcclCommunicator(spg, device=torch.cuda.current_device())
+            self._pg = None
+        else:
+            raise ValueError(f"sync backend must be 'gloo' or 'nccl', got {backend!r}")
+
+    def broadcast(self, tensor: torch.Tensor, async_op: bool = False):
+        """Broadcast ``tensor`` in place from rank 0. With ``async_op`` returns a work handle (``.wait()``)."""
+        if self._nccl is not None:
+            self._nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+            return _Done()
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        work = self._pg.broadcast([tensor], opts)
+        if async_op:
+            return work
+        work.wait()
+        return _Done()
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
