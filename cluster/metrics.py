@@ -9,7 +9,7 @@ shows the keys in :data:`CONSOLE_FIELDS` that are present, e.g.::
 Usage::
 
     with MetricsLogger("runs/x", port=0) as metrics:
-        metrics.log(1, {"reward/mean": 0.125, "time/step_s": 44.0, "sync/verified": True})
+        metrics.log(1, {"reward/mean": 0.125, "timing/step_s": 44.0, "sync/verified": True})
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ __all__ = ["CONSOLE_FIELDS", "MetricsError", "MetricsLogger", "prometheus_name",
            "read_metrics_jsonl"]
 
 CONSOLE_FIELDS: tuple[tuple[tuple[str, str], ...], ...] = (
-    (("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.3f}"), ("reward/format", "fmt {:.3f}")),
-    (("train/loss", "loss {:.4f}"), ("policy/kl", "kl {:.4f}"), ("policy/clip_frac", "clip {:.3f}"),
-     ("policy/entropy", "ent {:.2f}"), ("train/grad_norm", "gnorm {:.2f}")),
-    (("response/len_mean", "len {:.0f}"), ("response/truncated_frac", "trunc {:.2f}")),
-    (("time/generate_s", "gen {:.1f}s"), ("time/train_s", "train {:.1f}s"), ("time/sync_s", "sync {:.1f}s"),
-     ("time/step_s", "step {:.1f}s")),
-    (("throughput/tokens_per_s", "{:.0f} tok/s"),),
+    (("policy_version", "v{:.0f}"),),
+    (("reward/mean", "reward {:.3f}"), ("reward/accuracy", "acc {:.3f}"), ("reward/format", "fmt {:.3f}"),
+     ("groups/all_equal_fraction", "flat {:.2f}")),
+    (("actor/loss", "loss {:.4f}"), ("actor/kl", "kl {:.4f}"), ("actor/clip_fraction", "clip {:.3f}"),
+     ("actor/entropy", "ent {:.2f}"), ("actor/grad_norm", "gnorm {:.2f}")),
+    (("response_length/mean", "len {:.0f}"), ("response_length/clip_ratio", "trunc {:.2f}")),
+    (("timing/generate_s", "gen {:.1f}s"), ("timing/train_s", "train {:.1f}s"), ("timing/sync_s", "sync {:.1f}s"),
+     ("timing/step_s", "step {:.1f}s")),
+    (("perf/rollout_tokens_per_s", "{:.0f} tok/s"),),
     (("sync/verified", "verified|NOT VERIFIED"),),
 )
 """Console line layout: groups separated by ' | ', each a (metric key, format) list; a bool's format is

@@ -68,8 +68,8 @@ def test_prometheus_endpoint_on_free_port(tmp_path):
 
 def test_console_line(tmp_path, capsys):
     with MetricsLogger(tmp_path, port=None) as metrics:
-        metrics.log(3, {"reward/mean": 0.125, "reward/accuracy": 0.0625, "policy/kl": 0.0012, "time/step_s": 44.0,
-                        "throughput/tokens_per_s": 152.4, "sync/verified": True, "unlisted": 7})
+        metrics.log(3, {"reward/mean": 0.125, "reward/accuracy": 0.0625, "actor/kl": 0.0012, "timing/step_s": 44.0,
+                        "perf/rollout_tokens_per_s": 152.4, "sync/verified": True, "unlisted": 7})
     assert capsys.readouterr().out.strip() == (
         "step 3 | reward 0.125 acc 0.062 | kl 0.0012 | step 44.0s | 152 tok/s | verified")
     assert format_console_line(1, {"sync/verified": False}) == "step 1 | NOT VERIFIED"

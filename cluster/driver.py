@@ -1,0 +1,245 @@
+"""The GRPO driver loop: generate → score → advantages → train → sync, once per policy version.
+
+    grpo-cluster run examples/gsm8k_smollm2_cpu.yaml
+
+Notation: B prompts per step, G completions per prompt (a group), N = B·G sequences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cluster.data import PromptSampler, build_chat_prompt, load_jsonl_examples
+from cluster.metrics import MetricsLogger, format_console_line
+from cluster.models import resolve_model_path
+from cluster.pools import RolloutPool, TrainPool, WeightSync
+from cluster.scheduler import plan_microbatches
+from cluster.spec import JobSpec, spec_to_yaml
+from grpo.advantages import all_equal_fraction, compute_advantages
+from grpo.rewards import combine_rewards
+from rollout_workers.engine import GroupRequest, GroupResult
+from train_workers.packing import empty_microbatch, pack_microbatch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+class GRPOJob:
+    """One GRPO training job on a Ray cluster (``ray.init`` must have been called).
+
+    Args:
+        spec: the validated job spec.
+        progress: show a progress bar on stderr.
+    """
+
+    def __init__(self, spec: JobSpec, progress: bool = True):
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.progress = progress
+        self.output_dir = Path(spec.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        d = spec.data
+        examples, self.bad_rows = load_jsonl_examples(d.train_path, question_field=d.question_field,
+                                                      answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+        self.sampler = PromptSampler(examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
+        self.prompts_filtered = 0
+        self.policy_version = 0
+        self.step = 0
+        self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
+        self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
+                                     echo=False)
+        self.rollout = self.train = self.sync = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the pools and the weight-sync group (engines start from the same weights: policy version 0)."""
+        self._status("starting rollout engines and train workers")
+        self.rollout = RolloutPool(self.spec, self.model_path, self.max_model_len)
+        self.train = TrainPool(self.spec, self.model_path)
+        self.sync = WeightSync(self.spec, self.train, self.rollout)
+        self._status(f"ready: {len(self.rollout.engines)} engine(s), {len(self.train.workers)} train rank(s), "
+                     f"{self.train.num_parameters / 1e6:.1f}M parameters, {self.sync.num_buckets} sync bucket(s)")
+
+    def run(self) -> list[dict]:
+        """Run ``total_steps`` steps; returns every step's metrics."""
+        if self.rollout is None:
+            self.start()
+        history = []
+        bar = tqdm(total=self.spec.total_steps, desc="GRPO", unit="step", file=sys.stderr, disable=not self.progress)
+        try:
+            while self.step < self.spec.total_steps:
+                self.step += 1
+                metrics = self.run_step(bar)
+                history.append(metrics)
+                self.metrics.log(self.step, metrics)
+                tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
+                bar.update(1)
+                if self._checkpoint_due():
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+        return history
+
+    def close(self) -> None:
+        self.metrics.close()
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def run_step(self, bar=None) -> dict:
+        """generate → score → advantages → train → sync. Returns the step's metrics."""
+        t_step = time.perf_counter()
+        phase = (lambda s: bar.set_postfix_str(s)) if bar is not None else (lambda s: None)
+
+        phase("generate")
+        examples, requests = self._next_requests()
+        t0 = time.perf_counter()
+        groups, gen_stats = self.rollout.generate(requests)
+        generate_s = time.perf_counter() - t0
+
+        phase("score")
+        t0 = time.perf_counter()
+        batch = _flatten(groups, [e.reference for e in examples])
+        scored = combine_rewards(batch["texts"], batch["references"], self.spec.algorithm.rewards)
+        rewards = scored.total
+        alg = self.spec.algorithm
+        advantages = compute_advantages(rewards, batch["group_ids"], alg.advantage_estimator, eps=alg.adv_eps,
+                                        std=alg.adv_std)
+        score_s = time.perf_counter() - t0
+
+        phase("train")
+        t0 = time.perf_counter()
+        per_rank, plan_stats = self._microbatches(batch, advantages)
+        num_tokens = sum(len(r) for r in batch["response_ids"])
+        train_metrics = self.train.train_step(per_rank, num_tokens, len(batch["response_ids"]))
+        train_s = time.perf_counter() - t0
+
+        phase("sync")
+        t0 = time.perf_counter()
+        self.policy_version = int(train_metrics["policy_version"])
+        sync_metrics = self.sync.sync(self.policy_version)
+        sync_s = time.perf_counter() - t0
+
+        lengths = torch.tensor([len(r) for r in batch["response_ids"]], dtype=torch.float32)
+        truncated = sum(reason == "length" for reason in batch["finish_reasons"])
+        metrics = {
+            "policy_version": self.policy_version,
+            "reward/mean": float(rewards.nanmean()),
+            "reward/std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
+            **{f"reward/{name}": float(v.nanmean()) for name, v in scored.per_function.items()},
+            "groups/all_equal_fraction": all_equal_fraction(rewards, batch["group_ids"]),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": truncated / len(lengths),
+            "rollout/sample_policy_version_min": min(g.policy_version for g in groups),
+            **{k: v for k, v in train_metrics.items() if k != "policy_version"},
+            **sync_metrics,
+            **plan_stats,
+            "data/epoch": self.sampler.epoch,
+            "data/prompts_filtered": self.prompts_filtered,
+            "timing/generate_s": generate_s,
+            "timing/score_s": score_s,
+            "timing/train_s": train_s,
+            "timing/sync_s": sync_s,
+            "timing/step_s": time.perf_counter() - t_step,
+            "perf/rollout_tokens_per_s": gen_stats["tokens"] / max(generate_s, 1e-9),
+            "perf/train_tokens_per_s": train_metrics["perf/train_tokens"] / max(train_s, 1e-9),
+        }
+        return metrics
+
+    def _next_requests(self):
+        """Draw B prompts (dropping and counting those over ``max_prompt_tokens``) and tokenize them."""
+        d = self.spec.data
+        examples, requests = [], []
+        while len(requests) < self.spec.rollout.prompts_per_step:
+            for ex in self.sampler.next_batch():
+                if len(requests) == self.spec.rollout.prompts_per_step:
+                    break
+                text = self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
+                                                          tokenize=False, add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                if len(ids) > d.max_prompt_tokens:
+                    self.prompts_filtered += 1
+                    continue
+                requests.append(GroupRequest(group_id=len(requests), prompt_ids=list(ids)))
+                examples.append(ex)
+        return examples, requests
+
+    def _microbatches(self, batch: dict, advantages: torch.Tensor):
+        """Balance sequences over train ranks and pack each rank's micro-batches under the token budget."""
+        lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+        plan = plan_microbatches(lengths, self.spec.train.world_size, self.spec.train.max_tokens_per_microbatch)
+        per_rank = []
+        for rank_mbs in plan.ranks:
+            mbs = []
+            for idx in rank_mbs:
+                if not idx:
+                    mbs.append(empty_microbatch())
+                    continue
+                mbs.append(pack_microbatch(
+                    [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx],
+                    advantages[list(idx)], [batch["behaviour_logprobs"][i] for i in idx], idx))
+            per_rank.append(mbs)
+        return per_rank, plan.stats(lengths)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+    def _checkpoint_due(self) -> bool:
+        c = self.spec.checkpoint
+        last = self.step == self.spec.total_steps
+        return (c.every_steps > 0 and self.step % c.every_steps == 0) or (last and c.save_final)
+
+    def checkpoint_root(self) -> Path:
+        return Path(self.spec.checkpoint.dir) if self.spec.checkpoint.dir else self.output_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """An HF folder (safetensors, config, tokenizer, generation config) plus optimizer state and driver state."""
+        path = self.checkpoint_root() / f"step_{self.step:06d}"
+        if path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        self.train.all("save_checkpoint", str(path), what=f"saving checkpoint {path}")
+        for name in TOKENIZER_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file():
+                shutil.copy2(src, path / name)
+        state = {"step": self.step, "policy_version": self.policy_version, "sampler": self.sampler.state_dict(),
+                 "prompts_filtered": self.prompts_filtered, "model_path": self.model_path}
+        (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        latest = self.checkpoint_root() / "latest"
+        tmp = latest.with_suffix(".tmp")
+        tmp.write_text(path.name)
+        os.replace(tmp, latest)
+        self._status(f"checkpoint saved: {path}")
+        return path
+
+    def _status(self, message: str) -> None:
+        tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
+
+
+def _flatten(groups: list[GroupResult], references: list[str]) -> dict:
+    """Groups → row-aligned lists over N = B·G sequences; ``group_ids`` [N] int64 identifies each row's group."""
+    out = {k: [] for k in ("prompt_ids", "response_ids", "behaviour_logprobs", "finish_reasons", "texts",
+                           "references", "versions")}
+    gids = []
+    for g, ref in zip(groups, references):
+        for ids, lps, reason, text in zip(g.response_ids, g.behaviour_logprobs, g.finish_reasons, g.texts):
+            out["prompt_ids"].append(g.prompt_ids)
+            out["response_ids"].append(ids if ids else [])
+            out["behaviour_logprobs"].append(lps)
+            out["finish_reasons"].append(reason)
+            out["texts"].append(text)
+            out["references"].append(ref)
+            out["versions"].append(g.policy_version)
+            gids.append(g.group_id)
+    out["group_ids"] = torch.tensor(gids, dtype=torch.long)
+    return out

@@ -1,0 +1,126 @@
+"""Padding-free micro-batches: the sequences of one micro-batch concatenated into a single row.
+
+Shapes (one micro-batch): n sequences, L = Σ (P_i + R_i) packed tokens, M = Σ R_i response tokens,
+T = max R_i. Position ids restart at 0 for every sequence; transformers turns restarting position ids (with no
+attention mask and no KV cache) into a block-diagonal causal mask, so attention never crosses sequences.
+
+Token t of response i sits at packed position ``s_i + P_i + t`` (s_i = start of sequence i) and is predicted by the
+logits at position ``s_i + P_i + t − 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedMicroBatch:
+    """One packed row plus the per-response bookkeeping the loss needs.
+
+    input_ids, position_ids: [1, L] int64.
+    logit_positions: [M] int64, packed positions whose logits predict each response token.
+    targets: [M] int64, the response tokens.
+    token_seq, token_pos: [M] int64, (sequence slot in 0..n−1, index in its response) of each response token.
+    response_mask: [n, T] bool.
+    advantages: [n] float32.
+    behaviour_logprobs: [n, T] float32, the engine's logprobs (0 under the mask's zeros).
+    seq_indices: [n] int64, indices of the sequences in the step's rollout batch.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logit_positions: torch.Tensor
+    targets: torch.Tensor
+    token_seq: torch.Tensor
+    token_pos: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    seq_indices: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.response_mask.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed tokens L (what the forward pass computes)."""
+        return int(self.input_ids.shape[1])
+
+    def to_padded(self, values: torch.Tensor) -> torch.Tensor:
+        """Scatter per-response-token ``values`` [M] into [n, T] (0 where the mask is False); keeps autograd."""
+        out = values.new_zeros(self.response_mask.shape)
+        return out.index_put((self.token_seq, self.token_pos), values)
+
+
+def pack_microbatch(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    advantages: Sequence[float] | torch.Tensor,
+    behaviour_logprobs: Sequence[torch.Tensor],
+    seq_indices: Sequence[int],
+) -> PackedMicroBatch:
+    """Pack n (prompt, response) pairs into one row.
+
+    Raises:
+        ValueError: mismatched lengths, an empty prompt or response, or logprobs not of the response's length.
+    """
+    n = len(prompt_ids)
+    if not (len(response_ids) == len(advantages) == len(behaviour_logprobs) == len(seq_indices) == n):
+        raise ValueError(
+            f"pack_microbatch: got {n} prompts, {len(response_ids)} responses, {len(advantages)} advantages, "
+            f"{len(behaviour_logprobs)} logprob rows, {len(seq_indices)} indices; all must be equal"
+        )
+    if n == 0:
+        return empty_microbatch()
+    ids, pos, logit_pos, targets, tok_seq, tok_pos = [], [], [], [], [], []
+    start = 0
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        if len(p) == 0 or len(r) == 0:
+            raise ValueError(f"pack_microbatch: sequence {seq_indices[i]} has an empty prompt or response")
+        if len(behaviour_logprobs[i]) != len(r):
+            raise ValueError(
+                f"pack_microbatch: sequence {seq_indices[i]} has {len(r)} response tokens but "
+                f"{len(behaviour_logprobs[i])} behaviour logprobs"
+            )
+        length = len(p) + len(r)
+        ids.append(torch.as_tensor(list(p) + list(r), dtype=torch.long))
+        pos.append(torch.arange(length, dtype=torch.long))
+        logit_pos.append(torch.arange(start + len(p) - 1, start + length - 1, dtype=torch.long))
+        targets.append(torch.as_tensor(list(r), dtype=torch.long))
+        tok_seq.append(torch.full((len(r),), i, dtype=torch.long))
+        tok_pos.append(torch.arange(len(r), dtype=torch.long))
+        start += length
+    max_r = max(len(r) for r in response_ids)
+    mask = torch.zeros(n, max_r, dtype=torch.bool)
+    behaviour = torch.zeros(n, max_r, dtype=torch.float32)
+    for i, r in enumerate(response_ids):
+        mask[i, : len(r)] = True
+        behaviour[i, : len(r)] = torch.as_tensor(behaviour_logprobs[i], dtype=torch.float32)
+    return PackedMicroBatch(
+        input_ids=torch.cat(ids)[None],
+        position_ids=torch.cat(pos)[None],
+        logit_positions=torch.cat(logit_pos),
+        targets=torch.cat(targets),
+        token_seq=torch.cat(tok_seq),
+        token_pos=torch.cat(tok_pos),
+        response_mask=mask,
+        advantages=torch.as_tensor(advantages, dtype=torch.float32).reshape(n),
+        behaviour_logprobs=behaviour,
+        seq_indices=torch.as_tensor(list(seq_indices), dtype=torch.long),
+    )
+
+
+def empty_microbatch() -> PackedMicroBatch:
+    """A one-token placeholder with no response tokens: a rank with fewer sequences than the common micro-batch count
+    still runs a forward/backward (keeping FSDP collectives in step) that contributes exactly zero loss."""
+    z = torch.zeros(0, dtype=torch.long)
+    return PackedMicroBatch(
+        input_ids=torch.zeros(1, 1, dtype=torch.long), position_ids=torch.zeros(1, 1, dtype=torch.long),
+        logit_positions=z, targets=z, token_seq=z, token_pos=z,
+        response_mask=torch.zeros(0, 0, dtype=torch.bool), advantages=torch.zeros(0),
+        behaviour_logprobs=torch.zeros(0, 0), seq_indices=z,
+    )
