@@ -37,6 +37,16 @@ __all__ = [
     "spec_to_yaml",
 ]
 
+
+
+def reward_names() -> tuple[str, ...]:
+    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format), read at validation time so
+    functions registered by user code before the spec is loaded are accepted."""
+    from grpo.rewards import REWARD_FUNCTIONS
+
+    return tuple(sorted(REWARD_FUNCTIONS))
+
+
 REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
 """Reward functions a spec may weight in ``algorithm.rewards`` (to be tied to the grpo reward registry)."""
 
@@ -191,9 +201,10 @@ class AlgorithmSpec(BaseModel):
     @field_validator("rewards")
     @classmethod
     def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(rewards) - set(REWARD_NAMES))
+        allowed = reward_names()
+        unknown = sorted(set(rewards) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(REWARD_NAMES)}")
+            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
         if not rewards:
             raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
         return rewards

@@ -68,6 +68,7 @@ class RolloutEngine:
 
     def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not on_gpu:
             _configure_cpu_env(rollout.kv_cache_gib, None)
         from vllm import LLM

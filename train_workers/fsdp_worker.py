@@ -37,6 +37,13 @@ def _shard(model: ResponseLogprobModel, mesh=None, reshard_after_forward: bool =
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
+def _peak_rss_gib() -> float:
+    """Peak resident memory of this process so far, GiB (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly DTensor-sharded) parameter; a collective over the train group."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -151,6 +158,7 @@ class FSDPTrainWorker:
             "actor/lr": self.train.lr,
             "perf/train_tokens": float(sums[7]),
             "timing/train_compute_s": time.perf_counter() - t0,
+            "memory/train_peak_rss_gib": _peak_rss_gib(),
             "policy_version": self.policy_version,
         }
 

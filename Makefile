@@ -1,0 +1,15 @@
+# Quick start (fresh machine with Python 3.11):
+#   make demo   # set up .venv and run the CPU GSM8K demo (examples/gsm8k_smollm2_cpu.yaml)
+#   make test   # set up .venv and run the test suite
+.PHONY: setup demo test test-fast
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/grpo-cluster run examples/gsm8k_smollm2_cpu.yaml
+
+test: setup
+	.venv/bin/python -m pytest tests -q -rs --durations=15
+
+test-fast: setup
+	.venv/bin/python -m pytest tests -q -m "not slow"

@@ -1,0 +1,40 @@
+"""Small helpers shared by the benchmark scripts (paths, defaults, table printing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = "builtin:SmolLM2-135M-Instruct"
+DEFAULT_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def resolve_model(path: str) -> str:
+    """``builtin:...`` alias or folder → local HF folder (prepared once under ~/.cache/grpo-cluster)."""
+    from cluster.models import resolve_model_path
+
+    return resolve_model_path(path)
+
+
+def print_table(headers: list[str], rows: list[list], title: str | None = None) -> None:
+    """Right-aligned plain-text table; floats printed with 3 significant decimals."""
+
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 1e5 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if title:
+        print(title)
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def print_json(name: str, payload: dict) -> None:
+    """The machine-readable result: one JSON line, last line of the output."""
+    print(json.dumps({"bench": name, **payload}, sort_keys=False), flush=True)

@@ -1,0 +1,395 @@
+"""Weight-sync throughput: bucketed broadcasts (``weight_sync.buckets`` + ``weight_sync.group.SyncGroup``, gloo)
+against one raw single-buffer broadcast of the same bytes; optionally the real path into a vLLM engine.
+
+Transport mode (default). Payloads: (a) SmolLM2-135M-Instruct's parameters as the trainer streams them (HF names,
+tied embedding once, float32, ~538 MB, read from the model's safetensors file) and (b) a synthetic set of
+``--synthetic-tensors`` tensors of ``--synthetic-numel`` float32 each (default 64 x 4M = 1 GiB). The sender is this
+process (rank 0, hosting the TCPStore); 1 and 2 receiver processes (``torch.multiprocessing``, spawn) join one
+``SyncGroup`` per receiver count. Both sides build the same bucket plan (``plan_buckets``) from the tensor list.
+
+* bucketed (1, 16, 64, 256, 512 MB buckets): the sender does what ``FSDPTrainWorker.broadcast_weights`` does on CPU:
+  ``pack_bucket`` each bucket into a fresh buffer, (with ``--verify``) CRC-32 it, then an async broadcast while the
+  next bucket is packed (double buffering). Each receiver allocates the bucket's buffer, receives it and
+  ``unpack_bucket``s it into per-tensor views, as the engine's worker extension does; ``--verify`` adds the per-tensor
+  CRC-32s (compared with the sender's), ``--copy`` copies every view into a preallocated destination tensor
+  (standing in for ``model.load_weights``).
+* raw: one broadcast of a preallocated, already-filled buffer of the payload's bytes into a preallocated buffer on
+  every receiver: the transport's ceiling on the same backend (no packing, unpacking or allocation).
+
+Timed, per repetition (median of ``--repeats``): from the sender's first pack until every receiver has reported
+completion through the TCPStore, so the time includes the receivers' unpacking/checksums. GB/s = payload bytes
+(sum of tensor bytes, 1 GB = 1e9 B) / seconds; "x raw" = bucketed GB/s / raw GB/s for the same payload and receivers.
+A 64 MB broadcast warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s
+is per receiver, not aggregate.
+
+Engine mode (``--engine``): a :class:`rollout_workers.engine.RolloutEngine` (vLLM, in-process; its worker runs in a
+process vLLM spawns) and SmolLM2's parameters at ``--engine-bucket-mb`` (64) MB buckets. The sender's ``SyncGroup``
+is built in a thread while ``RolloutEngine.init_weight_sync`` joins from the main thread; each sync runs the sender's
+pack-and-broadcast loop in a thread while the main thread calls ``RolloutEngine.receive_weights`` (receive, unpack,
+``load_weights`` through vLLM's layerwise reload, tied-head refresh, prefix-cache reset). Timed: the wall-clock of
+both together; the engine's own receive+load seconds are reported too. A greedy probe completion before and after
+the syncs must be identical (the same weights are sent back), and with ``--verify`` every tensor's CRC-32 is
+compared.
+
+Usage (from the repo root)::
+
+    .venv/bin/python -m bench.bench_sync                  # both payloads, 1 and 2 receivers, 5 bucket sizes + raw
+    .venv/bin/python -m bench.bench_sync --quick --verify --copy
+    .venv/bin/python -m bench.bench_sync --engine --verify
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import threading
+import time
+
+from bench._common import DEFAULT_MODEL, print_json, print_table, resolve_model
+
+MB = 2**20
+HOST = "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------------------------------- payloads
+def smollm2_tensors(model_path: str) -> dict:
+    """SmolLM2's parameters as HF-named float32 tensors (the checkpoint has no lm_head: it is tied)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    import torch
+
+    state = load_file(str(Path(model_path) / "model.safetensors"))
+    return {k: v.to(torch.float32).contiguous() for k, v in state.items()}
+
+
+def synthetic_tensors(count: int, numel: int, seed: int = 0) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {f"synthetic.{i}.weight": torch.rand(numel, generator=g) for i in range(count)}
+
+
+def specs_of(tensors: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    from weight_sync.buckets import dtype_name
+
+    return [(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()]
+
+
+def plan_of(specs, bucket_bytes: int):
+    from weight_sync.buckets import plan_buckets, to_dtype
+
+    return plan_buckets([(n, s, to_dtype(d)) for n, s, d in specs], bucket_bytes)
+
+
+def payload_bytes(specs) -> int:
+    import torch
+
+    from weight_sync.buckets import to_dtype
+
+    total = 0
+    for _, shape, dt in specs:
+        n = 1
+        for s in shape:
+            n *= s
+        total += n * torch.empty((), dtype=to_dtype(dt)).element_size()
+    return total
+
+
+def digest(checksums: dict[str, int]) -> int:
+    """One CRC over all per-tensor CRCs (sorted by name), to compare sender and receiver in one number."""
+    import zlib
+
+    return zlib.crc32(json.dumps(sorted(checksums.items())).encode())
+
+
+# ---------------------------------------------------------------------------------------------------- sender side
+def send_buckets(group, buckets, tensors: dict, verify: bool) -> dict[str, int]:
+    """``FSDPTrainWorker.broadcast_weights`` on CPU for an unsharded model: pack, checksum, double-buffered send."""
+    from weight_sync.buckets import bucket_checksums, pack_bucket
+
+    checksums: dict[str, int] = {}
+    pending = None
+    for bucket in buckets:
+        buf = pack_bucket(bucket, [tensors[s.name] for s in bucket.slots])
+        if verify:
+            checksums.update(bucket_checksums(bucket, buf))
+        if pending is not None:
+            pending.wait()
+        pending = group.broadcast(buf, async_op=True)
+    if pending is not None:
+        pending.wait()
+    return checksums
+
+
+# ---------------------------------------------------------------------------------------------------- receiver side
+def _receiver_main(rank: int, world: int, port: int, schedule: list[dict], verify: bool, copy: bool,
+                   timeout_s: float) -> None:
+    """One receiver process: join the group, then follow the schedule; report each repetition via the store."""
+    import torch
+
+    from weight_sync.buckets import bucket_checksums, unpack_bucket
+    from weight_sync.group import SyncGroup
+
+    torch.set_num_threads(1)
+    group = SyncGroup(HOST, port, rank, world, timeout_s)
+    warm = torch.empty(64 * MB, dtype=torch.uint8)
+    group.broadcast(warm)
+    del warm
+    for e, exp in enumerate(schedule):
+        specs = exp["specs"]
+        dest = None
+        if copy and exp["mode"] == "bucketed":
+            from weight_sync.buckets import to_dtype
+
+            dest = {n: torch.empty(s, dtype=to_dtype(d)) for n, s, d in specs}
+        if exp["mode"] == "raw":
+            raw = torch.empty(payload_bytes(specs), dtype=torch.uint8)
+        else:
+            buckets = plan_of(specs, exp["bucket_bytes"])
+        for rep in range(exp["repeats"]):
+            checksums: dict[str, int] = {}
+            if exp["mode"] == "raw":
+                group.broadcast(raw)
+            else:
+                for bucket in buckets:
+                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+                    group.broadcast(buf)
+                    views = unpack_bucket(bucket, buf)
+                    if verify:
+                        checksums.update(bucket_checksums(bucket, buf))
+                    if dest is not None:
+                        for name, view in views:
+                            dest[name].copy_(view)
+            group.store.set(f"done/{e}/{rep}/{rank}", str(digest(checksums) if verify else 0))
+        if exp["mode"] == "raw":
+            del raw
+        dest = None
+        gc.collect()
+
+
+def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: bool, copy: bool,
+                  timeout_s: float) -> list[dict]:
+    """Spawn ``receivers`` processes, run the schedule as sender, return one result row per experiment."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from weight_sync.group import SyncGroup, free_port
+
+    world = 1 + receivers
+    port = free_port(HOST)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_receiver_main, args=(r, world, port, schedule, verify, copy, timeout_s),
+                         daemon=True) for r in range(1, world)]
+    for p in procs:
+        p.start()
+    group = SyncGroup(HOST, port, 0, world, timeout_s)
+    group.broadcast(torch.zeros(64 * MB, dtype=torch.uint8))
+    rows = []
+    try:
+        for e, exp in enumerate(schedule):
+            tensors = payloads[exp["payload"]]
+            nbytes = payload_bytes(exp["specs"])
+            if exp["mode"] == "raw":
+                raw = torch.empty(nbytes, dtype=torch.uint8)
+                offset = 0
+                for t in tensors.values():  # fill it with the payload's bytes (not timed)
+                    flat = t.reshape(-1).view(torch.uint8)
+                    raw[offset:offset + flat.numel()].copy_(flat)
+                    offset += flat.numel()
+                buckets = None
+            else:
+                buckets = plan_of(exp["specs"], exp["bucket_bytes"])
+            times, ok = [], True
+            for rep in range(exp["repeats"]):
+                t0 = time.perf_counter()
+                if raw_mode := exp["mode"] == "raw":
+                    group.broadcast(raw)
+                    sent = {}
+                else:
+                    sent = send_buckets(group, buckets, tensors, verify)
+                keys = [f"done/{e}/{rep}/{r}" for r in range(1, world)]
+                group.store.wait(keys)
+                times.append(time.perf_counter() - t0)
+                if verify and not raw_mode:
+                    ok = ok and all(int(group.store.get(k)) == digest(sent) for k in keys)
+            if exp["mode"] == "raw":
+                del raw
+                gc.collect()
+            seconds = statistics.median(times)
+            rows.append({"payload": exp["payload"], "receivers": receivers, "mode": exp["mode"],
+                         "bucket_mb": exp["bucket_bytes"] // MB if exp["bucket_bytes"] else None,
+                         "buckets": len(buckets) if buckets else 1, "bytes": nbytes, "seconds": seconds,
+                         "all_seconds": times, "gb_per_s": nbytes / seconds / 1e9,
+                         "verified": (ok if verify and exp["mode"] == "bucketed" else None)})
+            r = rows[-1]
+            print(f"  {r['payload']:>9} recv={receivers} {r['mode']:>8} "
+                  f"{(str(r['bucket_mb']) + 'MB') if r['bucket_mb'] else '':>6}: {seconds:.3f}s "
+                  f"{r['gb_per_s']:.2f} GB/s", flush=True)
+    finally:
+        for p in procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+    for p in procs:
+        if p.exitcode not in (0, None):
+            raise RuntimeError(f"receiver process exited with code {p.exitcode}")
+    return rows
+
+
+def transport_main(args, model_path: str) -> None:
+    payloads = {}
+    if "smollm2" in args.payloads:
+        payloads["smollm2"] = smollm2_tensors(model_path)
+    if "synthetic" in args.payloads:
+        payloads["synthetic"] = synthetic_tensors(args.synthetic_tensors, args.synthetic_numel)
+    schedule = []
+    for name, tensors in payloads.items():
+        specs = specs_of(tensors)
+        for mb in args.bucket_mb:
+            schedule.append({"payload": name, "specs": specs, "mode": "bucketed", "bucket_bytes": int(mb * MB),
+                             "repeats": args.repeats})
+        schedule.append({"payload": name, "specs": specs, "mode": "raw", "bucket_bytes": None,
+                         "repeats": args.repeats})
+        print(f"payload {name}: {len(specs)} tensors, {payload_bytes(specs) / 1e6:.1f} MB", flush=True)
+    print(f"gloo on {HOST}; bucket sizes {args.bucket_mb} MB + raw; median of {args.repeats}; "
+          f"verify={args.verify} copy={args.copy}", flush=True)
+    rows = []
+    for n in args.receivers:
+        rows += run_transport(n, schedule, payloads, args.verify, args.copy, args.timeout_s)
+
+    raw = {(r["payload"], r["receivers"]): r["gb_per_s"] for r in rows if r["mode"] == "raw"}
+    for r in rows:
+        r["x_raw"] = r["gb_per_s"] / raw[(r["payload"], r["receivers"])]
+    print()
+    print_table(["payload", "recv", "bucket", "buckets", "MB", "seconds", "GB/s", "x raw", "checksums"],
+                [[r["payload"], r["receivers"], f"{r['bucket_mb']}MB" if r["bucket_mb"] else "raw", r["buckets"],
+                  r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"],
+                  {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
+    print_json("sync", {"mode": "transport", "backend": "gloo", "verify": args.verify, "copy": args.copy,
+                        "repeats": args.repeats, "results": rows})
+    if args.verify and any(r["verified"] is False for r in rows):
+        raise SystemExit("checksum mismatch")
+
+
+# ---------------------------------------------------------------------------------------------------- engine mode
+def engine_main(args, model_path: str) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from cluster.spec import RolloutSpec
+    from rollout_workers.engine import RolloutEngine
+    from weight_sync.group import SyncGroup, free_port
+
+    tensors = smollm2_tensors(model_path)
+    specs = specs_of(tensors)
+    nbytes = payload_bytes(specs)
+    buckets = plan_of(specs, int(args.engine_bucket_mb * MB))
+    print(f"SmolLM2: {len(specs)} tensors, {nbytes / 1e6:.1f} MB, {len(buckets)} buckets of <= "
+          f"{args.engine_bucket_mb} MB; verify={args.verify}", flush=True)
+
+    spec = RolloutSpec(max_response_tokens=16, kv_cache_gib=1.0, max_model_len=512, enforce_eager=True)
+    t0 = time.perf_counter()
+    engine = RolloutEngine(model_path, spec, dtype="float32", seed=0, max_model_len=512)
+    startup_s = time.perf_counter() - t0
+
+    probe = [TokensPrompt(prompt_token_ids=[1, 504, 3458, 282, 4649, 314, 253, 2])]  # short fixed token prompt
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+
+    def probe_ids() -> list[int]:
+        return list(engine.llm.generate(probe, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+    before = probe_ids()
+
+    port = free_port(HOST)
+    box: dict = {}
+
+    def make_sender():
+        box["group"] = SyncGroup(HOST, port, 0, 2, args.timeout_s)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=make_sender)
+    th.start()
+    engine.init_weight_sync(HOST, port, 1, 2, buckets, args.timeout_s)
+    th.join()
+    init_s = time.perf_counter() - t0
+    group = box["group"]
+
+    rows, ok = [], True
+    for rep in range(args.repeats):
+        out: dict = {}
+
+        def send():
+            s0 = time.perf_counter()
+            out["checksums"] = send_buckets(group, buckets, tensors, args.verify)
+            out["seconds"] = time.perf_counter() - s0
+
+        t0 = time.perf_counter()
+        th = threading.Thread(target=send)
+        th.start()
+        report = engine.receive_weights(policy_version=rep + 1, verify=args.verify)
+        th.join()
+        seconds = time.perf_counter() - t0
+        match = None
+        if args.verify:
+            match = all(c == out["checksums"] for c in report["worker_checksums"])
+            ok = ok and match
+        rows.append({"rep": rep, "seconds": seconds, "engine_seconds": report["seconds"],
+                     "sender_seconds": out["seconds"], "gb_per_s": nbytes / seconds / 1e9, "verified": match})
+        print(f"  sync {rep}: {seconds:.3f}s ({nbytes / seconds / 1e9:.2f} GB/s), engine receive+load "
+              f"{report['seconds']:.3f}s, sender {out['seconds']:.3f}s", flush=True)
+    after = probe_ids()
+    same = before == after
+    try:
+        engine.llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # best effort
+        print(f"(engine shutdown: {exc!r})")
+
+    med = statistics.median(r["seconds"] for r in rows)
+    print()
+    print_table(["sync", "seconds", "GB/s", "engine recv+load s", "sender s", "checksums"],
+                [[r["rep"], r["seconds"], r["gb_per_s"], r["engine_seconds"], r["sender_seconds"],
+                  {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
+    print(f"\nmedian {med:.3f}s = {nbytes / med / 1e9:.2f} GB/s for {nbytes / 1e6:.1f} MB at "
+          f"{args.engine_bucket_mb} MB buckets; engine start {startup_s:.1f}s, group init {init_s:.2f}s; "
+          f"greedy probe unchanged after syncs: {same}")
+    print_json("sync", {"mode": "engine", "backend": "gloo", "bucket_mb": args.engine_bucket_mb,
+                        "buckets": len(buckets), "bytes": nbytes, "verify": args.verify,
+                        "seconds": med, "gb_per_s": nbytes / med / 1e9, "syncs": rows, "startup_s": startup_s,
+                        "group_init_s": init_s, "probe_unchanged": same})
+    if not same or not ok:
+        raise SystemExit("engine weights differ after sync (probe or checksums)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[1, 16, 64, 256, 512])
+    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--payloads", nargs="+", default=["smollm2", "synthetic"], choices=["smollm2", "synthetic"])
+    parser.add_argument("--synthetic-tensors", type=int, default=64)
+    parser.add_argument("--synthetic-numel", type=int, default=4 * 2**20, help="float32 elements per tensor")
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions per row (median reported)")
+    parser.add_argument("--verify", action="store_true", help="CRC-32 every tensor on both sides and compare")
+    parser.add_argument("--copy", action="store_true", help="receivers copy each tensor into a destination")
+    parser.add_argument("--engine", action="store_true", help="measure the real path into a vLLM engine")
+    parser.add_argument("--engine-bucket-mb", type=float, default=64)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: synthetic 8 x 1M, SmolLM2, buckets 1 and 64 MB, 1 repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.synthetic_tensors, args.synthetic_numel = 8, 2**20
+        args.bucket_mb, args.repeats = [1, 64], 1
+    model_path = resolve_model(args.model)
+    if args.engine:
+        engine_main(args, model_path)
+    else:
+        transport_main(args, model_path)
+
+
+if __name__ == "__main__":
+    main()

