@@ -29,14 +29,18 @@ def parity_reward(completions: list[str], references: list[str]) -> list[float]:
     return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
 
 
-@pytest.fixture(scope="session")
-def parity_registered() -> str:
-    """Register ``parity`` in the reward registry once per session (the registry refuses duplicates)."""
+@pytest.fixture(scope="module")
+def parity_registered():
+    """Register ``parity`` in the reward registry unless it is there (the registry refuses duplicates); removed
+    again after this module, so the rest of the session sees the builtin registry."""
     from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 
-    if "parity" not in REWARD_FUNCTIONS:
+    added = "parity" not in REWARD_FUNCTIONS
+    if added:
         register_reward_function("parity")(parity_reward)
-    return "parity"
+    yield "parity"
+    if added:
+        REWARD_FUNCTIONS.pop("parity")
 
 
 @pytest.fixture(scope="module")

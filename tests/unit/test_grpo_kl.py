@@ -1,4 +1,5 @@
-"""Unit tests for grpo.kl: estimator values, k3 range/finiteness, unbiasedness, controllers, registry."""
+"""Unit tests for grpo.kl: estimator values, k3 range/finiteness, unbiasedness, controllers, KL in the reward,
+registry."""
 
 import math
 from typing import get_args
@@ -12,6 +13,7 @@ from grpo.kl import (
     FixedKLController,
     KLEstimatorName,
     kl_penalty,
+    kl_reward_advantages,
     register_kl_estimator,
 )
 
@@ -111,3 +113,29 @@ def test_adaptive_controller_rejects_bad_updates():
         ctl.update(float("nan"), 1)
     with pytest.raises(ValueError, match="n_steps"):
         ctl.update(1.0, -1)
+
+
+def test_adaptive_controller_steers_measured_kl_to_target():
+    # A toy policy whose KL responds inversely to beta (KL = 0.002 / beta): the controller must settle where
+    # KL = target, i.e. beta = 0.2, from either side.
+    for init in (0.01, 1.0):
+        ctl = AdaptiveKLController(init_kl_coef=init, target_kl=0.01, horizon=1000)
+        for _ in range(3000):
+            ctl.update(0.002 / ctl.value, n_steps=64)
+        assert 0.002 / ctl.value == pytest.approx(0.01, rel=0.02)
+
+
+def test_kl_in_reward_is_the_return_to_go_of_the_per_token_penalty():
+    adv = torch.tensor([1.0, -0.5])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, float("nan"), 9.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    out = kl_reward_advantages(adv, kl, mask, kl_coef=0.5)
+    # row 0: penalties to go [0.6, 0.5, 0.3]; row 1: [0.4] then masked
+    torch.testing.assert_close(out, torch.tensor([[0.7, 0.75, 0.85], [-0.7, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert not out.requires_grad
+    zero = kl_reward_advantages(adv, kl, mask, kl_coef=0.0)
+    torch.testing.assert_close(zero, torch.tensor([[1.0, 1.0, 1.0], [-0.5, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="advantages must have shape"):
+        kl_reward_advantages(torch.zeros(3), kl, mask, 0.1)
+    with pytest.raises(ValueError, match="kl_coef must be finite"):
+        kl_reward_advantages(adv, kl, mask, math.inf)

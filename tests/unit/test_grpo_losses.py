@@ -8,7 +8,14 @@ import torch
 
 from grpo.advantages import compute_advantages
 from grpo.kl import kl_penalty
-from grpo.losses import LOSS_AGGREGATIONS, LossAggregationName, aggregate_loss, policy_loss, register_loss_aggregation
+from grpo.losses import (
+    LOSS_AGGREGATIONS,
+    LossAggregationName,
+    aggregate_loss,
+    policy_loss,
+    register_loss_aggregation,
+    truncated_importance_weights,
+)
 
 AGGS = list(get_args(LossAggregationName))
 CLIP = dict(clip_eps_low=0.2, clip_eps_high=0.2)
@@ -277,3 +284,37 @@ def test_validation(kwargs, match):
                 response_mask=torch.ones(2, 4), **CLIP)
     with pytest.raises(ValueError, match=match):
         policy_loss(**(args | kwargs))
+
+
+def test_log_ratio_is_clamped_before_exp():
+    # logp − old = 1000 would overflow exp; it is clamped to 20, so the loss is exp(20)·|A| and finite.
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    loss, metrics = policy_loss(logp, torch.tensor([[-1000.0]]), torch.tensor([-1.0]), mask, **CLIP)
+    loss.backward()
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert torch.isfinite(logp.grad).all() and torch.isfinite(metrics["ratio_mean"])
+
+
+def test_truncated_importance_weights_hand_values():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])
+    engine = torch.tensor([[-1.5, -1.0, -0.5, float("nan")]])
+    mask = torch.tensor([[True, True, True, False]])
+    w = truncated_importance_weights(old, engine, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0, 0.0]]), atol=1e-6, rtol=0)
+    w = truncated_importance_weights(old, engine, mask, cap=1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0]]), atol=1e-6, rtol=0)
+    huge = truncated_importance_weights(torch.tensor([[0.0]]), torch.tensor([[-1e4]]), torch.ones(1, 1), cap=2.0)
+    assert huge.item() == 2.0
+    with pytest.raises(ValueError, match="cap must be finite and > 0"):
+        truncated_importance_weights(old, engine, mask, cap=0.0)
+
+
+def test_tis_weights_scale_each_tokens_policy_gradient_term():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    w = truncated_importance_weights(torch.zeros(1, 2), torch.tensor([[0.0, -math.log(3.0)]]), torch.ones(1, 2), 2.0)
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), **CLIP, tis_weights=w,
+                          loss_agg="token-mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-(1.0 + 2.0) / 2)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -1.0]]))
