@@ -19,7 +19,9 @@ process (rank 0, hosting the TCPStore); 1 and 2 receiver processes (``torch.mult
 Timed, per repetition (median of ``--repeats``): from the sender's first pack until every receiver has reported
 completion through the TCPStore, so the time includes the receivers' unpacking/checksums. GB/s = payload bytes
 (sum of tensor bytes, 1 GB = 1e9 B) / seconds; "x raw" = bucketed GB/s / raw GB/s for the same payload and receivers.
-A 64 MB broadcast warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s
+"sender s" is when the sender's last broadcast returned; "pack-only s" is one extra, separately timed pass of
+``pack_bucket`` over the whole payload without sending (it shows how much of a sync is packing). A 64 MB broadcast
+warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s
 is per receiver, not aggregate.
 
 Engine mode (``--engine``): a :class:`rollout_workers.engine.RolloutEngine` (vLLM, in-process; its worker runs in a
@@ -203,7 +205,15 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
                 buckets = None
             else:
                 buckets = plan_of(exp["specs"], exp["bucket_bytes"])
-            times, ok = [], True
+            pack_s = None
+            if buckets is not None:  # packing alone (no sending), once, untimed by the receivers
+                from weight_sync.buckets import pack_bucket
+
+                t0 = time.perf_counter()
+                for bucket in buckets:
+                    pack_bucket(bucket, [tensors[s.name] for s in bucket.slots])
+                pack_s = time.perf_counter() - t0
+            times, sender_times, ok = [], [], True
             for rep in range(exp["repeats"]):
                 t0 = time.perf_counter()
                 if raw_mode := exp["mode"] == "raw":
@@ -211,6 +221,7 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
                     sent = {}
                 else:
                     sent = send_buckets(group, buckets, tensors, verify)
+                sender_times.append(time.perf_counter() - t0)
                 keys = [f"done/{e}/{rep}/{r}" for r in range(1, world)]
                 group.store.wait(keys)
                 times.append(time.perf_counter() - t0)
@@ -223,7 +234,8 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
             rows.append({"payload": exp["payload"], "receivers": receivers, "mode": exp["mode"],
                          "bucket_mb": exp["bucket_bytes"] // MB if exp["bucket_bytes"] else None,
                          "buckets": len(buckets) if buckets else 1, "bytes": nbytes, "seconds": seconds,
-                         "all_seconds": times, "gb_per_s": nbytes / seconds / 1e9,
+                         "all_seconds": times, "sender_seconds": statistics.median(sender_times),
+                         "pack_only_seconds": pack_s, "gb_per_s": nbytes / seconds / 1e9,
                          "verified": (ok if verify and exp["mode"] == "bucketed" else None)})
             r = rows[-1]
             print(f"  {r['payload']:>9} recv={receivers} {r['mode']:>8} "
@@ -265,9 +277,11 @@ def transport_main(args, model_path: str) -> None:
     for r in rows:
         r["x_raw"] = r["gb_per_s"] / raw[(r["payload"], r["receivers"])]
     print()
-    print_table(["payload", "recv", "bucket", "buckets", "MB", "seconds", "GB/s", "x raw", "checksums"],
+    print_table(["payload", "recv", "bucket", "buckets", "MB", "seconds", "GB/s", "x raw", "sender s", "pack-only s",
+                 "checksums"],
                 [[r["payload"], r["receivers"], f"{r['bucket_mb']}MB" if r["bucket_mb"] else "raw", r["buckets"],
-                  r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"],
+                  r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"], r["sender_seconds"],
+                  "-" if r["pack_only_seconds"] is None else r["pack_only_seconds"],
                   {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
     print_json("sync", {"mode": "transport", "backend": "gloo", "verify": args.verify, "copy": args.copy,
                         "repeats": args.repeats, "results": rows})
@@ -371,7 +385,7 @@ def main() -> None:
     parser.add_argument("--payloads", nargs="+", default=["smollm2", "synthetic"], choices=["smollm2", "synthetic"])
     parser.add_argument("--synthetic-tensors", type=int, default=64)
     parser.add_argument("--synthetic-numel", type=int, default=4 * 2**20, help="float32 elements per tensor")
-    parser.add_argument("--repeats", type=int, default=3, help="repetitions per row (median reported)")
+    parser.add_argument("--repeats", type=int, default=2, help="repetitions per row (median reported)")
     parser.add_argument("--verify", action="store_true", help="CRC-32 every tensor on both sides and compare")
     parser.add_argument("--copy", action="store_true", help="receivers copy each tensor into a destination")
     parser.add_argument("--engine", action="store_true", help="measure the real path into a vLLM engine")

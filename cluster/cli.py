@@ -19,9 +19,17 @@ def _cmd_run(args) -> int:
     except SpecError as exc:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
-    import ray
-
+    from cluster.data import DataError
     from cluster.driver import GRPOJob
+    from cluster.metrics import MetricsError
+    from cluster.models import ModelError
+
+    try:  # data and model problems surface here, before any cluster starts
+        job = GRPOJob(spec, progress=not args.no_progress)
+    except (DataError, ModelError, MetricsError) as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
+    import ray
 
     address = args.address or spec.ray.address
     if address:
@@ -29,7 +37,6 @@ def _cmd_run(args) -> int:
     else:
         ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, dashboard_host=spec.ray.dashboard_host,
                  log_to_driver=True)
-    job = GRPOJob(spec, progress=not args.no_progress)
     try:
         history = job.run()
     finally:

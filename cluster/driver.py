@@ -3,6 +3,9 @@
     grpo-cluster run examples/gsm8k_smollm2_cpu.yaml
 
 Notation: B prompts per step, G completions per prompt (a group), N = B·G sequences.
+
+With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.sampling``) until the
+batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -21,12 +25,18 @@ from cluster.data import PromptSampler, build_chat_prompt, load_jsonl_examples
 from cluster.metrics import MetricsLogger, format_console_line
 from cluster.models import resolve_model_path
 from cluster.pools import RolloutPool, TrainPool, WeightSync
+from cluster.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.scheduler import plan_microbatches
 from cluster.spec import JobSpec, spec_to_yaml
-from grpo.advantages import all_equal_fraction, compute_advantages
-from grpo.rewards import combine_rewards
+from grpo.advantages import compute_multi_reward_advantages
+from grpo.eos import eos_token_ids, response_valid_lengths
+from grpo.kl import AdaptiveKLController, FixedKLController
+from grpo.rewards import combine_rewards, overlong_penalty
 from rollout_workers.engine import GroupRequest, GroupResult
 from train_workers.packing import empty_microbatch, pack_microbatch
+
+#: Key of the DAPO overlong penalty among the reward components (``reward/overlong_penalty``).
+OVERLONG = "overlong_penalty"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -55,6 +65,14 @@ class GRPOJob:
                                                       answer_field=d.answer_field, on_bad_row=d.on_bad_row)
         self.sampler = PromptSampler(examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
         self.prompts_filtered = 0
+        self._pending: deque = deque()  # prompts drawn from the sampler, not yet sampled
+        self._group_counter = 0  # next group id within the step (unique across sampling rounds)
+        self.eos_ids = _model_eos_ids(self.model_path, self.tokenizer)
+        alg = spec.algorithm
+        self.group_size = GroupSizeController(spec.rollout.group_size, alg.group_size_schedule, alg.group_size_max,
+                                              alg.group_size_rise_threshold)
+        self.kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon_sequences)
+                              if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
         self.policy_version = 0
         self.step = 0
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
@@ -84,7 +102,8 @@ class GRPOJob:
                 metrics = self.run_step(bar)
                 history.append(metrics)
                 self.metrics.log(self.step, metrics)
-                tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
+                if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
+                    tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
                 bar.update(1)
                 if self._checkpoint_due():
                     self.save_checkpoint()
@@ -97,31 +116,41 @@ class GRPOJob:
 
     # ---- one step -----------------------------------------------------------------------------------------------
     def run_step(self, bar=None) -> dict:
-        """generate → score → advantages → train → sync. Returns the step's metrics."""
+        """generate → score → advantages (repeated by dynamic sampling) → train → sync. Returns the step's metrics."""
         t_step = time.perf_counter()
         phase = (lambda s: bar.set_postfix_str(s)) if bar is not None else (lambda s: None)
-
-        phase("generate")
-        examples, requests = self._next_requests()
-        t0 = time.perf_counter()
-        groups, gen_stats = self.rollout.generate(requests)
-        generate_s = time.perf_counter() - t0
-
-        phase("score")
-        t0 = time.perf_counter()
-        batch = _flatten(groups, [e.reference for e in examples])
-        scored = combine_rewards(batch["texts"], batch["references"], self.spec.algorithm.rewards)
-        rewards = scored.total
         alg = self.spec.algorithm
-        advantages = compute_advantages(rewards, batch["group_ids"], alg.advantage_estimator, eps=alg.adv_eps,
-                                        std=alg.adv_std)
-        score_s = time.perf_counter() - t0
+        group_size = self.group_size.group_size(self.step)
+        timings = {"generate_s": 0.0, "score_s": 0.0, "tokens": 0}
+        self._group_counter = 0  # group ids restart every step
+
+        def sample_round(num_prompts: int) -> RolloutBatch:
+            phase("generate")
+            examples, requests = self._next_requests(num_prompts, group_size)
+            t0 = time.perf_counter()
+            groups, gen_stats = self.rollout.generate(requests)
+            timings["generate_s"] += time.perf_counter() - t0
+            timings["tokens"] += gen_stats["tokens"]
+            phase("score")
+            t0 = time.perf_counter()
+            batch = self._score(groups, [e.reference for e in examples])
+            timings["score_s"] += time.perf_counter() - t0
+            return batch
+
+        sampling = sample_groups(sample_round, self.spec.rollout.prompts_per_step, dynamic=alg.dynamic_sampling,
+                                 max_rounds=alg.max_sampling_rounds)
+        self.group_size.observe(self.step, sampling.all_equal_fraction)
+        batch = sampling.batch
 
         phase("train")
         t0 = time.perf_counter()
-        per_rank, plan_stats = self._microbatches(batch, advantages)
-        num_tokens = sum(len(r) for r in batch["response_ids"])
-        train_metrics = self.train.train_step(per_rank, num_tokens, len(batch["response_ids"]))
+        per_rank, plan_stats = self._microbatches(batch)
+        num_tokens = sum(batch.valid_lengths)
+        num_sequences = sum(v > 0 for v in batch.valid_lengths)
+        if alg.kl_controller == "adaptive":
+            self.train.all("set_kl_coef", self.kl_controller.value, what="setting kl_coef")
+        train_metrics = self.train.train_step(per_rank, num_tokens, num_sequences)
+        self.kl_controller.update(train_metrics["actor/kl"], len(batch))
         train_s = time.perf_counter() - t0
 
         phase("sync")
@@ -130,54 +159,86 @@ class GRPOJob:
         sync_metrics = self.sync.sync(self.policy_version)
         sync_s = time.perf_counter() - t0
 
-        lengths = torch.tensor([len(r) for r in batch["response_ids"]], dtype=torch.float32)
-        truncated = sum(reason == "length" for reason in batch["finish_reasons"])
+        sampled = sampling.sampled
+        rewards = sampled.rewards
+        valid = rewards[~rewards.isnan()]
+        lengths = torch.tensor([len(r) for r in sampled.response_ids], dtype=torch.float32)
+        generate_s = timings["generate_s"]
         metrics = {
             "policy_version": self.policy_version,
-            "reward/mean": float(rewards.nanmean()),
-            "reward/std": float(rewards[~rewards.isnan()].std()) if rewards.numel() > 1 else 0.0,
-            **{f"reward/{name}": float(v.nanmean()) for name, v in scored.per_function.items()},
-            "groups/all_equal_fraction": all_equal_fraction(rewards, batch["group_ids"]),
+            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
+            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            **{f"reward/{name}": float(v.nanmean()) for name, v in sampled.per_function.items()},
+            "reward/failed": sampled.num_failed,
+            "reward/none_fraction": float(rewards.isnan().float().mean()),
+            "groups/all_equal_fraction": sampling.all_equal_fraction,
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
-            "response_length/clip_ratio": truncated / len(lengths),
-            "rollout/sample_policy_version_min": min(g.policy_version for g in groups),
+            "response_length/clip_ratio": 1.0 - sum(sampled.terminated) / len(sampled),
+            "rollout/group_size": group_size,
+            "rollout/sampling_rounds": sampling.rounds,
+            "rollout/groups_sampled": sampling.num_groups_sampled,
+            "rollout/sequences_trained": len(batch),
+            "rollout/sample_policy_version_min": min(sampled.versions),
             **{k: v for k, v in train_metrics.items() if k != "policy_version"},
             **sync_metrics,
             **plan_stats,
             "data/epoch": self.sampler.epoch,
             "data/prompts_filtered": self.prompts_filtered,
             "timing/generate_s": generate_s,
-            "timing/score_s": score_s,
+            "timing/score_s": timings["score_s"],
             "timing/train_s": train_s,
             "timing/sync_s": sync_s,
             "timing/step_s": time.perf_counter() - t_step,
-            "perf/rollout_tokens_per_s": gen_stats["tokens"] / max(generate_s, 1e-9),
+            "perf/rollout_tokens_per_s": timings["tokens"] / max(generate_s, 1e-9),
             "perf/train_tokens_per_s": train_metrics["perf/train_tokens"] / max(train_s, 1e-9),
         }
         return metrics
 
-    def _next_requests(self):
-        """Draw B prompts (dropping and counting those over ``max_prompt_tokens``) and tokenize them."""
+    def _score(self, groups: list[GroupResult], references: list[str]) -> RolloutBatch:
+        """Rewards (weighted functions + DAPO overlong penalty), EOS and truncation masks, and advantages."""
+        alg = self.spec.algorithm
+        max_tokens = self.spec.rollout.max_response_tokens
+        rows = _flatten(groups, references)
+        valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids)
+        scored = combine_rewards(rows["texts"], rows["references"], alg.rewards, on_error=alg.reward_on_error)
+        per_function, weights, total = dict(scored.per_function), dict(alg.rewards), scored.total
+        if alg.overlong_buffer_tokens is not None:
+            penalty = overlong_penalty(valid_lengths, max_tokens, alg.overlong_buffer_tokens,
+                                       alg.overlong_penalty_factor)
+            per_function[OVERLONG], weights[OVERLONG], total = penalty, 1.0, total + penalty
+        advantages = compute_multi_reward_advantages(
+            per_function, weights, rows["group_ids"], alg.advantage_estimator, combine=alg.reward_combine,
+            eps=alg.adv_eps, std=alg.adv_std)
+        if alg.mask_truncated:
+            valid_lengths = [v if t else 0 for v, t in zip(valid_lengths, terminated)]
+        return RolloutBatch(**rows, valid_lengths=valid_lengths, terminated=terminated, rewards=total,
+                            per_function=per_function, advantages=advantages,
+                            num_failed=sum(scored.num_failed.values()))
+
+    def _next_requests(self, num_prompts: int, group_size: int):
+        """Draw ``num_prompts`` prompts (dropping and counting those over ``max_prompt_tokens``) and tokenize them;
+        group ids continue the step's count so they stay unique across sampling rounds."""
         d = self.spec.data
         examples, requests = [], []
-        while len(requests) < self.spec.rollout.prompts_per_step:
-            for ex in self.sampler.next_batch():
-                if len(requests) == self.spec.rollout.prompts_per_step:
-                    break
-                text = self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
-                                                          tokenize=False, add_generation_prompt=True)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                if len(ids) > d.max_prompt_tokens:
-                    self.prompts_filtered += 1
-                    continue
-                requests.append(GroupRequest(group_id=len(requests), prompt_ids=list(ids)))
-                examples.append(ex)
+        while len(requests) < num_prompts:
+            if not self._pending:
+                self._pending.extend(self.sampler.next_batch())
+            ex = self._pending.popleft()
+            text = self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
+                                                      tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > d.max_prompt_tokens:
+                self.prompts_filtered += 1
+                continue
+            requests.append(GroupRequest(group_id=self._group_counter, prompt_ids=list(ids), group_size=group_size))
+            self._group_counter += 1
+            examples.append(ex)
         return examples, requests
 
-    def _microbatches(self, batch: dict, advantages: torch.Tensor):
+    def _microbatches(self, batch: RolloutBatch):
         """Balance sequences over train ranks and pack each rank's micro-batches under the token budget."""
-        lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         plan = plan_microbatches(lengths, self.spec.train.world_size, self.spec.train.max_tokens_per_microbatch)
         per_rank = []
         for rank_mbs in plan.ranks:
@@ -187,8 +248,9 @@ class GRPOJob:
                     mbs.append(empty_microbatch())
                     continue
                 mbs.append(pack_microbatch(
-                    [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx],
-                    advantages[list(idx)], [batch["behaviour_logprobs"][i] for i in idx], idx))
+                    [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
+                    batch.advantages[list(idx)], [batch.behaviour_logprobs[i] for i in idx], idx,
+                    valid_lengths=[batch.valid_lengths[i] for i in idx]))
             per_rank.append(mbs)
         return per_rank, plan.stats(lengths)
 
@@ -213,7 +275,8 @@ class GRPOJob:
             if src.is_file():
                 shutil.copy2(src, path / name)
         state = {"step": self.step, "policy_version": self.policy_version, "sampler": self.sampler.state_dict(),
-                 "prompts_filtered": self.prompts_filtered, "model_path": self.model_path}
+                 "prompts_filtered": self.prompts_filtered, "model_path": self.model_path,
+                 "kl_coef": self.kl_controller.value, "group_size": self.group_size.state_dict()}
         (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
         latest = self.checkpoint_root() / "latest"
         tmp = latest.with_suffix(".tmp")
@@ -243,3 +306,10 @@ def _flatten(groups: list[GroupResult], references: list[str]) -> dict:
             gids.append(g.group_id)
     out["group_ids"] = torch.tensor(gids, dtype=torch.long)
     return out
+
+
+def _model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
+    """Every EOS id of the model: ``generation_config.json``'s ``eos_token_id`` (int or list) + the tokenizer's."""
+    path = Path(model_path) / "generation_config.json"
+    config_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return eos_token_ids(config_eos, tokenizer.eos_token_id)

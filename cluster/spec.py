@@ -31,24 +31,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.algorithm_spec import REWARD_NAMES, AlgorithmSpec, algorithm_conflicts
+from cluster.algorithm_spec import FieldConflict as _FieldConflict
+
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
     "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "parse_byte_size", "load_spec", "load_spec_text",
     "spec_to_yaml",
 ]
-
-
-
-def reward_names() -> tuple[str, ...]:
-    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format), read at validation time so
-    functions registered by user code before the spec is loaded are accepted."""
-    from grpo.rewards import REWARD_FUNCTIONS
-
-    return tuple(sorted(REWARD_FUNCTIONS))
-
-
-REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
-"""Reward functions a spec may weight in ``algorithm.rewards`` (to be tied to the grpo reward registry)."""
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math tutor. Solve the problem by reasoning step by step. "
@@ -60,14 +50,6 @@ _CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 class SpecError(ValueError):
     """A job spec could not be read or validated; the message lists every problem, one per line."""
-
-
-class _FieldConflict(ValueError):
-    """A cross-field check failed; ``field`` is the dotted path the message should point at."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -180,36 +162,6 @@ class TrainSpec(BaseModel):
         return self
 
 
-class AlgorithmSpec(BaseModel):
-    """GRPO objective: advantage estimator, clipped policy loss, KL to the reference policy, rewards."""
-
-    model_config = _CONFIG
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
-        "Group advantage: grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)."))
-    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing (grpo).")
-    adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "seq-mean-token-mean", description="How per-token losses are reduced to one scalar.")
-    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="Lower ratio clip: ratio >= 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
-    kl_coef: float = Field(0.04, ge=0, description="beta: weight of the KL penalty to the reference policy.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
-    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
-        f"Reward function name -> weight; names from {', '.join(REWARD_NAMES)}."))
-
-    @field_validator("rewards")
-    @classmethod
-    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
-        allowed = reward_names()
-        unknown = sorted(set(rewards) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
-        if not rewards:
-            raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
-        return rewards
-
-
 class SyncSpec(BaseModel):
     """Streaming trainer weights into the rollout engines after each step."""
 
@@ -280,6 +232,8 @@ class JobSpec(BaseModel):
                 f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
                 f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
                 f"{self.ray.num_cpus}; Ray would wait forever"))
+        for conflict in algorithm_conflicts(self.algorithm, rollout):
+            raise conflict
         return self
 
 

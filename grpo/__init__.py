@@ -8,13 +8,16 @@ from grpo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageEstimatorName,
     GroupStats,
+    RewardCombineName,
     StdKind,
     all_equal_fraction,
     compute_advantages,
     compute_group_stats,
+    compute_multi_reward_advantages,
     group_all_equal_mask,
     register_advantage_estimator,
 )
+from grpo.eos import eos_token_ids, response_valid_lengths
 from grpo.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -22,6 +25,7 @@ from grpo.kl import (
     KLController,
     KLEstimatorName,
     kl_penalty,
+    kl_reward_advantages,
     register_kl_estimator,
 )
 from grpo.logprobs import entropy_from_logits, logprobs_from_logits
@@ -31,6 +35,7 @@ from grpo.losses import (
     aggregate_loss,
     policy_loss,
     register_loss_aggregation,
+    truncated_importance_weights,
 )
 from grpo.registry import Registry
 from grpo.rewards import (
@@ -38,6 +43,7 @@ from grpo.rewards import (
     CombinedRewards,
     RewardFunctionName,
     combine_rewards,
+    overlong_penalty,
     register_reward_function,
 )
 
@@ -55,6 +61,7 @@ __all__ = [
     "KLEstimatorName",
     "LossAggregationName",
     "Registry",
+    "RewardCombineName",
     "RewardFunctionName",
     "StdKind",
     "aggregate_loss",
@@ -62,13 +69,19 @@ __all__ = [
     "combine_rewards",
     "compute_advantages",
     "compute_group_stats",
+    "compute_multi_reward_advantages",
     "entropy_from_logits",
+    "eos_token_ids",
     "group_all_equal_mask",
     "kl_penalty",
+    "kl_reward_advantages",
     "logprobs_from_logits",
+    "overlong_penalty",
     "policy_loss",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_aggregation",
     "register_reward_function",
+    "response_valid_lengths",
+    "truncated_importance_weights",
 ]

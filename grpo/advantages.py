@@ -20,6 +20,8 @@ filled with 0) and the `GroupStats`, and the zeroing above is applied to their o
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
@@ -29,15 +31,18 @@ from grpo.registry import Registry
 
 AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo"]
 StdKind = Literal["unbiased", "biased"]
+RewardCombineName = Literal["sum-then-normalise", "normalise-then-sum"]
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimatorName",
     "GroupStats",
+    "RewardCombineName",
     "StdKind",
     "all_equal_fraction",
     "compute_advantages",
     "compute_group_stats",
+    "compute_multi_reward_advantages",
     "group_all_equal_mask",
     "register_advantage_estimator",
 ]
@@ -230,3 +235,67 @@ def all_equal_fraction(rewards: torch.Tensor, group_ids: torch.Tensor) -> float:
     if mask.numel() == 0:
         return 0.0
     return float(mask.to(torch.float64).mean())
+
+
+def compute_multi_reward_advantages(
+    rewards: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+    group_ids: torch.Tensor,
+    estimator: AdvantageEstimatorName = "grpo",
+    *,
+    combine: RewardCombineName = "sum-then-normalise",
+    eps: float = 1e-6,
+    std: StdKind = "unbiased",
+) -> torch.Tensor:
+    """Advantages from several weighted reward functions.
+
+    With w_k the weights, r_k the rewards of function k and `est` the group estimator (`compute_advantages`):
+        "sum-then-normalise":  A = est(Σ_k w_k·r_k)          the usual GRPO: one scalar reward per completion
+        "normalise-then-sum":  A = Σ_k w_k·est(r_k)          each reward normalised within its group first, so a
+            reward with a large spread cannot drown a small one (MO-GRPO, Ichihara et al. 2025; GDPO; TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``). All-equal groups of a function contribute 0.
+    Functions with weight 0 are ignored. A row where any weighted function is NaN (None) is invalid for every
+    function: excluded from every group's statistics, advantage 0 (as in `compute_advantages`).
+
+    Args:
+        rewards: name → [N] float rewards (NaN = none); every name in `weights` must be present.
+        weights: name → finite weight.
+        group_ids, estimator, eps, std: as in `compute_advantages`.
+
+    Returns:
+        [N] float32 advantages, never NaN or Inf; exactly 0 for invalid rows and for groups whose weighted
+        functions are all-equal.
+
+    Raises:
+        ValueError: empty or non-finite weights, a missing or misshapen reward, an unknown combine mode, plus the
+            errors of `compute_advantages`.
+    """
+    if combine not in get_args(RewardCombineName):
+        raise ValueError(f"combine must be one of {list(get_args(RewardCombineName))}, got {combine!r}")
+    if not weights:
+        raise ValueError("weights must name at least one reward function, got none")
+    n = group_ids.shape[0]
+    used = {}
+    for name, w in weights.items():
+        if not math.isfinite(w):
+            raise ValueError(f"weight of reward {name!r} must be finite, got {w!r}")
+        if name not in rewards:
+            raise ValueError(f"weights name reward {name!r} but rewards hold only {sorted(rewards)}")
+        r = rewards[name]
+        if r.dim() != 1 or r.shape[0] != n:
+            raise ValueError(f"reward {name!r} must have shape ({n},) like group_ids, got {tuple(r.shape)}")
+        if w != 0.0:
+            used[name] = (float(w), r.to(torch.float64))
+    if not used:
+        return torch.zeros(n, dtype=torch.float32, device=group_ids.device)
+    invalid = torch.zeros(n, dtype=torch.bool, device=group_ids.device)
+    for _, r in used.values():
+        invalid |= torch.isnan(r)
+    nan = torch.tensor(math.nan, dtype=torch.float64, device=group_ids.device)
+    if combine == "sum-then-normalise":
+        total = sum(w * r for w, r in used.values())
+        return compute_advantages(torch.where(invalid, nan, total), group_ids, estimator, eps=eps, std=std)
+    adv = torch.zeros(n, dtype=torch.float64, device=group_ids.device)
+    for w, r in used.values():
+        adv += w * compute_advantages(torch.where(invalid, nan, r), group_ids, estimator, eps=eps, std=std).double()
+    return adv.to(torch.float32)

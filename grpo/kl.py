@@ -35,6 +35,7 @@ __all__ = [
     "KLController",
     "KLEstimatorName",
     "kl_penalty",
+    "kl_reward_advantages",
     "register_kl_estimator",
 ]
 
@@ -97,6 +98,54 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KL
             f"and {tuple(ref_logprobs.shape)}"
         )
     return fn(logprobs, ref_logprobs)
+
+
+def kl_reward_advantages(
+    advantages: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float
+) -> torch.Tensor:
+    """Per-token advantages with the KL penalty moved from the loss into the reward.
+
+    PPO-RLHF puts the KL in the reward: every token t earns r_t = −β·kl_t, plus the outcome reward at the end
+    (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"; Ouyang et al. 2022, "Training
+    language models to follow instructions with human feedback", eq. 2). Without a value function and with
+    γ = λ = 1, the advantage of token t is its return-to-go, so the group-relative outcome advantage A gains the
+    penalties of token t and every later token of the same sequence:
+
+        A_t = A − β · Σ_{t' ≥ t, valid} kl_{t'}
+
+    (the causal REINFORCE form: token t's choice cannot change earlier penalties). The KL is a reward here, so it
+    is detached; the loss then takes `kl_coef = 0`.
+
+    Args:
+        advantages: [N] (or [N, T]) float32 outcome advantages.
+        kl: [N, T] float32 per-token KL estimates (`kl_penalty` of the behaviour vs reference logprobs).
+        response_mask: [N, T] bool or float (nonzero = valid token); masked positions are ignored, even NaN/Inf.
+        kl_coef: β, finite.
+
+    Returns:
+        [N, T] float32 per-token advantages, 0 where the mask is 0.
+
+    Raises:
+        ValueError: shapes or a non-finite kl_coef.
+    """
+    if kl.dim() != 2:
+        raise ValueError(f"kl must be [N, T], got shape {tuple(kl.shape)}")
+    if response_mask.shape != kl.shape:
+        raise ValueError(f"response_mask must have shape {tuple(kl.shape)} like kl, got {tuple(response_mask.shape)}")
+    if not math.isfinite(kl_coef):
+        raise ValueError(f"kl_coef must be finite, got {kl_coef!r}")
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    if advantages.shape == kl.shape:
+        adv = advantages
+    elif advantages.dim() == 1 and advantages.shape[0] == kl.shape[0]:
+        adv = advantages.unsqueeze(-1).expand(kl.shape)
+    else:
+        raise ValueError(f"advantages must have shape ({kl.shape[0]},) or {tuple(kl.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    zero = torch.zeros((), dtype=torch.float32, device=kl.device)
+    penalty = torch.where(mask, kl.detach().to(torch.float32), zero)
+    to_go = penalty.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(mask, adv.detach().to(torch.float32) - kl_coef * to_go, zero)
 
 
 class KLController(Protocol):

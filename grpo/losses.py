@@ -46,6 +46,7 @@ __all__ = [
     "aggregate_loss",
     "policy_loss",
     "register_loss_aggregation",
+    "truncated_importance_weights",
 ]
 
 
@@ -198,6 +199,40 @@ def _broadcast_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.
     )
 
 
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance-sampling (TIS) weights correcting the engine/trainer mismatch, per token.
+
+        w_t = min(π_old_trainer(y_t) / π_engine(y_t), C) = min(exp(clamp(old − engine, −20, 20)), C)
+
+    The rollout engine's numerics (kernels, precision) differ from the trainer's, so tokens are sampled from
+    π_engine while the loss assumes π_old_trainer; weighting each token's policy-gradient term by the ratio,
+    truncated at C to bound the variance, corrects the bias. Source: Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training" (truncated IS after Espeholt et al. 2018, IMPALA).
+
+    Args:
+        old_logprobs: [N, T] float32, the trainer's logprobs of the sampled tokens before the update.
+        behaviour_logprobs: [N, T] float32, the engine's logprobs of the same tokens.
+        response_mask: [N, T] bool or float (nonzero = valid); masked positions (any value) give 0.
+        cap: C > 0.
+
+    Returns:
+        [N, T] float32 weights in [0, C], detached.
+
+    Raises:
+        ValueError: shapes or cap not finite and > 0.
+    """
+    if not (math.isfinite(cap) and cap > 0.0):
+        raise ValueError(f"cap must be finite and > 0, got {cap!r}")
+    _check_same_shape("behaviour_logprobs", behaviour_logprobs, old_logprobs.shape)
+    mask = _as_bool_mask(response_mask, old_logprobs.shape)
+    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
+    diff = torch.where(mask, old_logprobs.detach().float() - behaviour_logprobs.detach().float(), zero)
+    weights = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
+    return torch.where(mask, weights, zero)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -231,14 +266,16 @@ def policy_loss(
         dual_clip_c: None, or c > 1: for A < 0 the token loss is at most c·|A| (Ye et al. 2020).
         loss_agg: a name in `LOSS_AGGREGATIONS` (see `aggregate_loss`).
         ref_logprobs: [N, T] float32 reference-policy logprobs (detached), required if kl_coef ≠ 0.
-        kl_coef: β, weight of the per-token KL penalty (added to the loss, not to the reward).
+        kl_coef: β, weight of the per-token KL penalty in the loss (for KL in the reward instead, pass 0 here and
+            per-token advantages from `grpo.kl.kl_reward_advantages`).
         kl_estimator: "k1", "k2" or "k3" (`grpo.kl`).
         entropy: [N, T] float32 per-token policy entropy; NOT detached, so the bonus trains the policy when it
             carries gradient from the logits. Required if entropy_coef ≠ 0.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
         num_tokens, num_sequences: GLOBAL mini-batch counts (see module doc); default: local counts.
         max_response_tokens: required by "seq-mean-token-sum-norm".
-        tis_weights: [N, T] float32 truncated importance weights multiplying the pg term; detached.
+        tis_weights: [N, T] float32 truncated importance weights multiplying the pg term; detached
+            (`truncated_importance_weights`).
 
     Returns:
         loss: 0-d float32, aggregated with the global counts (micro-batch and rank losses add up).

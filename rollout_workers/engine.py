@@ -21,10 +21,12 @@ EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """One prompt to sample a group for. ``group_id`` is unique within a step."""
+    """One prompt to sample a group for. ``group_id`` is unique within a step; ``group_size`` (G for this prompt)
+    overrides the ``group_size`` argument of ``RolloutEngine.generate`` when set (adaptive group size)."""
 
     group_id: int
     prompt_ids: list[int]
+    group_size: int | None = None
 
 
 @dataclass
@@ -93,7 +95,7 @@ class RolloutEngine:
         return {"policy_version": self.policy_version, "pid": os.getpid()}
 
     def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
-        """Sample ``group_size`` completions for each request.
+        """Sample ``group_size`` completions for each request (``request.group_size`` when set).
 
         Returns:
             (results in request order, stats ``{"seconds", "tokens"}``).
@@ -101,14 +103,14 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(
-            n=group_size,
+        params = [SamplingParams(
+            n=r.group_size or group_size,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
             max_tokens=self.rollout.max_response_tokens,
             logprobs=0,
             skip_special_tokens=True,
-        )
+        ) for r in requests]
         t0 = time.perf_counter()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params, use_tqdm=False

@@ -6,8 +6,10 @@ every method together: FSDP collectives (all-gather, reduce-scatter) need every 
 Model parallel layout (torchtitan's order): ``fully_shard`` on each decoder layer, then on the root
 (:class:`ResponseLogprobModel`, which owns the embedding, final norm and the tied LM head).
 
-Loss (seed formula; see ``grpo.losses.policy_loss``): PPO clipped surrogate per token + ``kl_coef`` · k3 KL to the
-reference policy, aggregated with global token/sequence counts so micro-batch and rank splits do not change it.
+Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): PPO clipped surrogate per token (clip-higher, dual
+clip, truncated importance weights against the engine's logprobs) + β · KL to the reference policy (in the loss, or
+in the advantages with ``kl_in_reward``) − entropy bonus, aggregated with global token/sequence counts so micro-batch
+and rank splits do not change it. β is the spec's ``kl_coef`` until the driver sets another (adaptive controller).
 FSDP2 averages gradients over ranks, so each micro-batch loss is multiplied by the world size to make that average a
 sum of the per-rank sums.
 """
@@ -17,16 +19,37 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from grpo.losses import policy_loss
+from grpo.kl import kl_penalty, kl_reward_advantages
+from grpo.losses import policy_loss, truncated_importance_weights
 from train_workers.packing import PackedMicroBatch
 from train_workers.policy import ResponseLogprobModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Layout of the per-micro-batch metric sums that ``train_step`` all-reduces (token-weighted sums unless noted).
+_SUMS = {name: i for i, name in enumerate((
+    "loss",            # aggregated loss (already globally normalised: sums to the batch loss)
+    "kl", "clip", "entropy", "ratio", "dual_clip", "tis",
+    "tokens",          # loss tokens (the weights of the sums above)
+    "logprob_diff",    # Σ |trainer old logprob − engine logprob|, first iteration only
+    "tokens_first",    # loss tokens of the first iteration
+    "forward_tokens",  # packed tokens run forward (all passes)
+))}
+
+
+@dataclass
+class _Saved:
+    """What the no-grad pass before the first update records for one micro-batch (``num_iterations`` > 1)."""
+
+    old: torch.Tensor             # [n, T] float32 behaviour (old) logprobs of the policy before the update
+    ref: torch.Tensor | None      # [n, T] float32 reference-policy logprobs
+    forward_tokens: int
 
 
 def _shard(model: ResponseLogprobModel, mesh=None, reshard_after_forward: bool = True) -> None:
@@ -42,6 +65,13 @@ def _peak_rss_gib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via ``device``)."""
+    on_device = t.to(device)
+    dist.all_reduce(on_device)
+    return on_device.cpu()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -114,6 +144,7 @@ class FSDPTrainWorker:
 
         self.policy = load(True)
         self.reference = load(False) if self.algorithm.kl_coef > 0 else None
+        self.kl_coef = float(self.algorithm.kl_coef)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=self.train.lr,
             betas=tuple(self.train.betas), weight_decay=self.train.weight_decay,
@@ -122,80 +153,139 @@ class FSDPTrainWorker:
         return {"rank": self.rank, "backend": backend, "num_parameters": n_params, "pid": os.getpid()}
 
     # ---- training -----------------------------------------------------------------------------------------------
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β for the following train steps (the driver's adaptive KL controller calls this every step)."""
+        if not (math.isfinite(kl_coef) and kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef!r}")
+        if kl_coef > 0 and self.reference is None:
+            raise ValueError(f"kl_coef={kl_coef} needs the reference policy, which was not loaded (spec kl_coef 0)")
+        self.kl_coef = float(kl_coef)
+
     def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int) -> dict:
-        """One optimizer step over this rank's micro-batches (every rank has the same number).
+        """``algorithm.num_iterations`` optimizer steps over this rank's micro-batches (every rank has as many).
+
+        With one iteration the behaviour (old) logprobs are the current policy's, detached, from the same forward
+        pass. With more, a no-grad pass over every micro-batch first records the behaviour logprobs (and reference
+        logprobs) before the first update; every iteration's importance ratio uses them.
 
         Args:
-            num_tokens, num_sequences: global response-token and sequence counts of the whole batch (all ranks).
+            num_tokens, num_sequences: global counts of loss tokens (``response_mask``) and of sequences with at least
+                one loss token, over the whole batch (all ranks).
 
         Returns:
-            Metrics summed/averaged over all ranks (identical on every rank): ``actor/*`` and ``rollout/logprob_diff``.
+            Metrics summed/averaged over all ranks and iterations (identical on every rank): ``actor/*`` and
+            ``rollout/logprob_diff`` (engine vs trainer before the first update).
         """
         t0 = time.perf_counter()
-        alg = self.algorithm
-        sums = torch.zeros(8, dtype=torch.float64)  # loss, kl·n, clip·n, ent·n, |Δlp|·n, n_tokens, ratio·n, fwd tokens
+        iterations = self.algorithm.num_iterations
+        saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 else [None] * len(microbatches)
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        grad_norms, applied = [], 0
+        for iteration in range(iterations):
+            sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+            self.optimizer.zero_grad(set_to_none=True)
+            for mb, old in zip(microbatches, saved):
+                sums += self._microbatch(mb, old, num_tokens, num_sequences, first=iteration == 0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.max_grad_norm)
+            grad_norm = float(_full(grad_norm))
+            sums = _all_reduce_sum(sums, self.device)
+            if math.isfinite(grad_norm) and math.isfinite(float(sums[_SUMS["loss"]])):
+                self.optimizer.step()
+                applied += 1
+            grad_norms.append(grad_norm)
+            totals += sums
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in microbatches:
-            sums += self._microbatch(mb, num_tokens, num_sequences)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.max_grad_norm)
-        grad_norm = float(_full(grad_norm))
-        dist.all_reduce(sums)
-        finite = math.isfinite(grad_norm) and math.isfinite(float(sums[0]))
-        if finite:
-            self.optimizer.step()
+        if applied:
             self.policy_version += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        n = max(float(sums[5]), 1.0)
-        return {
-            "actor/loss": float(sums[0]),
-            "actor/kl": float(sums[1]) / n,
-            "actor/clip_fraction": float(sums[2]) / n,
-            "actor/entropy": float(sums[3]) / n,
-            "rollout/logprob_diff": float(sums[4]) / n,
-            "actor/ratio_mean": float(sums[6]) / n,
-            "actor/grad_norm": grad_norm,
-            "actor/update_skipped": 0.0 if finite else 1.0,
+        n = max(float(totals[_SUMS["tokens"]]), 1.0)
+        n_first = max(float(totals[_SUMS["tokens_first"]]), 1.0)
+        metrics = {
+            "actor/loss": float(totals[_SUMS["loss"]]) / iterations,
+            "actor/kl": float(totals[_SUMS["kl"]]) / n,
+            "actor/kl_coef": self.kl_coef,
+            "actor/clip_fraction": float(totals[_SUMS["clip"]]) / n,
+            "actor/entropy": float(totals[_SUMS["entropy"]]) / n,
+            "rollout/logprob_diff": float(totals[_SUMS["logprob_diff"]]) / n_first,
+            "actor/ratio_mean": float(totals[_SUMS["ratio"]]) / n,
+            "actor/grad_norm": sum(grad_norms) / iterations,
+            "actor/update_skipped": 1.0 - applied / iterations,
             "actor/lr": self.train.lr,
-            "perf/train_tokens": float(sums[7]),
+            "perf/train_tokens": float(totals[_SUMS["forward_tokens"]]),
             "timing/train_compute_s": time.perf_counter() - t0,
             "memory/train_peak_rss_gib": _peak_rss_gib(),
             "policy_version": self.policy_version,
         }
+        if self.algorithm.dual_clip_c is not None:
+            metrics["actor/dual_clip_fraction"] = float(totals[_SUMS["dual_clip"]]) / n
+        if self.algorithm.tis_cap is not None:
+            metrics["actor/tis_weight_mean"] = float(totals[_SUMS["tis"]]) / n
+        return metrics
 
-    def _microbatch(self, mb: PackedMicroBatch, num_tokens: int, num_sequences: int) -> torch.Tensor:
-        """Forward + backward of one packed micro-batch; returns the local metric sums."""
+    def _inputs(self, mb: PackedMicroBatch):
+        dev = self.device
+        return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.logit_positions.to(dev), mb.targets.to(dev)
+
+    def _reference_logprobs(self, mb: PackedMicroBatch, args) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            ref_flat, _ = self.reference(*args, with_entropy=False)
+        return mb.to_padded(ref_flat.float())
+
+    def _behaviour_pass(self, mb: PackedMicroBatch) -> _Saved:
+        """No-grad forward before any update: the policy's (old) and the reference policy's logprobs [n, T]."""
+        args = self._inputs(mb)
+        with torch.no_grad():
+            old_flat, _ = self.policy(*args, with_entropy=False)
+        return _Saved(old=mb.to_padded(old_flat.float()), ref=self._reference_logprobs(mb, args),
+                      forward_tokens=mb.num_tokens)
+
+    def _microbatch(self, mb: PackedMicroBatch, saved: _Saved | None, num_tokens: int, num_sequences: int,
+                    first: bool) -> torch.Tensor:
+        """Forward + backward of one packed micro-batch; returns the local metric sums (layout: ``_SUMS``)."""
         alg = self.algorithm
         dev = self.device
-        args = (mb.input_ids.to(dev), mb.position_ids.to(dev), mb.logit_positions.to(dev), mb.targets.to(dev))
-        ref_lp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_flat, _ = self.reference(*args, with_entropy=False)
-            ref_lp = mb.to_padded(ref_flat.float())
+        args = self._inputs(mb)
+        ref_lp = saved.ref if saved is not None else self._reference_logprobs(mb, args)
         lp_flat, ent_flat = self.policy(*args)
+        out = torch.zeros(len(_SUMS), dtype=torch.float64)
+        out[_SUMS["forward_tokens"]] = mb.num_tokens + (saved.forward_tokens if saved is not None and first else 0)
         if mb.num_sequences == 0:
             # Placeholder micro-batch: run backward on a zero loss so every rank issues the same collectives.
             (lp_flat.sum() * 0.0).backward()
-            return torch.tensor([0, 0, 0, 0, 0, 0, 0, mb.num_tokens], dtype=torch.float64)
+            return out
         logprobs = mb.to_padded(lp_flat)
         entropy = mb.to_padded(ent_flat)
         mask = mb.response_mask.to(dev)
-        old = logprobs.detach()  # one update per rollout batch: the behaviour policy is the current policy
+        behaviour = mb.behaviour_logprobs.to(dev)
+        # One iteration: the behaviour policy is the current policy (same weights), so its logprobs are these.
+        old = saved.old if saved is not None else logprobs.detach()
+        advantages, kl_coef = mb.advantages.to(dev), self.kl_coef
+        if alg.kl_in_reward:
+            kl = kl_penalty(old, ref_lp, alg.kl_estimator)  # the reward is fixed per rollout: behaviour logprobs
+            advantages, kl_coef = kl_reward_advantages(advantages, kl, mask, self.kl_coef), 0.0
+        tis = truncated_importance_weights(old, behaviour, mask, alg.tis_cap) if alg.tis_cap is not None else None
         loss, m = policy_loss(
-            logprobs, old, mb.advantages.to(dev), mask,
-            clip_eps_low=alg.clip_eps_low, clip_eps_high=alg.clip_eps_high, loss_agg=alg.loss_agg,
-            ref_logprobs=ref_lp, kl_coef=alg.kl_coef, kl_estimator=alg.kl_estimator,
-            entropy=entropy, entropy_coef=alg.entropy_coef,
+            logprobs, old, advantages, mask,
+            clip_eps_low=alg.clip_eps_low, clip_eps_high=alg.clip_eps_high, dual_clip_c=alg.dual_clip_c,
+            loss_agg=alg.loss_agg, ref_logprobs=ref_lp, kl_coef=kl_coef, kl_estimator=alg.kl_estimator,
+            entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis,
             num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=self.max_response_tokens,
         )
         (loss * self.world_size).backward()
         n_tok = float(mask.sum())
-        diff = float(torch.where(mask, (logprobs.detach() - mb.behaviour_logprobs.to(dev)).abs(), 0.0).sum())
-        kl = float(m["kl"]) if "kl" in m else 0.0
-        return torch.tensor([
-            float(loss.detach()), kl * n_tok, float(m["clip_fraction"]) * n_tok, float(m["entropy"]) * n_tok,
-            diff, n_tok, float(m["ratio_mean"]) * n_tok, mb.num_tokens,
-        ], dtype=torch.float64)
+        out[_SUMS["loss"]] = float(loss.detach())
+        out[_SUMS["tokens"]] = n_tok
+        for key, name in (("kl", "kl"), ("clip", "clip_fraction"), ("entropy", "entropy"), ("ratio", "ratio_mean"),
+                          ("dual_clip", "dual_clip_fraction")):
+            if name in m:
+                out[_SUMS[key]] = float(m[name]) * n_tok
+        if tis is not None:
+            out[_SUMS["tis"]] = float(tis.sum())
+        if first:
+            out[_SUMS["logprob_diff"]] = float(torch.where(mask, (old - behaviour).abs(), 0.0).sum())
+            out[_SUMS["tokens_first"]] = n_tok
+        return out
 
     # ---- weight sync --------------------------------------------------------------------------------------------
     def sync_plan(self, engine_dtype: str, bucket_bytes: int):

@@ -24,7 +24,7 @@ class PackedMicroBatch:
     logit_positions: [M] int64, packed positions whose logits predict each response token.
     targets: [M] int64, the response tokens.
     token_seq, token_pos: [M] int64, (sequence slot in 0..n−1, index in its response) of each response token.
-    response_mask: [n, T] bool.
+    response_mask: [n, T] bool, True for response tokens that count in the loss (see ``valid_lengths``).
     advantages: [n] float32.
     behaviour_logprobs: [n, T] float32, the engine's logprobs (0 under the mask's zeros).
     seq_indices: [n] int64, indices of the sequences in the step's rollout batch.
@@ -51,7 +51,7 @@ class PackedMicroBatch:
         return int(self.input_ids.shape[1])
 
     def to_padded(self, values: torch.Tensor) -> torch.Tensor:
-        """Scatter per-response-token ``values`` [M] into [n, T] (0 where the mask is False); keeps autograd."""
+        """Scatter per-response-token ``values`` [M] into [n, T] (0 past each response's end); keeps autograd."""
         out = values.new_zeros(self.response_mask.shape)
         return out.index_put((self.token_seq, self.token_pos), values)
 
@@ -62,11 +62,18 @@ def pack_microbatch(
     advantages: Sequence[float] | torch.Tensor,
     behaviour_logprobs: Sequence[torch.Tensor],
     seq_indices: Sequence[int],
+    valid_lengths: Sequence[int] | None = None,
 ) -> PackedMicroBatch:
     """Pack n (prompt, response) pairs into one row.
 
+    Args:
+        valid_lengths: per sequence, how many leading response tokens count in the loss (``response_mask``): the
+            tokens up to the first EOS (``grpo.eos.response_valid_lengths``), or 0 for a truncated completion masked
+            out of the loss. Masked tokens are still packed and run forward. None: every response token counts.
+
     Raises:
-        ValueError: mismatched lengths, an empty prompt or response, or logprobs not of the response's length.
+        ValueError: mismatched lengths, an empty prompt or response, logprobs not of the response's length, or a
+            valid length outside [0, R_i].
     """
     n = len(prompt_ids)
     if not (len(response_ids) == len(advantages) == len(behaviour_logprobs) == len(seq_indices) == n):
@@ -76,6 +83,10 @@ def pack_microbatch(
         )
     if n == 0:
         return empty_microbatch()
+    if valid_lengths is None:
+        valid_lengths = [len(r) for r in response_ids]
+    if len(valid_lengths) != n:
+        raise ValueError(f"pack_microbatch: got {len(valid_lengths)} valid lengths for {n} sequences")
     ids, pos, logit_pos, targets, tok_seq, tok_pos = [], [], [], [], [], []
     start = 0
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
@@ -98,7 +109,10 @@ def pack_microbatch(
     mask = torch.zeros(n, max_r, dtype=torch.bool)
     behaviour = torch.zeros(n, max_r, dtype=torch.float32)
     for i, r in enumerate(response_ids):
-        mask[i, : len(r)] = True
+        if not 0 <= valid_lengths[i] <= len(r):
+            raise ValueError(f"pack_microbatch: sequence {seq_indices[i]} has valid length {valid_lengths[i]}, "
+                             f"expected 0..{len(r)}")
+        mask[i, : valid_lengths[i]] = True
         behaviour[i, : len(r)] = torch.as_tensor(behaviour_logprobs[i], dtype=torch.float32)
     return PackedMicroBatch(
         input_ids=torch.cat(ids)[None],

@@ -18,6 +18,7 @@ import torch
 
 from grpo.registry import Registry
 from grpo.rewards.gsm8k import accuracy_reward, extract_answer, format_reward, parse_reference
+from grpo.rewards.overlong import overlong_penalty
 
 RewardFunctionName = Literal["accuracy", "format"]
 OnError = Literal["raise", "none"]
@@ -31,6 +32,7 @@ __all__ = [
     "combine_rewards",
     "extract_answer",
     "format_reward",
+    "overlong_penalty",
     "parse_reference",
     "register_reward_function",
 ]

@@ -213,7 +213,7 @@ def test_examples_load(name):
 
 def test_example_values():
     demo = load_spec(EXAMPLES / "gsm8k_smollm2_cpu.yaml")
-    assert (demo.total_steps, demo.rollout.prompts_per_step, demo.rollout.group_size) == (10, 4, 8)
+    assert (demo.total_steps, demo.rollout.prompts_per_step, demo.rollout.group_size) == (10, 4, 4)
     assert demo.algorithm.rewards == {"accuracy": 1.0, "format": 0.2}
     assert demo.sync.bucket_bytes == 64 * 2**20
     tiny = load_spec(EXAMPLES / "tiny_cpu.yaml", ["model.path=/tmp/tiny"])

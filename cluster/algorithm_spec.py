@@ -1,0 +1,146 @@
+"""The ``algorithm`` section of a job spec: the GRPO objective and the sampling rules around it.
+
+Every option maps to a pure function in ``grpo/`` (formulas and sources in the README's "Algorithm" section and in
+those functions' docstrings). Checks that involve other sections (``rollout.max_response_tokens``,
+``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "algorithm_conflicts", "reward_names"]
+
+REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
+"""Builtin reward functions a spec may weight in ``algorithm.rewards`` (more may be registered, see reward_names)."""
+
+
+def reward_names() -> tuple[str, ...]:
+    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format), read at validation time so
+    functions registered by user code before the spec is loaded are accepted."""
+    from grpo.rewards import REWARD_FUNCTIONS
+
+    return tuple(sorted(REWARD_FUNCTIONS))
+
+
+class FieldConflict(ValueError):
+    """A cross-field check failed; ``field`` is the dotted path (from the job root) the message should point at."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class AlgorithmSpec(BaseModel):
+    """GRPO objective: advantage estimator, clipped policy loss, KL to the reference policy, rewards, sampling."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    # ---- advantages
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
+        "Group advantage: grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)."))
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing (grpo).")
+    adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
+    # ---- policy loss
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "seq-mean-token-mean", description="How per-token losses are reduced to one scalar.")
+    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="Lower ratio clip: ratio >= 1 - clip_eps_low.")
+    clip_eps_high: float = Field(0.2, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
+    dual_clip_c: float | None = Field(None, gt=1, description=(
+        "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|; null disables."))
+    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    num_iterations: int = Field(1, ge=1, description=(
+        "Optimizer steps per rollout batch; the behaviour logprobs of all of them are the trainer's, before the "
+        "first step."))
+    tis_cap: float | None = Field(None, gt=0, description=(
+        "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap); "
+        "null disables."))
+    # ---- KL to the reference policy
+    kl_coef: float = Field(0.04, ge=0, description=(
+        "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive)."))
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in_reward: bool = Field(False, description=(
+        "Put the KL in the reward as a per-token penalty (return-to-go added to the advantage) instead of the loss."))
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(
+        "fixed: beta = kl_coef; adaptive: beta steered so the measured KL approaches kl_target (Ziegler et al. 2019)."))
+    kl_target: float = Field(0.01, gt=0, description="Adaptive controller: target KL in nats per token.")
+    kl_horizon_sequences: int = Field(10_000, ge=1, description=(
+        "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
+    # ---- rewards
+    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
+        f"Reward function name -> weight; names from {', '.join(REWARD_NAMES)}."))
+    reward_combine: Literal["sum-then-normalise", "normalise-then-sum"] = Field(
+        "sum-then-normalise", description=(
+            "sum-then-normalise: advantage of the weighted reward sum; normalise-then-sum: weighted sum of each "
+            "reward's own group advantage."))
+    reward_on_error: Literal["raise", "none"] = Field("raise", description=(
+        "A reward function that raises: 'raise' fails the step naming it; 'none' gives its completions no reward "
+        "(counted in reward/failed)."))
+    # ---- truncated completions
+    mask_truncated: bool = Field(False, description=(
+        "Completions without EOS (cut at max_response_tokens) are masked out of the loss (DAPO overlong filtering)."))
+    overlong_buffer_tokens: int | None = Field(None, ge=1, description=(
+        "DAPO soft overlong punishment: penalty ramps from 0 to -overlong_penalty_factor over the last this-many "
+        "tokens before max_response_tokens; null disables."))
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="Scale of the overlong penalty (reward units).")
+    # ---- sampling
+    dynamic_sampling: bool = Field(False, description=(
+        "DAPO dynamic sampling: drop groups whose advantages are all zero and sample more prompts until "
+        "rollout.prompts_per_step informative groups or max_sampling_rounds."))
+    max_sampling_rounds: int = Field(3, ge=1, description="Bound on generation rounds per step (dynamic sampling).")
+    group_size_schedule: tuple[tuple[int, int], ...] = Field((), description=(
+        "[[step, G], ...]: from each step on, sample G completions per prompt (before the first entry: "
+        "rollout.group_size)."))
+    group_size_max: int | None = Field(None, ge=2, description=(
+        "Adaptive group size: double G (up to this) after a step whose all-equal group fraction exceeds "
+        "group_size_rise_threshold; null disables."))
+    group_size_rise_threshold: float = Field(0.5, gt=0, le=1, description=(
+        "All-equal group fraction above which the adaptive group size rises."))
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        allowed = reward_names()
+        unknown = sorted(set(rewards) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+        if not rewards:
+            raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
+        return rewards
+
+    @field_validator("group_size_schedule")
+    @classmethod
+    def _schedule(cls, schedule: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        steps = [step for step, _ in schedule]
+        if any(step < 1 for step in steps) or steps != sorted(set(steps)):
+            raise ValueError(f"expected [step, G] pairs with steps >= 1 strictly increasing, got steps {steps}")
+        if any(g < 2 for _, g in schedule):
+            raise ValueError(f"expected every G >= 2 (a group needs two completions), got {[g for _, g in schedule]}")
+        return schedule
+
+    @model_validator(mode="after")
+    def _needs_a_kl_coef(self) -> AlgorithmSpec:
+        for name, on in (("kl_controller", self.kl_controller == "adaptive"), ("kl_in_reward", self.kl_in_reward)):
+            if on and self.kl_coef == 0:
+                raise FieldConflict(f"algorithm.{name}", (
+                    f"{name}={getattr(self, name)!r} needs algorithm.kl_coef > 0 (the initial beta), got 0"))
+        return self
+
+
+def algorithm_conflicts(alg: AlgorithmSpec, rollout) -> list[FieldConflict]:
+    """Checks between ``algorithm`` and ``rollout`` (a ``RolloutSpec``); empty when consistent."""
+    out = []
+    cap = rollout.max_response_tokens
+    if alg.overlong_buffer_tokens is not None and alg.overlong_buffer_tokens > cap:
+        out.append(FieldConflict("algorithm.overlong_buffer_tokens", (
+            f"expected overlong_buffer_tokens <= rollout.max_response_tokens = {cap}, "
+            f"got {alg.overlong_buffer_tokens}")))
+    if alg.group_size_max is not None:
+        largest = max([rollout.group_size, *(g for _, g in alg.group_size_schedule)])
+        if alg.group_size_max < largest:
+            out.append(FieldConflict("algorithm.group_size_max", (
+                f"expected group_size_max >= the largest configured G (rollout.group_size and "
+                f"group_size_schedule) = {largest}, got {alg.group_size_max}")))
+    return out

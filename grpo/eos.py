@@ -1,0 +1,62 @@
+"""End of sequence: which completions terminated, and which of their tokens count in the loss.
+
+Shapes:
+    N   completions, R_i response tokens of completion i
+
+A completion is *terminated* only if its own response tokens (never the prompt's) contain one of the model's EOS ids;
+every other completion was cut at the length cap (or by a stop string) and is *truncated*. The model's EOS ids are
+all of them: the generation config's ``eos_token_id`` (an int or a list, e.g. ``[128001, 128008, 128009]`` for
+Llama 3) plus the tokenizer's ``eos_token_id``. Tokens after the first EOS are not the policy's output for this
+prompt (vLLM stops at EOS, but a custom stop rule or a server may not), so they are masked out of the loss; the EOS
+token itself is kept (its logprob is the policy's decision to stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+__all__ = ["eos_token_ids", "response_valid_lengths"]
+
+
+def eos_token_ids(*sources: int | Iterable[int] | None) -> frozenset[int]:
+    """The union of EOS ids from any number of sources, each an int, a list of ints or None.
+
+    Example: ``eos_token_ids(generation_config["eos_token_id"], tokenizer.eos_token_id)``.
+
+    Raises:
+        ValueError: a non-integer or negative id, or no id at all.
+    """
+    out: set[int] = set()
+    for src in sources:
+        if src is None:
+            continue
+        items = [src] if isinstance(src, int) else list(src)
+        for tok in items:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"EOS token ids must be non-negative ints, got {tok!r} in {src!r}")
+            out.add(tok)
+    if not out:
+        raise ValueError(f"no EOS token id found in {sources!r}; expected at least one int")
+    return frozenset(out)
+
+
+def response_valid_lengths(
+    response_ids: Sequence[Sequence[int]], eos_ids: Iterable[int]
+) -> tuple[list[int], list[bool]]:
+    """Per completion: how many leading response tokens count in the loss, and whether it terminated.
+
+    Args:
+        response_ids: N lists of R_i response token ids (prompt excluded).
+        eos_ids: the model's EOS ids (see `eos_token_ids`).
+
+    Returns:
+        (valid_lengths, terminated): N ints in [0, R_i] — index of the first EOS + 1 for a terminated completion
+        (tokens after it masked), R_i otherwise — and N bools, True iff the response contains an EOS id.
+    """
+    eos = frozenset(eos_ids)
+    lengths, terminated = [], []
+    for ids in response_ids:
+        first = next((i for i, tok in enumerate(ids) if tok in eos), None)
+        terminated.append(first is not None)
+        lengths.append(len(ids) if first is None else first + 1)
+    return lengths, terminated
