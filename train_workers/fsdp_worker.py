@@ -365,7 +365,12 @@ class FSDPTrainWorker:
         t0 = time.perf_counter()
         full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            hf = self.policy.model
+            # Tied weights (SmolLM2's LM head = input embedding) are written once, as transformers does.
+            aliases = ({n for n, _ in hf.named_parameters(remove_duplicate=False)}
+                       - {n for n, _ in hf.named_parameters()})
             state = {k.removeprefix("model."): v for k, v in full.items()}
+            state = {k: v for k, v in state.items() if k not in aliases}
             self.policy.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         del full
         optim = get_optimizer_state_dict(self.policy, self.optimizer)
