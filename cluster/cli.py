@@ -81,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("grpo-cluster: interrupted; checkpoints already written are kept", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

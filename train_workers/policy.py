@@ -34,7 +34,8 @@ class ResponseLogprobModel(nn.Module):
         hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         h = hidden[0, logit_positions]  # [M, H]
         logits = head(h).float()  # [M, V]
-        logprobs = logprobs_from_logits(logits, targets, self.temperature)
+        # clone: FSDP2 hooks the root's outputs for backward and warns about returned views
+        logprobs = logprobs_from_logits(logits, targets, self.temperature).clone()
         if not with_entropy:
             return logprobs, None
         with torch.no_grad():
