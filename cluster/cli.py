@@ -20,18 +20,22 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
     from cluster.data import DataError
-    from cluster.driver import GRPOJob
+    from cluster.driver import GRPOJob, SetupError
     from cluster.metrics import MetricsError
     from cluster.models import ModelError
+    from cluster.pools import InsufficientResources
 
-    try:  # data and model problems surface here, before any cluster starts
+    address = args.address or spec.ray.address
+    if address and not _reachable(address):
+        print(f"grpo-cluster: cannot reach a Ray cluster at {address} (ray.address / --address)", file=sys.stderr)
+        return 2
+    try:  # data, model and output-folder problems surface here, before any cluster starts
         job = GRPOJob(spec, progress=not args.no_progress)
-    except (DataError, ModelError, MetricsError) as exc:
+    except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
     import ray
 
-    address = args.address or spec.ray.address
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
@@ -39,6 +43,9 @@ def _cmd_run(args) -> int:
                  log_to_driver=True)
     try:
         history = job.run()
+    except InsufficientResources as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
     finally:
         job.close()
         ray.shutdown()
@@ -48,10 +55,31 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _cmd_eval(args) -> int:
-    from cluster.evaluate import evaluate_gsm8k
+def _reachable(address: str, timeout_s: float = 5.0) -> bool:
+    """For a ``host:port`` GCS address, whether a TCP connection opens within ``timeout_s`` (Ray itself retries for
+    minutes). Other forms (``auto``, ``ray://``) are left to Ray."""
+    import socket
 
-    result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _cmd_eval(args) -> int:
+    from cluster.data import DataError
+    from cluster.evaluate import evaluate_gsm8k
+    from cluster.models import ModelError
+
+    try:
+        result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
+    except (DataError, ModelError, ValueError, OSError) as exc:
+        print(f"grpo-cluster eval: {exc}", file=sys.stderr)
+        return 2
     print(f"GSM8K pass@1 = {result['pass@1']:.4f} on {result['n']} problems "
           f"(format {result['format']:.3f}, mean length {result['mean_tokens']:.0f} tokens, "
           f"truncated {result['truncated']:.2f}, {result['tokens_per_s']:.0f} tok/s)")

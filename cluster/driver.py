@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from cluster.data import PromptSampler, build_chat_prompt, load_jsonl_examples
+from cluster.data import DataError, PromptSampler, build_chat_prompt, load_jsonl_examples
 from cluster.metrics import MetricsLogger, format_console_line
-from cluster.models import resolve_model_path
-from cluster.pools import RolloutPool, TrainPool, WeightSync
+from cluster.models import ModelError, resolve_model_path
+from cluster.pools import RolloutPool, TrainPool, WeightSync, check_cluster_resources
 from cluster.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.scheduler import plan_microbatches
 from cluster.spec import JobSpec, spec_to_yaml
@@ -33,13 +33,17 @@ from grpo.eos import eos_token_ids, response_valid_lengths
 from grpo.kl import AdaptiveKLController, FixedKLController
 from grpo.rewards import combine_rewards, overlong_penalty
 from rollout_workers.engine import GroupRequest, GroupResult
-from train_workers.packing import empty_microbatch, pack_microbatch
+from train_workers.packing import pack_rank_microbatches
 
 #: Key of the DAPO overlong penalty among the reward components (``reward/overlong_penalty``).
 OVERLONG = "overlong_penalty"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+class SetupError(RuntimeError):
+    """The job cannot start here (an output folder that cannot be written, missing cluster resources)."""
 
 
 class GRPOJob:
@@ -51,20 +55,21 @@ class GRPOJob:
     """
 
     def __init__(self, spec: JobSpec, progress: bool = True):
-        from transformers import AutoTokenizer
-
         self.spec = spec
         self.progress = progress
         self.output_dir = Path(spec.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        _ensure_writable_dir(self.output_dir, "output_dir")
+        _ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir")
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = _load_tokenizer(self.model_path)
         d = spec.data
         examples, self.bad_rows = load_jsonl_examples(d.train_path, question_field=d.question_field,
                                                       answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+        examples, self.prompt_ids, self.prompts_filtered = self._tokenize_prompts(examples)
         self.sampler = PromptSampler(examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
-        self.prompts_filtered = 0
+        (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        self._status(f"{len(examples)} prompts from {d.train_path} ({self.bad_rows} bad rows skipped, "
+                     f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         self._pending: deque = deque()  # prompts drawn from the sampler, not yet sampled
         self._group_counter = 0  # next group id within the step (unique across sampling rounds)
         self.eos_ids = _model_eos_ids(self.model_path, self.tokenizer)
@@ -83,6 +88,7 @@ class GRPOJob:
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Create the pools and the weight-sync group (engines start from the same weights: policy version 0)."""
+        check_cluster_resources(self.spec)
         self._status("starting rollout engines and train workers")
         self.rollout = RolloutPool(self.spec, self.model_path, self.max_model_len)
         self.train = TrainPool(self.spec, self.model_path)
@@ -185,6 +191,7 @@ class GRPOJob:
             **plan_stats,
             "data/epoch": self.sampler.epoch,
             "data/prompts_filtered": self.prompts_filtered,
+            "data/bad_rows_skipped": self.bad_rows,
             "timing/generate_s": generate_s,
             "timing/score_s": timings["score_s"],
             "timing/train_s": train_s,
@@ -216,22 +223,35 @@ class GRPOJob:
                             per_function=per_function, advantages=advantages,
                             num_failed=sum(scored.num_failed.values()))
 
-    def _next_requests(self, num_prompts: int, group_size: int):
-        """Draw ``num_prompts`` prompts (dropping and counting those over ``max_prompt_tokens``) and tokenize them;
-        group ids continue the step's count so they stay unique across sampling rounds."""
+    def _tokenize_prompts(self, examples):
+        """Chat-template and tokenize every prompt once; drop (and count) those over ``data.max_prompt_tokens``.
+
+        Returns:
+            (kept examples, {example.index: prompt token ids}, number dropped).
+
+        Raises:
+            DataError: every prompt is too long.
+        """
         d = self.spec.data
+        texts = [self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
+                                                    tokenize=False, add_generation_prompt=True) for ex in examples]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        kept = [(ex, tok) for ex, tok in zip(examples, ids) if len(tok) <= d.max_prompt_tokens]
+        if not kept:
+            raise DataError(f"{d.train_path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="
+                            f"{d.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))}); raise it")
+        return [ex for ex, _ in kept], {ex.index: list(tok) for ex, tok in kept}, len(examples) - len(kept)
+
+    def _next_requests(self, num_prompts: int, group_size: int):
+        """Draw ``num_prompts`` prompts; group ids continue the step's count so they stay unique across sampling
+        rounds."""
         examples, requests = [], []
         while len(requests) < num_prompts:
             if not self._pending:
                 self._pending.extend(self.sampler.next_batch())
             ex = self._pending.popleft()
-            text = self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
-                                                      tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > d.max_prompt_tokens:
-                self.prompts_filtered += 1
-                continue
-            requests.append(GroupRequest(group_id=self._group_counter, prompt_ids=list(ids), group_size=group_size))
+            requests.append(GroupRequest(group_id=self._group_counter, prompt_ids=self.prompt_ids[ex.index],
+                                         group_size=group_size))
             self._group_counter += 1
             examples.append(ex)
         return examples, requests
@@ -240,18 +260,8 @@ class GRPOJob:
         """Balance sequences over train ranks and pack each rank's micro-batches under the token budget."""
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         plan = plan_microbatches(lengths, self.spec.train.world_size, self.spec.train.max_tokens_per_microbatch)
-        per_rank = []
-        for rank_mbs in plan.ranks:
-            mbs = []
-            for idx in rank_mbs:
-                if not idx:
-                    mbs.append(empty_microbatch())
-                    continue
-                mbs.append(pack_microbatch(
-                    [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                    batch.advantages[list(idx)], [batch.behaviour_logprobs[i] for i in idx], idx,
-                    valid_lengths=[batch.valid_lengths[i] for i in idx]))
-            per_rank.append(mbs)
+        per_rank = pack_rank_microbatches(plan.ranks, batch.prompt_ids, batch.response_ids, batch.advantages,
+                                          batch.behaviour_logprobs, batch.valid_lengths)
         return per_rank, plan.stats(lengths)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
@@ -287,6 +297,30 @@ class GRPOJob:
 
     def _status(self, message: str) -> None:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
+
+
+def _ensure_writable_dir(path: Path, field: str) -> None:
+    """Create ``path`` and prove it is writable now, before any worker starts.
+
+    Raises:
+        SetupError: naming the spec field, the path and the OS error.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise SetupError(f"{field}: cannot write to {path}: {exc.strerror or exc}") from None
+
+
+def _load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model.path: cannot load a tokenizer from {model_path}: {exc}") from None
 
 
 def _flatten(groups: list[GroupResult], references: list[str]) -> dict:

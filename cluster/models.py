@@ -80,6 +80,14 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tmp.rename(out_dir)
 
 
+def _looks_like_hub_id(path: str) -> bool:
+    """``org/name`` with no leading ``/``, ``.`` or ``~`` (a relative or absolute path that does not exist is a
+    missing folder, not a hub id)."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and not path.startswith((".", "~"))
+
+
 def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     """Return a local HF folder (or a hub id, left for transformers/vLLM to resolve) for ``model.path``.
 
@@ -101,8 +109,11 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
                 _convert_gguf(gguf, out_dir)
         return str(out_dir)
     local = Path(path).expanduser()
+    if not local.exists() and not _looks_like_hub_id(path):
+        raise ModelError(f"model.path: model folder {path} not found (absolute: {local.absolute()}); give an HF model "
+                         f"folder, a hub id like 'org/name', or a builtin ({', '.join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)})")
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise ModelError(f"model.path: folder {local} has no config.json; expected a Hugging Face model folder")
+        if not local.is_dir() or not (local / "config.json").is_file():
+            raise ModelError(f"model.path: {local} is not a Hugging Face model folder (no config.json in it)")
         return str(local.resolve())
     return path  # a hub id: transformers and vLLM resolve it (needs network access or a populated HF cache)

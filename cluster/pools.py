@@ -21,6 +21,32 @@ class SyncVerificationError(RuntimeError):
     """An engine's received weights differ from what the trainer sent."""
 
 
+class InsufficientResources(RuntimeError):
+    """The Ray cluster lacks the CPUs/GPUs the spec's pools ask for."""
+
+
+def check_cluster_resources(spec) -> None:
+    """Fail at once, listing what is missing, when the cluster cannot hold the pools (Ray would wait forever).
+
+    Raises:
+        InsufficientResources: e.g. ``needs GPU 3 (rollout 1 x 1 + train 2 x 1), cluster has 0``.
+    """
+    r, t = spec.rollout, spec.train
+    have = ray.cluster_resources()
+    need = {
+        "CPU": (r.replicas * r.num_cpus_per_replica + t.world_size * t.num_cpus_per_worker,
+                f"rollout {r.replicas} x {r.num_cpus_per_replica:g} + train {t.world_size} x "
+                f"{t.num_cpus_per_worker:g}"),
+        "GPU": (r.replicas * r.num_gpus_per_replica + t.world_size * t.num_gpus_per_worker,
+                f"rollout {r.replicas} x {r.num_gpus_per_replica:g} + train {t.world_size} x "
+                f"{t.num_gpus_per_worker:g}"),
+    }
+    missing = [f"{res} {amount:g} ({how}), cluster has {have.get(res, 0):g}"
+               for res, (amount, how) in need.items() if amount > have.get(res, 0) + 1e-9]
+    if missing:
+        raise InsufficientResources("the Ray cluster cannot hold this job: needs " + "; needs ".join(missing))
+
+
 def get(refs, timeout_s: float, what: str):
     """``ray.get`` with a timeout that raises :class:`WorkerTimeout` naming ``what``."""
     try:

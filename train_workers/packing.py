@@ -138,3 +138,31 @@ def empty_microbatch() -> PackedMicroBatch:
         response_mask=torch.zeros(0, 0, dtype=torch.bool), advantages=torch.zeros(0),
         behaviour_logprobs=torch.zeros(0, 0), seq_indices=z,
     )
+
+
+def pack_rank_microbatches(
+    ranks: Sequence[Sequence[Sequence[int]]],
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    advantages: torch.Tensor,
+    behaviour_logprobs: Sequence[torch.Tensor],
+    valid_lengths: Sequence[int] | None = None,
+) -> list[list[PackedMicroBatch]]:
+    """Pack a scheduler plan (``ranks[r][m]`` = sequence indices, e.g. ``MicroBatchPlan.ranks``) into per-rank lists
+    of packed micro-batches; an empty index list becomes :func:`empty_microbatch` (keeps FSDP collectives in step).
+
+    ``advantages``: [N] float32 over the whole batch; the other arguments are row-aligned lists over N sequences.
+    """
+    out = []
+    for rank in ranks:
+        mbs = []
+        for idx in rank:
+            if not idx:
+                mbs.append(empty_microbatch())
+                continue
+            mbs.append(pack_microbatch(
+                [prompt_ids[i] for i in idx], [response_ids[i] for i in idx], advantages[list(idx)],
+                [behaviour_logprobs[i] for i in idx], idx,
+                valid_lengths=None if valid_lengths is None else [valid_lengths[i] for i in idx]))
+        out.append(mbs)
+    return out
