@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +39,9 @@ def print_table(headers: list[str], rows: list[list], title: str | None = None) 
 def print_json(name: str, payload: dict) -> None:
     """The machine-readable result: one JSON line, last line of the output."""
     print(json.dumps({"bench": name, **payload}, sort_keys=False), flush=True)
+
+
+def load_note() -> dict:
+    """CPU count and 1-minute load average: other processes on the machine make every number here noisy (with
+    2 cores and a load above ~2, multi-threaded torch ops can slow down many times over)."""
+    return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}

@@ -18,6 +18,11 @@ whole batch is done; those steps are paid for but not counted). Both engines sam
 counts differ a little; tokens/s is the comparable number. HF runs first, then vLLM, so the two never compete for the
 cores.
 
+Noise: the script prints the load average. On a 2-core machine that other processes are using, multi-threaded torch
+(HF with 2 threads) degrades far more than single-threaded work (OpenMP threads wait on each other at every op):
+measured here under load ≈ 8, one HF forward took ~1.3 s with 1 thread and ~22 s with 2 threads. Compare
+``--hf-threads 1`` when the machine is busy.
+
 Usage (from the repo root)::
 
     .venv/bin/python -m bench.bench_rollout                     # B=8, G=4, T=64
@@ -32,11 +37,11 @@ import gc
 import statistics
 import time
 
-from bench._common import DEFAULT_GSM8K, DEFAULT_MODEL, print_json, print_table, resolve_model
+from bench._common import DEFAULT_GSM8K, DEFAULT_MODEL, load_note, print_json, print_table, resolve_model
 
 
 def build_prompts(tokenizer, data_path: str, batch: int, offset: int = 0) -> list[list[int]]:
-    """Token ids of ``batch`` chat prompts (rows ``offset..offset+batch`` of the jsonl file), as the driver builds them."""
+    """Token ids of ``batch`` chat prompts (rows ``offset..offset+batch`` of the file), built as the driver does."""
     from cluster.data import build_chat_prompt, load_jsonl_examples
     from cluster.spec import DEFAULT_SYSTEM_PROMPT
 
@@ -149,6 +154,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    load_start = load_note()
     model_path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_prompts(tokenizer, args.data, args.prompts)
@@ -182,8 +188,12 @@ def main() -> None:
     ratio = vllm["tokens_per_s"] / hf["tokens_per_s"] if (vllm and hf) else None
     if ratio is not None:
         print(f"\nvLLM / HF tokens/s: {ratio:.2f}x")
-    print_json("rollout", {"B": B, "G": G, "T": T, "prompt_tokens_max": longest, "vllm": vllm, "hf": hf,
-                           "vllm_over_hf": ratio})
+    load_end = load_note()
+    print(f"machine: {load_end['cpus']} CPUs, load average {load_start['loadavg_1m']} at start, "
+          f"{load_end['loadavg_1m']} at end (above ~{load_end['cpus']}, other processes shared the cores)")
+    print_json("rollout", {"B": B, "G": G, "T": T, "prompt_tokens_max": longest, "hf_threads": args.hf_threads,
+                           "vllm": vllm, "hf": hf, "vllm_over_hf": ratio,
+                           "machine": {"start": load_start, "end": load_end}})
 
 
 if __name__ == "__main__":

@@ -49,10 +49,17 @@ import statistics
 import threading
 import time
 
-from bench._common import DEFAULT_MODEL, print_json, print_table, resolve_model
+from bench._common import DEFAULT_MODEL, load_note, print_json, print_table, resolve_model
 
 MB = 2**20
 HOST = "127.0.0.1"
+
+
+def machine_line(args) -> dict:
+    end = load_note()
+    print(f"machine: {end['cpus']} CPUs, load average {args.load_start['loadavg_1m']} at start, "
+          f"{end['loadavg_1m']} at end (above ~{end['cpus']}, other processes shared the cores)")
+    return {"start": args.load_start, "end": end}
 
 
 # ---------------------------------------------------------------------------------------------------- payloads
@@ -283,7 +290,9 @@ def transport_main(args, model_path: str) -> None:
                   r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"], r["sender_seconds"],
                   "-" if r["pack_only_seconds"] is None else r["pack_only_seconds"],
                   {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
-    print_json("sync", {"mode": "transport", "backend": "gloo", "verify": args.verify, "copy": args.copy,
+    machine = machine_line(args)
+    print_json("sync", {"machine": machine, "mode": "transport", "backend": "gloo", "verify": args.verify,
+                        "copy": args.copy,
                         "repeats": args.repeats, "results": rows})
     if args.verify and any(r["verified"] is False for r in rows):
         raise SystemExit("checksum mismatch")
@@ -370,7 +379,9 @@ def engine_main(args, model_path: str) -> None:
     print(f"\nmedian {med:.3f}s = {nbytes / med / 1e9:.2f} GB/s for {nbytes / 1e6:.1f} MB at "
           f"{args.engine_bucket_mb} MB buckets; engine start {startup_s:.1f}s, group init {init_s:.2f}s; "
           f"greedy probe unchanged after syncs: {same}")
-    print_json("sync", {"mode": "engine", "backend": "gloo", "bucket_mb": args.engine_bucket_mb,
+    machine = machine_line(args)
+    print_json("sync", {"machine": machine, "mode": "engine", "backend": "gloo",
+                        "bucket_mb": args.engine_bucket_mb,
                         "buckets": len(buckets), "bytes": nbytes, "verify": args.verify,
                         "seconds": med, "gb_per_s": nbytes / med / 1e9, "syncs": rows, "startup_s": startup_s,
                         "group_init_s": init_s, "probe_unchanged": same})
@@ -399,6 +410,7 @@ def main() -> None:
         args.synthetic_tensors, args.synthetic_numel = 8, 2**20
         args.bucket_mb, args.repeats = [1, 64], 1
     model_path = resolve_model(args.model)
+    args.load_start = load_note()
     if args.engine:
         engine_main(args, model_path)
     else:

@@ -34,7 +34,7 @@ import random
 import statistics
 import time
 
-from bench._common import DEFAULT_MODEL, print_json, print_table, resolve_model
+from bench._common import DEFAULT_MODEL, load_note, print_json, print_table, resolve_model
 
 
 def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab: int, seed: int) -> dict:
@@ -56,23 +56,14 @@ def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab
 
 
 def rank_microbatches(batch: dict, world_size: int, budget: int):
-    """The driver's balancing + packing (``GRPODriver._microbatches``): per-rank lists of packed micro-batches."""
+    """The driver's balancing + packing (``GRPOJob._microbatches``): per-rank lists of packed micro-batches."""
     from cluster.scheduler import plan_microbatches
-    from train_workers.packing import empty_microbatch, pack_microbatch
+    from train_workers.packing import pack_rank_microbatches
 
     lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
     plan = plan_microbatches(lengths, world_size, budget)
-    per_rank = []
-    for rank_mbs in plan.ranks:
-        mbs = []
-        for idx in rank_mbs:
-            if not idx:
-                mbs.append(empty_microbatch())
-                continue
-            mbs.append(pack_microbatch(
-                [batch["prompt_ids"][i] for i in idx], [batch["response_ids"][i] for i in idx],
-                batch["advantages"][list(idx)], [batch["behaviour_logprobs"][i] for i in idx], idx))
-        per_rank.append(mbs)
+    per_rank = pack_rank_microbatches(plan.ranks, batch["prompt_ids"], batch["response_ids"], batch["advantages"],
+                                      batch["behaviour_logprobs"])
     return per_rank, plan.stats(lengths)
 
 
@@ -149,6 +140,7 @@ def main() -> None:
 
     from weight_sync.group import free_port
 
+    load_start = load_note()
     model_path = resolve_model(args.model)
     print(f"model={model_path}\nworld_size={args.world_size} (gloo, {args.threads} thread/rank), "
           f"N={args.sequences}, prompt ~{args.prompt_len}, response U[{args.resp_min},{args.resp_max}], "
@@ -178,12 +170,16 @@ def main() -> None:
     m = r["last_metrics"]
     print(f"last step: loss {m['actor/loss']:.4f}, kl {m['actor/kl']:.2e}, grad_norm {m['actor/grad_norm']:.3f}, "
           f"update_skipped {m['actor/update_skipped']:.0f}")
+    load_end = load_note()
+    print(f"machine: {load_end['cpus']} CPUs, load average {load_start['loadavg_1m']} at start, "
+          f"{load_end['loadavg_1m']} at end (above ~{load_end['cpus']}, other processes shared the cores)")
     print_json("train", {
         "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
         "kl_coef": args.kl_coef, "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
         "microbatches_per_rank": r["microbatches_per_rank"], "step_seconds": r["step_s"],
         "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "num_parameters": n_params,
         "gflop_per_s": gflops, "init_s": r["init_s"], "total_s": total_s,
+        "machine": {"start": load_start, "end": load_end},
     })
 
 

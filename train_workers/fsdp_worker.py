@@ -294,6 +294,7 @@ class FSDPTrainWorker:
 
         dt = _DTYPES[engine_dtype]
         self._engine_dtype = dt
+        self._send_buffers = None  # sized for this plan on the first broadcast
         self._buckets = plan_buckets(
             [(name, tuple(p.shape), dt) for name, p in self._named_parameters()], bucket_bytes
         )
@@ -334,12 +335,16 @@ class FSDPTrainWorker:
         checksums: dict[str, int] = {}
         pending = None
         total = 0
+        if sender and getattr(self, "_send_buffers", None) is None:
+            largest = max(b.nbytes for b in self._buckets)
+            self._send_buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
         with torch.no_grad():
             for bucket in self._buckets:
                 tensors = [_full(params[s.name]).to(self._engine_dtype) for s in bucket.slots]
                 if not sender:
                     continue
-                buf = pack_bucket(bucket, [t.cpu() if self.device.type == "cpu" else t for t in tensors])
+                slot = self._send_buffers[bucket.index % 2]  # its last broadcast finished before the previous one began
+                buf = pack_bucket(bucket, [t.cpu() if self.device.type == "cpu" else t for t in tensors], out=slot)
                 if self.device.type == "cuda":
                     buf = buf.to(self.device)
                 if verify:

@@ -136,7 +136,7 @@ def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], out: torch.Tens
     if len(tensors) != len(bucket.slots):
         raise ValueError(f"bucket {bucket.index}: expected {len(bucket.slots)} tensors, got {len(tensors)}")
     if out is None:
-        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
     else:
         if out.dtype != torch.uint8 or out.numel() < bucket.nbytes:
             raise ValueError(f"bucket {bucket.index}: buffer must be uint8 with >= {bucket.nbytes} bytes")
