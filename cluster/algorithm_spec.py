@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 __all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "algorithm_conflicts", "reward_names"]
+
+MAX_GROUP_SIZE = 1024
+"""Largest G (completions per prompt) any setting may ask for; ``rollout.group_size`` has the same bound."""
 
 REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
 """Builtin reward functions a spec may weight in ``algorithm.rewards`` (more may be registered, see reward_names)."""
@@ -51,7 +54,7 @@ class AlgorithmSpec(BaseModel):
     dual_clip_c: float | None = Field(None, gt=1, description=(
         "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|; null disables."))
     entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
-    num_iterations: int = Field(1, ge=1, description=(
+    num_iterations: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Optimizer steps per rollout batch; the behaviour logprobs of all of them are the trainer's, before the "
         "first step."))
     tis_cap: float | None = Field(None, gt=0, description=(
@@ -66,7 +69,7 @@ class AlgorithmSpec(BaseModel):
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: beta = kl_coef; adaptive: beta steered so the measured KL approaches kl_target (Ziegler et al. 2019)."))
     kl_target: float = Field(0.01, gt=0, description="Adaptive controller: target KL in nats per token.")
-    kl_horizon_sequences: int = Field(10_000, ge=1, description=(
+    kl_horizon_sequences: int = Field(10_000, ge=1, strict=True, description=(
         "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
     # ---- rewards
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
@@ -81,7 +84,7 @@ class AlgorithmSpec(BaseModel):
     # ---- truncated completions
     mask_truncated: bool = Field(False, description=(
         "Completions without EOS (cut at max_response_tokens) are masked out of the loss (DAPO overlong filtering)."))
-    overlong_buffer_tokens: int | None = Field(None, ge=1, description=(
+    overlong_buffer_tokens: int | None = Field(None, ge=1, strict=True, description=(
         "DAPO soft overlong punishment: penalty ramps from 0 to -overlong_penalty_factor over the last this-many "
         "tokens before max_response_tokens; null disables."))
     overlong_penalty_factor: float = Field(1.0, ge=0, description="Scale of the overlong penalty (reward units).")
@@ -89,11 +92,12 @@ class AlgorithmSpec(BaseModel):
     dynamic_sampling: bool = Field(False, description=(
         "DAPO dynamic sampling: drop groups whose advantages are all zero and sample more prompts until "
         "rollout.prompts_per_step informative groups or max_sampling_rounds."))
-    max_sampling_rounds: int = Field(3, ge=1, description="Bound on generation rounds per step (dynamic sampling).")
-    group_size_schedule: tuple[tuple[int, int], ...] = Field((), description=(
+    max_sampling_rounds: int = Field(3, ge=1, le=1024, strict=True, description=(
+        "Bound on generation rounds per step (dynamic sampling)."))
+    group_size_schedule: tuple[tuple[StrictInt, StrictInt], ...] = Field((), description=(
         "[[step, G], ...]: from each step on, sample G completions per prompt (before the first entry: "
         "rollout.group_size)."))
-    group_size_max: int | None = Field(None, ge=2, description=(
+    group_size_max: int | None = Field(None, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
         "Adaptive group size: double G (up to this) after a step whose all-equal group fraction exceeds "
         "group_size_rise_threshold; null disables."))
     group_size_rise_threshold: float = Field(0.5, gt=0, le=1, description=(
@@ -116,8 +120,9 @@ class AlgorithmSpec(BaseModel):
         steps = [step for step, _ in schedule]
         if any(step < 1 for step in steps) or steps != sorted(set(steps)):
             raise ValueError(f"expected [step, G] pairs with steps >= 1 strictly increasing, got steps {steps}")
-        if any(g < 2 for _, g in schedule):
-            raise ValueError(f"expected every G >= 2 (a group needs two completions), got {[g for _, g in schedule]}")
+        if any(not 2 <= g <= MAX_GROUP_SIZE for _, g in schedule):
+            raise ValueError(f"expected every G >= 2 (a group needs two completions) and <= {MAX_GROUP_SIZE}, "
+                             f"got {[g for _, g in schedule]}")
         return schedule
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ Row format (one JSON object per line, UTF-8; blank lines ignored)::
 
     {"question": "Natalia sold clips to 48 ...", "answer": "Natalia sold 48/2 = 24 ...\\n#### 72"}
 
-The reference (final) answer is the text after the last ``####`` in the answer, stripped (``"72"``). GSM8K (MIT)
+The reference (final) answer is the text after the last ``####`` in the answer, stripped (``"72"``); it must hold a
+number (``grpo.rewards.gsm8k.parse_reference``, which the accuracy reward uses), else the row is bad. GSM8K (MIT)
 is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project machines, or from
 https://github.com/openai/grade-school-math (``grade_school_math/data/``).
 """
@@ -17,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from grpo.rewards.gsm8k import parse_reference
 
 __all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "PromptSampler", "build_chat_prompt"]
 
@@ -66,10 +69,11 @@ def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"invalid UTF-8 at byte {exc.start} of the line") from None
+    text = text.rstrip("\r\n")  # the line break is not part of the row; with it, errors at the end point past it
     try:
         row: Any = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+        raise ValueError(f"invalid JSON: {exc.msg} at column {exc.pos + 1}") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object with fields {question_field!r} and {answer_field!r}, "
                          f"got {type(row).__name__}")
@@ -83,7 +87,17 @@ def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -
     question, answer = values
     if not question.strip():
         raise ValueError(f"field {question_field!r} is empty")
-    return Example(index=index, question=question, answer=answer, reference=extract_reference(answer))
+    reference = extract_reference(answer)
+    try:
+        parse_reference(reference)  # what the driver hands the reward functions
+    except ValueError:
+        raise ValueError(f"field {answer_field!r}: expected a number after the last {ANSWER_MARKER!r} (the accuracy "
+                         f"reward compares numbers), got {_short(reference)}") from None
+    return Example(index=index, question=question, answer=answer, reference=reference)
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit - 3] + "...")
 
 
 def load_jsonl_examples(path: str | Path, *, question_field: str = "question", answer_field: str = "answer",
@@ -93,7 +107,7 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
     Returns (examples, skipped): skipped counts bad rows dropped with ``on_bad_row="skip"``. Raises DataError for a
     missing/unreadable file, a file without usable rows, or (``on_bad_row="error"``) the first bad row as
     ``file:line: reason`` (invalid UTF-8 or JSON, not an object, missing/non-string field, empty question, answer
-    without '####').
+    without '####' or without a number after it, see ``grpo.rewards.gsm8k.parse_reference``).
     """
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row: expected 'error' or 'skip', got {on_bad_row!r}")

@@ -7,26 +7,53 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 
 from cluster.data import build_chat_prompt, load_jsonl_examples
 from cluster.spec import DEFAULT_SYSTEM_PROMPT
 from grpo.rewards.gsm8k import accuracy_reward, format_reward
 
 
+def check_eval_args(limit: int | None, max_tokens: int) -> None:
+    """Raise ValueError unless ``limit`` is None or an int >= 1 and ``max_tokens`` is an int >= 1."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit: expected None (all rows) or a whole number of rows >= 1, got {limit!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens: expected a whole number of tokens >= 1, got {max_tokens!r}")
+
+
+def engine_max_model_len(prompt_lengths: Sequence[int], max_tokens: int) -> int:
+    """Engine context length in tokens: the longest prompt plus ``max_tokens`` of completion.
+
+    Raises:
+        ValueError: no prompts.
+    """
+    if not prompt_lengths:
+        raise ValueError("expected at least one prompt to size the engine context, got none")
+    return max(prompt_lengths) + max_tokens
+
+
 def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: int = 256,
                    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, kv_cache_gib: int = 2) -> dict:
-    """Greedy pass@1 on the first ``limit`` rows of a GSM8K jsonl file.
+    """Greedy pass@1 on the first ``limit`` rows of a GSM8K jsonl file (all rows when ``limit`` is None).
+
+    The engine's context length is the longest tokenized prompt plus ``max_tokens``.
 
     Returns:
         ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s"}`` (fractions in [0, 1]).
+
+    Raises:
+        ValueError: ``limit`` not None and < 1, or ``max_tokens`` < 1 (checked before anything is loaded).
+        DataError: the data file is missing or malformed.
     """
+    check_eval_args(limit, max_tokens)
     import torch
 
     from cluster.models import resolve_model_path
 
-    path = resolve_model_path(model)
     examples, _ = load_jsonl_examples(data)
-    examples = examples[:limit] if limit else examples
+    examples = examples if limit is None else examples[:limit]
+    path = resolve_model_path(model)
     if not torch.cuda.is_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
@@ -37,9 +64,11 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok.apply_chat_template(build_chat_prompt(e, system_prompt), tokenize=False,
                                        add_generation_prompt=True) for e in examples]
+    # vLLM tokenizes text prompts with the model's special tokens added; count them the same way.
+    prompt_lengths = [len(tok(p)["input_ids"]) for p in prompts]
     llm = LLM(model=path, dtype="float32" if not torch.cuda.is_available() else "auto", enforce_eager=True,
-              max_model_len=1024 + max_tokens, gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.5,
-              seed=0)
+              max_model_len=engine_max_model_len(prompt_lengths, max_tokens),
+              gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.5, seed=0)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     seconds = time.perf_counter() - t0

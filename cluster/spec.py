@@ -17,7 +17,9 @@ Loading (:func:`load_spec`)::
   directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
 - Every problem is reported in one :class:`SpecError`, one line each:
   ``<file>:<line>: <dotted.field>: <message> (got <value>)``, with ``--set <key>`` in place of the line for
-  values that came from an override.
+  values that came from an override (of the field, a section above it, or a key inside it).
+- Integer fields are strict: ``4`` is accepted, ``true``, ``"4"`` and ``4.0`` are not (``--set x=4`` parses as an
+  int). Counts and sizes have upper bounds that catch a mistyped extra digit.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.algorithm_spec import REWARD_NAMES, AlgorithmSpec, algorithm_conflicts
+from cluster.algorithm_spec import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, algorithm_conflicts
 from cluster.algorithm_spec import FieldConflict as _FieldConflict
 
 __all__ = [
@@ -46,6 +48,11 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 _CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+# Integer fields are strict: YAML (and --set) ints are accepted, but not true/false, "4" or 4.0. Upper bounds catch
+# typos (an extra digit) before any resource is reserved.
+MAX_SEQUENCE_TOKENS = 1_048_576
+MAX_SEED = 2**31 - 1
 
 
 class SpecError(ValueError):
@@ -101,7 +108,8 @@ class DataSpec(BaseModel):
     system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
         "System message placed before every question; null sends no system message."))
     prompt_suffix: str = Field("", description="Text appended directly after the question in the user message.")
-    max_prompt_tokens: int = Field(512, ge=1, description="Prompts longer than this many tokens are dropped.")
+    max_prompt_tokens: int = Field(512, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Prompts longer than this many tokens are dropped."))
     shuffle: bool = Field(True, description="Shuffle prompts each epoch (permutation derived from seed and epoch).")
     on_bad_row: Literal["error", "skip"] = Field("error", description=(
         "Malformed rows: 'error' stops with file:line, 'skip' drops and counts them."))
@@ -111,20 +119,23 @@ class RolloutSpec(BaseModel):
     """Rollout engine replicas (vLLM) and sampling: B prompts × G completions per step."""
 
     model_config = _CONFIG
-    replicas: int = Field(1, ge=1, description="Number of rollout engine replicas (Ray actors).")
+    replicas: int = Field(1, ge=1, le=4096, strict=True, description="Number of rollout engine replicas (Ray actors).")
     num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs Ray reserves per rollout replica.")
     num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs Ray reserves per rollout replica.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks inside one engine replica.")
-    prompts_per_step: int = Field(4, ge=1, description="B: prompts sampled per training step.")
-    group_size: int = Field(4, ge=2, description="G: completions per prompt (a group); advantages compare them.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
+        "Tensor-parallel ranks inside one engine replica."))
+    prompts_per_step: int = Field(4, ge=1, le=65536, strict=True, description="B: prompts sampled per training step.")
+    group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
+        "G: completions per prompt (a group); advantages compare them."))
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
-    max_response_tokens: int = Field(256, ge=1, description="Completion length cap in tokens.")
+    max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Completion length cap in tokens."))
     kv_cache_gib: float = Field(2.0, gt=0, description="CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description=(
         "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
-    max_model_len: int | None = Field(None, ge=1, description=(
+    max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Engine context length in tokens; null lets the engine use the model's own."))
     timeout_s: float = Field(900, gt=0, description="Seconds to wait for one step's rollouts before failing.")
 
@@ -133,17 +144,20 @@ class TrainSpec(BaseModel):
     """Train workers (FSDP2 ranks) and the AdamW optimizer."""
 
     model_config = _CONFIG
-    world_size: int = Field(1, ge=1, description="Number of train ranks (Ray actors in one process group).")
+    world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
+        "Number of train ranks (Ray actors in one process group)."))
     num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per train rank.")
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves per train rank.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
         "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads per rank; null keeps torch's.")
+    num_threads: int | None = Field(None, ge=1, le=4096, strict=True, description=(
+        "torch intra-op threads per rank; null keeps torch's."))
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    max_tokens_per_microbatch: int = Field(4096, ge=1, description="Token budget of one forward/backward pass.")
+    max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
+        "Token budget of one forward/backward pass."))
     timeout_s: float = Field(900, gt=0, description="Seconds to wait for one train step before failing.")
 
     @field_validator("betas")
@@ -166,7 +180,7 @@ class SyncSpec(BaseModel):
     """Streaming trainer weights into the rollout engines after each step."""
 
     model_config = _CONFIG
-    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, description=(
+    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, strict=True, description=(
         "Bytes per broadcast bucket; ints or strings like '64MiB', '512MB', '1GiB'."))
     verify: bool = Field(True, description="Check checksums / probe logprobs after every sync.")
     timeout_s: float = Field(300, gt=0, description="Seconds to wait for one weight sync before failing.")
@@ -177,15 +191,16 @@ class MetricsSpec(BaseModel):
 
     model_config = _CONFIG
     host: str = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
-    port: int | None = Field(9300, ge=0, le=65535, description="Prometheus port; 0 picks a free one, null disables.")
-    log_every_steps: int = Field(1, ge=1, description="Print a console line every this many steps.")
+    port: int | None = Field(9300, ge=0, le=65535, strict=True, description=(
+        "Prometheus port; 0 picks a free one, null disables."))
+    log_every_steps: int = Field(1, ge=1, strict=True, description="Print a console line every this many steps.")
 
 
 class CheckpointSpec(BaseModel):
     """Saving the policy as a Hugging Face folder."""
 
     model_config = _CONFIG
-    every_steps: int = Field(0, ge=0, description="Save every this many steps; 0 saves only at the end.")
+    every_steps: int = Field(0, ge=0, strict=True, description="Save every this many steps; 0 saves only at the end.")
     save_final: bool = Field(True, description="Save after the last step.")
     dir: str | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
 
@@ -195,7 +210,8 @@ class RaySpec(BaseModel):
 
     model_config = _CONFIG
     address: str | None = Field(None, description="Existing cluster address ('auto', 'ray://h:p'); null starts one.")
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster; null uses all.")
+    num_cpus: int | None = Field(None, ge=1, strict=True, description=(
+        "CPUs of a locally started cluster; null uses all."))
     dashboard_host: str = Field("127.0.0.1", description="Address the Ray dashboard binds to (local cluster).")
 
 
@@ -204,9 +220,12 @@ class JobSpec(BaseModel):
 
     model_config = _CONFIG
     name: str = Field("grpo", min_length=1, description="Job name (metrics label, Ray job name).")
-    seed: int = Field(0, ge=0, description="Root seed; per-step and per-sample seeds derive from it.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description=(
+        "Root seed; per-step and per-sample seeds derive from it (replica and rank offsets are added, and numpy "
+        "seeds must be < 2**32)."))
     output_dir: str = Field(min_length=1, description="Folder for metrics.jsonl, logs and checkpoints.")
-    total_steps: int = Field(ge=1, description="Number of training steps (policy versions) to run.")
+    total_steps: int = Field(ge=1, le=10_000_000, strict=True, description=(
+        "Number of training steps (policy versions) to run."))
     model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
     data: DataSpec = Field(description=DataSpec.__doc__)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
@@ -405,10 +424,15 @@ def _format_errors(exc: ValidationError, source: str, lines: Mapping[Loc, int], 
 
 
 def _where(loc: Loc, source: str, lines: Mapping[Loc, int], set_by: Mapping[Loc, str]) -> str:
-    """Where loc's value came from: an override of it or a parent (``--set key``), else its YAML line."""
+    """Where loc's value came from, most specific first: an override of loc or a parent (``--set key``); else
+    overrides of keys inside loc (``--set algorithm.rewards.nope=1`` for an error at ``algorithm.rewards``); else
+    loc's YAML line, or its nearest parent's."""
     for end in range(len(loc), 0, -1):
         if loc[:end] in set_by:
             return f"--set {set_by[loc[:end]]}"
+    inside = [key for set_loc, key in set_by.items() if loc and set_loc[:len(loc)] == loc]
+    if inside:
+        return ", ".join(f"--set {key}" for key in inside)
     for end in range(len(loc), 0, -1):
         if loc[:end] in lines:
             return f"{source}:{lines[loc[:end]]}"

@@ -84,10 +84,13 @@ def plan_buckets(
     """Group ``(name, shape, dtype)`` entries, in order, into buckets of at most ``bucket_bytes`` bytes.
 
     Order is preserved (sender and receivers walk the plan identically). A tensor larger than ``bucket_bytes`` is
-    placed alone in a bucket of its own size.
+    placed alone in a bucket of its own size. A zero-size tensor (a 0 in its shape) takes no bytes: it joins the
+    bucket being filled at offset 0 and never closes or opens a bucket, so no bucket is empty of bytes, except that
+    a plan whose tensors are all zero-size is one 0-byte bucket holding them (every name keeps a slot, and sender
+    and receivers broadcast the same empty buffer). No tensors → no buckets.
 
     Raises:
-        ValueError: ``bucket_bytes`` < 1, a duplicate name, or an unsupported dtype.
+        ValueError: ``bucket_bytes`` < 1, a duplicate name, a negative dimension, or an unsupported dtype.
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
@@ -107,15 +110,22 @@ def plan_buckets(
             raise ValueError(f"duplicate tensor name {name!r} in weight-sync plan")
         seen.add(name)
         shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"tensor {name!r}: expected every dimension >= 0, got shape {shape}")
         numel = 1
         for s in shape:
             numel *= s
+        dtype_str = dtype_name(dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            # offset 0 is aligned for every dtype, and an empty slice there is valid in any buffer
+            slots.append(TensorSlot(name=name, shape=shape, dtype=dtype_str, offset=0, nbytes=0))
+            continue
         start = _align(used)
-        if slots and start + nbytes > bucket_bytes:
+        if used > 0 and start + nbytes > bucket_bytes:
             close()
             start = 0
-        slots.append(TensorSlot(name=name, shape=shape, dtype=dtype_name(dtype), offset=start, nbytes=nbytes))
+        slots.append(TensorSlot(name=name, shape=shape, dtype=dtype_str, offset=start, nbytes=nbytes))
         used = start + nbytes
     close()
     return buckets

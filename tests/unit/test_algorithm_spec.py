@@ -89,3 +89,34 @@ def test_group_size_max_counts_the_schedule():
 def test_group_size_below_two_is_impossible():
     with pytest.raises(SpecError, match=r"rollout.group_size: Input should be greater than or equal to 2"):
         load("rollout.group_size=1")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.num_iterations=true", r"--set algorithm.num_iterations: algorithm.num_iterations: Input should be a "
+                                      r"valid integer \(got True\)"),
+    ("algorithm.num_iterations='2'", r"algorithm.num_iterations: Input should be a valid integer \(got '2'\)"),
+    ("algorithm.max_sampling_rounds=2.0", r"algorithm.max_sampling_rounds: Input should be a valid integer"),
+    ("algorithm.kl_horizon_sequences=true", r"algorithm.kl_horizon_sequences: Input should be a valid integer"),
+    ("algorithm.overlong_buffer_tokens='16'", r"algorithm.overlong_buffer_tokens: Input should be a valid integer"),
+    ("algorithm.group_size_max=true", r"algorithm.group_size_max: Input should be a valid integer"),
+    ("algorithm.group_size_schedule=[[true, 8]]", r"algorithm.group_size_schedule.0.0: Input should be a valid "
+                                                  r"integer"),
+    ("algorithm.group_size_schedule=[[1, '8']]", r"algorithm.group_size_schedule.0.1: Input should be a valid "
+                                                 r"integer"),
+])
+def test_integer_options_are_strict(override, message):
+    with pytest.raises(SpecError, match=message):
+        load(override)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algorithm.group_size_max=1025", r"algorithm.group_size_max: Input should be less than or equal to 1024"),
+    ("algorithm.group_size_schedule=[[1, 1025]]", r"expected every G >= 2 .* and <= 1024, got \[1025\]"),
+    ("algorithm.num_iterations=1025", r"algorithm.num_iterations: Input should be less than or equal to 1024"),
+    ("algorithm.max_sampling_rounds=1025", r"algorithm.max_sampling_rounds: Input should be less than or equal"),
+])
+def test_group_sizes_and_iterations_have_upper_bounds(override, message):
+    with pytest.raises(SpecError, match=message):
+        load(override)
+    assert load("algorithm.group_size_max=1024", "algorithm.group_size_schedule=[[1, 1024]]",
+                "algorithm.num_iterations=1024").algorithm.group_size_max == 1024

@@ -44,6 +44,9 @@ BAD_ROWS = [
     (row(question="  "), "field 'question' is empty"),
     (row(answer="the answer is 5"), "answer has no '####' marker"),
     (row(answer="5 ####  "), "nothing after"),
+    (row(answer="so #### five"), "field 'answer': expected a number after the last '####' (the accuracy reward "
+                                 "compares numbers), got 'five'"),
+    (row(answer="#### 1e400"), "expected a number after the last '####'"),
 ]
 
 
@@ -61,6 +64,26 @@ def test_skip_mode_counts_bad_rows_and_keeps_indices(tmp_path):
     examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
     assert skipped == 2
     assert [(e.index, e.question) for e in examples] == [(0, "A?"), (3, "B?")]
+
+
+def test_reference_without_a_number_is_skipped_and_counted(tmp_path):
+    path = write_lines(tmp_path, [row("A?"), row("B?", "#### five"), row("C?", "#### $1,000.")])
+    examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
+    assert skipped == 1
+    assert [(e.index, e.reference) for e in examples] == [(0, "5"), (2, "$1,000.")]
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b""])
+def test_invalid_json_column_is_within_the_line(tmp_path, ending):
+    line = b'  {"question": "Q?", "answer": "#### 5"'  # unclosed object: the error is just past its last character
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(row().encode() + b"\n" + line + ending)
+    with pytest.raises(DataError, match=rf"data.jsonl:2: invalid JSON: Expecting ',' delimiter at column "
+                                        rf"{len(line) + 1} "):
+        load_jsonl_examples(path)
+    path.write_bytes(b'{"question": "Q?" "answer": "#### 5"}' + ending)
+    with pytest.raises(DataError, match=r"data.jsonl:1: invalid JSON: Expecting ',' delimiter at column 19 "):
+        load_jsonl_examples(path)
 
 
 def test_only_bad_rows_is_an_error(tmp_path):

@@ -1,11 +1,14 @@
 """Unit tests for grpo.rewards.gsm8k: answer extraction on awkward completions, references, rewards."""
 
 import json
+import random
+import time
 from pathlib import Path
 
 import pytest
 
-from grpo.rewards.gsm8k import accuracy_reward, extract_answer, format_reward, normalize_number, parse_reference
+from grpo.rewards.gsm8k import (MAX_DIGITS, accuracy_reward, extract_answer, format_reward, normalize_number,
+                                parse_reference)
 
 GSM8K_TEST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 NATALIA = (
@@ -133,3 +136,107 @@ def test_every_gsm8k_reference_solution_scores_full_marks():
         parse_reference(answer)
         assert accuracy_reward(answer, answer) == 1.0, answer[-60:]
         assert format_reward(answer) == 1.0, answer[-60:]
+
+
+def test_long_digit_runs_are_not_numbers_and_never_raise():
+    """Python refuses int/str conversions beyond 4300 digits; such runs must not kill a whole batch's scoring."""
+    for n in (4301, 100_000):
+        long = "1" * n
+        for completion in (f"#### {long}", long, f"\\boxed{{{long}}}", f"#### 0.{long}", f"#### {long}/3",
+                           f"#### 1/{long}"):
+            assert extract_answer(completion) is None
+            assert accuracy_reward(completion, "5") == 0.0
+            assert format_reward(completion) == 0.0
+        assert extract_answer(f"#### 7 {long}") == "7"  # the over-long token is skipped, not truncated
+        assert extract_answer(f"7 and {long}") == "7"
+        with pytest.raises(ValueError, match="no number"):
+            parse_reference(f"#### {long}")
+    assert extract_answer("#### " + "9" * MAX_DIGITS) == "9" * MAX_DIGITS
+    assert extract_answer("#### " + "9" * (MAX_DIGITS + 1)) is None
+    assert normalize_number("0." + "5" * (MAX_DIGITS + 1)) is None
+
+
+def test_big_numbers_compare_exactly():
+    """Floats overflow to inf for both 10**400 and 10**401, which then compared equal."""
+    a, b = "#### 1" + "0" * 400, "#### 1" + "0" * 401
+    assert accuracy_reward(a, b) == 0.0
+    assert accuracy_reward(b, a) == 0.0
+    assert accuracy_reward(a, a) == 1.0
+    assert accuracy_reward("#### 1" + "0" * 400 + ".0000001", a) == 1.0  # relative tolerance 1e-6 still applies
+    assert accuracy_reward("#### 0." + "0" * 400 + "1", "#### 0") == 0.0  # tiny but not zero
+    assert accuracy_reward("#### 3/0", "#### 3/0") == 0.0  # x/0 is no value
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1e400", None),
+    ("2.5e3", None),
+    ("about 1E+5 of them", None),
+    ("The answer is 7, not 3e-2", "7"),
+    ("#### 1e400", None),
+    ("#### 12 eggs", "12"),
+    ("1,000,000e3", None),
+])
+def test_scientific_notation_is_not_a_number(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_scientific_notation_reference_is_rejected():
+    with pytest.raises(ValueError, match="no number"):
+        parse_reference("#### 1e400")
+    assert format_reward("#### 2.5e3") == 0.0
+
+
+def score(text: str) -> float:
+    t0 = time.perf_counter()
+    accuracy_reward(text, "#### 5")
+    format_reward(text)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("name, text", [
+    ("many unbalanced boxed", "\\boxed{" * 10_000),
+    ("format spaces", "#### 1" + " " * 50_000 + "x"),
+    ("frac spaces", "\\frac{" + " " * 3_000),
+])
+def test_no_quadratic_blow_up(name, text):
+    """Sizes where the old regexes / scans took seconds (the frac case grew cubically)."""
+    assert score(text) < 1.0, name
+
+
+ONE_MB = 1_000_000
+
+
+@pytest.mark.parametrize("name, make", [
+    ("digits", lambda n: "1" * n),
+    ("many numbers", lambda n: "1 " * (n // 2)),
+    ("thousands groups", lambda n: "1" + ",111" * (n // 4) + "e5"),
+    ("comma list", lambda n: "1," * (n // 2)),
+    ("fractions", lambda n: "1/" * (n // 2)),
+    ("markers", lambda n: "#### x " * (n // 7)),
+    ("unbalanced boxed", lambda n: "\\boxed{" * (n // 7)),
+    ("boxed numbers", lambda n: "\\boxed{" + "1 " * (n // 2)),
+    ("format spaces", lambda n: "#### 1" + " " * n + "x"),
+    ("frac spaces", lambda n: "\\frac{" + " " * n),
+    ("text spaces", lambda n: "\\text{" + " " * n),
+    ("signs", lambda n: "-" * n),
+    ("sci", lambda n: "2.5e3 " * (n // 6)),
+])
+def test_one_megabyte_completion_is_scored_in_under_a_second(name, make):
+    assert score(make(ONE_MB)) < 1.0, name
+
+
+def test_rewards_never_raise_on_random_text():
+    pieces = list("0123456789,./+-eE#$ {}\n\\%") + [
+        "\\boxed{", "\\fbox{", "\\frac", "\\text{", "####", "\u2212", "{,}", "\\$", "1e400", "\u0663", "\uff13",
+        "0" * 1200, "9" * 999]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+        assert accuracy_reward(text, "5") in (0.0, 1.0)
+        fmt = format_reward(text)
+        assert fmt in (0.0, 1.0)
+        answer = extract_answer(text)
+        if fmt == 1.0:
+            assert answer is not None, text
+        if answer is not None and not answer.endswith("/0"):
+            assert accuracy_reward(text, answer) == 1.0, text

@@ -219,3 +219,91 @@ def test_example_values():
     tiny = load_spec(EXAMPLES / "tiny_cpu.yaml", ["model.path=/tmp/tiny"])
     assert (tiny.total_steps, tiny.rollout.prompts_per_step, tiny.rollout.max_response_tokens) == (2, 2, 16)
     assert tiny.metrics.port == 0 and tiny.model.path == "/tmp/tiny"
+
+
+@pytest.mark.parametrize("yaml_rewards", ["", "algorithm:\n  rewards:\n    accuracy: 1.0\n"])
+def test_error_inside_a_set_key_is_blamed_on_that_key(tmp_path, yaml_rewards):
+    """The error is at algorithm.rewards, the value that caused it was set at algorithm.rewards.nope."""
+    path = write(tmp_path, MINIMAL + yaml_rewards)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["algorithm.rewards.nope=1"])
+    assert "  --set algorithm.rewards.nope: algorithm.rewards: unknown reward 'nope'" in str(info.value)
+    with pytest.raises(SpecError) as info:
+        load_spec(path, ["algorithm.rewards.nope=1", "algorithm.rewards.bad=2"])
+    assert "--set algorithm.rewards.nope, --set algorithm.rewards.bad: algorithm.rewards: unknown reward" in str(
+        info.value)
+
+
+def test_error_blame_prefers_the_yaml_line_when_no_set_key_is_involved(tmp_path):
+    path = write(tmp_path, MINIMAL + "algorithm:\n  rewards:\n    nope: 1.0\n")
+    with pytest.raises(SpecError, match=r"job.yaml:6: algorithm.rewards: unknown reward 'nope'"):
+        load_spec(path, ["rollout.group_size=8"])
+
+
+INT_FIELDS = [
+    ("total_steps", None), ("seed", None), ("rollout", "replicas"), ("rollout", "tensor_parallel_size"),
+    ("rollout", "prompts_per_step"), ("rollout", "group_size"), ("rollout", "max_response_tokens"),
+    ("rollout", "max_model_len"), ("train", "world_size"), ("train", "num_threads"),
+    ("train", "max_tokens_per_microbatch"), ("data", "max_prompt_tokens"), ("checkpoint", "every_steps"),
+    ("metrics", "port"), ("metrics", "log_every_steps"), ("ray", "num_cpus"), ("sync", "bucket_bytes"),
+    ("algorithm", "num_iterations"), ("algorithm", "kl_horizon_sequences"), ("algorithm", "max_sampling_rounds"),
+    ("algorithm", "overlong_buffer_tokens"), ("algorithm", "group_size_max"),
+]
+
+
+def with_value(section: str, key: str | None, value: str) -> str:
+    """MINIMAL with one field set to a YAML value (top-level keys replace MINIMAL's own)."""
+    if key is None:
+        lines = [ln for ln in MINIMAL.splitlines() if not ln.startswith(f"{section}:")]
+        return "\n".join(lines) + f"\n{section}: {value}\n"
+    if section == "data":
+        return MINIMAL + f"  {key}: {value}\n"
+    return MINIMAL + f"{section}:\n  {key}: {value}\n"
+
+
+@pytest.mark.parametrize("section, key, value", [
+    (section, key, value) for section, key in INT_FIELDS for value in ("true", "'8'", "8.0")
+    if not (key == "bucket_bytes" and value == "'8'")  # byte sizes accept strings ('64MiB', '4096') by design
+])
+def test_integer_fields_are_strict(tmp_path, section, key, value):
+    dotted = section if key is None else f"{section}.{key}"
+    with pytest.raises(SpecError, match=rf"{dotted}: Input should be a valid integer"):
+        load_spec(write(tmp_path, with_value(section, key, value)))
+    with pytest.raises(SpecError, match=rf"--set {dotted}: {dotted}: Input should be a valid integer"):
+        load_spec(write(tmp_path, MINIMAL), [f"{dotted}={value}"])
+
+
+def test_integer_fields_accept_yaml_and_set_ints(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "rollout:\n  group_size: 8\nsync:\n  bucket_bytes: '4096'\n"),
+                     ["rollout.prompts_per_step=16", "seed=7", "train.max_tokens_per_microbatch=16"])
+    assert (spec.rollout.group_size, spec.rollout.prompts_per_step, spec.seed) == (8, 16, 7)
+    assert (spec.train.max_tokens_per_microbatch, spec.sync.bucket_bytes) == (16, 4096)
+    for text, expected in (("64MiB", 64 * 2**20), ("512MB", 512 * 10**6), ("2048", 2048)):
+        assert load_spec(write(tmp_path, MINIMAL), [f"sync.bucket_bytes={text}"]).sync.bucket_bytes == expected
+
+
+@pytest.mark.parametrize("dotted, value, bound", [
+    ("rollout.group_size", 1025, "less than or equal to 1024"),
+    ("rollout.prompts_per_step", 65537, "less than or equal to 65536"),
+    ("rollout.max_response_tokens", 1_048_577, "less than or equal to 1048576"),
+    ("data.max_prompt_tokens", 1_048_577, "less than or equal to 1048576"),
+    ("train.world_size", 65537, "less than or equal to 65536"),
+    ("rollout.replicas", 4097, "less than or equal to 4096"),
+    ("total_steps", 10_000_001, "less than or equal to 10000000"),
+    ("train.max_tokens_per_microbatch", 16_777_217, "less than or equal to 16777216"),
+    ("train.max_tokens_per_microbatch", 15, "greater than or equal to 16"),
+    ("seed", 2**31, "less than or equal to 2147483647"),
+    ("algorithm.group_size_max", 1025, "less than or equal to 1024"),
+])
+def test_counts_have_upper_bounds(tmp_path, dotted, value, bound):
+    with pytest.raises(SpecError, match=rf"--set {dotted}: {dotted}: Input should be {bound} \(got {value}\)"):
+        load_spec(write(tmp_path, MINIMAL), [f"{dotted}={value}"])
+
+
+def test_bounds_accept_their_limits(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL), [
+        "rollout.group_size=1024", "rollout.prompts_per_step=65536", "rollout.max_response_tokens=1048576",
+        "data.max_prompt_tokens=1048576", "total_steps=10000000", "train.max_tokens_per_microbatch=16777216"])
+    assert spec.rollout.group_size == 1024
+    defaults = JobSpec.model_validate({"output_dir": "o", "total_steps": 1, "data": {"train_path": "t"}})
+    assert JobSpec.model_validate(defaults.model_dump()) == defaults  # every default passes its own bounds

@@ -99,6 +99,41 @@ def test_plan_errors():
     assert all(to_dtype(dtype_name(dt)) == dt for dt in _DTYPES.values())
 
 
+def test_plan_rejects_a_negative_dimension_naming_the_tensor():
+    with pytest.raises(ValueError, match=r"tensor 'layer.w': expected every dimension >= 0, got shape \(4, -1\)"):
+        plan_buckets([("ok", (2,), torch.float32), ("layer.w", (4, -1), torch.float32)], 1024)
+    with pytest.raises(ValueError, match="'neg'"):
+        plan_buckets([("neg", (-2, -3), torch.float32)], 1024)  # a positive numel must not slip through
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1024])
+def test_zero_size_tensors_never_make_a_zero_byte_bucket(bucket_bytes):
+    f32 = torch.float32
+    entries = [("e0", (0,), f32), ("big", (300,), f32), ("e1", (3, 0), torch.bfloat16), ("e2", (0, 7), f32),
+               ("small", (5,), f32), ("big2", (300,), f32), ("e3", (0,), torch.int64)]
+    plan = plan_buckets(entries, bucket_bytes)
+    assert all(b.nbytes > 0 for b in plan), [b.nbytes for b in plan]
+    assert [s.name for b in plan for s in b.slots] == [n for n, _, _ in entries]  # every name, in order
+    for bucket in plan:
+        for slot in bucket.slots:
+            assert slot.offset % ALIGN_BYTES == 0 and slot.offset + slot.nbytes <= bucket.nbytes
+    tensors = {n: random_tensor(shape, dt, seed=i) for i, (n, shape, dt) in enumerate(entries)}
+    for bucket in plan:
+        buf = pack_bucket(bucket, [tensors[s.name] for s in bucket.slots])
+        for name, view in unpack_bucket(bucket, buf.clone()):
+            assert same_bits(view, tensors[name]), name
+
+
+def test_plan_of_only_zero_size_tensors_is_one_zero_byte_bucket():
+    plan = plan_buckets([("a", (0,), torch.float32), ("b", (2, 0), torch.float16)], 1024)
+    assert [(b.nbytes, [s.name for s in b.slots]) for b in plan] == [(0, ["a", "b"])]
+    buf = pack_bucket(plan[0], [torch.zeros(0), torch.zeros(2, 0, dtype=torch.float16)])
+    assert buf.numel() == 0
+    assert [(n, tuple(t.shape), t.dtype) for n, t in unpack_bucket(plan[0], buf)] == [
+        ("a", (0,), torch.float32), ("b", (2, 0), torch.float16)]
+    assert plan_buckets([], 1024) == []
+
+
 def test_pack_and_unpack_errors():
     bucket = plan_buckets([("a", (2, 3), torch.float32), ("b", (4,), torch.int64)], 1024)[0]
     a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)
@@ -177,10 +212,22 @@ def test_sync_group_rejects_bad_arguments():
 def test_sync_group_broadcasts_packed_buckets_over_gloo():
     """Sender (rank 0) streams buckets with async broadcasts and double buffering, like the train worker; two
     receivers know only the wire plan and end with bit-identical tensors and equal checksums."""
-    world, timeout_s = 3, 30.0
     tensors = named_tensors()
     plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors], 1024)
     assert len(plan) >= 3
+    broadcast_and_check(tensors, plan)
+
+
+def test_sync_group_broadcasts_a_plan_of_only_zero_size_tensors():
+    """The one 0-byte bucket of such a plan is broadcast like any other and every name arrives."""
+    tensors = [("empty.a", torch.zeros(0, 3)), ("empty.b", torch.zeros(2, 0, dtype=torch.bfloat16))]
+    plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors], 1024)
+    assert [b.nbytes for b in plan] == [0]
+    broadcast_and_check(tensors, plan)
+
+
+def broadcast_and_check(tensors: list[tuple[str, torch.Tensor]], plan: list[Bucket]) -> None:
+    world, timeout_s = 3, 30.0
     wire = buckets_to_wire(plan)
     port = free_port()
     results: dict[int, dict] = {}

@@ -1,0 +1,96 @@
+"""``cluster.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine context
+length sized from the longest tokenized prompt (vLLM and the tokenizer replaced by fakes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from cluster.evaluate import check_eval_args, engine_max_model_len, evaluate_gsm8k
+
+
+@pytest.mark.parametrize("limit, max_tokens, message", [
+    (0, 256, r"limit: expected None \(all rows\) or a whole number of rows >= 1, got 0"),
+    (-3, 256, r"limit: .* got -3"),
+    (True, 256, r"limit: .* got True"),
+    (2.5, 256, r"limit: .* got 2.5"),
+    (None, 0, r"max_tokens: expected a whole number of tokens >= 1, got 0"),
+    (5, -1, r"max_tokens: .* got -1"),
+    (5, 1.5, r"max_tokens: .* got 1.5"),
+])
+def test_bad_arguments_raise_before_loading_anything(tmp_path, limit, max_tokens, message):
+    with pytest.raises(ValueError, match=message):
+        check_eval_args(limit, max_tokens)
+    # tmp_path is no model folder and the data file does not exist: the argument check must come first.
+    with pytest.raises(ValueError, match=message):
+        evaluate_gsm8k(str(tmp_path), str(tmp_path / "missing.jsonl"), limit=limit, max_tokens=max_tokens)
+
+
+def test_engine_context_is_longest_prompt_plus_max_tokens():
+    assert engine_max_model_len([5, 1900, 3], 256) == 2156
+    with pytest.raises(ValueError, match="at least one prompt"):
+        engine_max_model_len([], 256)
+
+
+class FakeTokenizer:
+    """One token per whitespace-separated word of the rendered chat."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return " ".join(m["content"] for m in messages) + " <assistant>"
+
+    def __call__(self, text):
+        return {"input_ids": list(range(len(text.split())))}
+
+
+def install_fakes(monkeypatch) -> dict:
+    """Fake vllm (LLM, SamplingParams), tokenizer and model resolution; returns what LLM was built with."""
+    seen: dict = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def generate(self, prompts, params, use_tqdm):
+            seen["prompts"] = prompts
+            out = types.SimpleNamespace(text="so #### 5", token_ids=[1, 2, 3], finish_reason="stop")
+            return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    fake_vllm = types.ModuleType("vllm")
+    fake_vllm.LLM = LLM
+    fake_vllm.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    import transformers
+
+    import cluster.models
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: FakeTokenizer()))
+    monkeypatch.setattr(cluster.models, "resolve_model_path", lambda model: model)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)
+    return seen
+
+
+def write_rows(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 5"}) + "\n" for q in questions))
+    return path
+
+
+def test_limit_and_context_length(tmp_path, monkeypatch):
+    seen = install_fakes(monkeypatch)
+    long_question = " ".join(["word"] * 2000)  # longer than the old fixed 1024-token allowance
+    data = write_rows(tmp_path / "d.jsonl", ["short?", long_question, "also short?"])
+
+    result = evaluate_gsm8k("fake-model", str(data), limit=2, max_tokens=64, system_prompt="sys")
+    assert result["n"] == 2 and result["pass@1"] == 1.0 and result["format"] == 1.0
+    assert len(seen["prompts"]) == 2
+    assert seen["max_model_len"] == (1 + 2000 + 1) + 64  # "sys", the question, "<assistant>"; plus max_tokens
+
+    result = evaluate_gsm8k("fake-model", str(data), limit=None, max_tokens=64, system_prompt="sys")
+    assert result["n"] == 3
+    result = evaluate_gsm8k("fake-model", str(data), limit=1, max_tokens=8, system_prompt=None)
+    assert result["n"] == 1 and seen["max_model_len"] == (1 + 1) + 8
