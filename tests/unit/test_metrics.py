@@ -7,18 +7,7 @@ import urllib.request
 import pytest
 
 from cluster.metrics import MetricsLogger, format_console_line, prometheus_name, read_metrics_jsonl
-
-
-def scrape(url: str) -> dict[str, float]:
-    """{'name{labels}': value} from a Prometheus text exposition."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+from tests.prometheus_scrape import scrape
 
 
 def test_prometheus_name():
