@@ -1,7 +1,16 @@
 """``grpo-cluster`` command line.
 
-    grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto]
+    grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
     grpo-cluster eval --model DIR --data FILE [--limit N]
+
+Ray Jobs API (cluster/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
+
+    grpo-cluster submit SPEC.yaml [--set k=v ...] [--pip REQ ...] [--env K=V ...] [--follow]   # prints the job id
+    grpo-cluster status JOB | logs JOB [--follow] | stop JOB
+    grpo-cluster scale JOB --rollout-replicas N | scale JOB SPEC.yaml [--set k=v ...]
+
+Exit codes: 0 done; 2 bad input or cluster/job not found (nothing submitted, message on stderr); ``logs --follow``
+and ``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -11,16 +20,32 @@ import json
 import sys
 
 
+def _import_modules(modules) -> str | None:
+    """Import ``--import`` modules (e.g. ones registering reward functions); an error message, or None."""
+    import importlib
+
+    for name in modules or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            return f"--import {name}: {exc}"
+    return None
+
+
 def _cmd_run(args) -> int:
     from cluster.spec import SpecError, load_spec
 
+    problem = _import_modules(args.imports)
+    if problem:
+        print(f"grpo-cluster: {problem}", file=sys.stderr)
+        return 2
     try:
         spec = load_spec(args.spec, args.set or ())
     except SpecError as exc:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
     from cluster.data import DataError
-    from cluster.driver import GRPOJob, SetupError
+    from cluster.driver import GRPOJob, NumericsError, SetupError, StaleSamplesError, run_with_restarts
     from cluster.metrics import MetricsError
     from cluster.models import ModelError
     from cluster.pools import InsufficientResources
@@ -30,7 +55,7 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: cannot reach a Ray cluster at {address} (ray.address / --address)", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
-        job = GRPOJob(spec, progress=not args.no_progress)
+        job = GRPOJob(spec, progress=not args.no_progress, resume=args.resume)
     except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
@@ -41,13 +66,20 @@ def _cmd_run(args) -> int:
     else:
         ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, dashboard_host=spec.ray.dashboard_host,
                  log_to_driver=True)
+    from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
+
     try:
-        history = job.run()
+        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job)
     except InsufficientResources as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    except (TrainWorkerFailure, EngineFailure, WorkerTimeout, NumericsError, StaleSamplesError,
+            SyncVerificationError, ray.exceptions.RayError) as exc:
+        print(f"grpo-cluster: job failed: {type(exc).__name__}: {exc}\n"
+              f"grpo-cluster: checkpoints written so far are kept; continue with `grpo-cluster run {args.spec} "
+              f"--resume`", file=sys.stderr)
+        return 1
     finally:
-        job.close()
         ray.shutdown()
     last = history[-1] if history else {}
     print(f"[grpo-cluster] done: {len(history)} steps, final reward/mean {last.get('reward/mean', float('nan')):.3f}, "
@@ -96,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field (repeatable)")
     run.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the latest complete checkpoint (same as spec resume: auto)")
+    run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                     help="import this module before loading the spec, e.g. one that registers reward functions")
     run.set_defaults(func=_cmd_run)
     ev = sub.add_parser("eval", help="GSM8K pass@1 of a model folder (greedy, vLLM)")
     ev.add_argument("--model", required=True, help="HF model folder, builtin:<name> or hub id")
@@ -104,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
+    from cluster.cli_jobs import add_job_commands
+
+    add_job_commands(sub)
     return parser
 
 

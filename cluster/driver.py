@@ -6,6 +6,13 @@ Notation: B prompts per step, G completions per prompt (a group), N = B·G seque
 
 With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.sampling``) until the
 batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
+
+Reliability: every group is sampled with its own seed (spec seed, step, group id), so a group sampled again — after
+an engine died, or after a resume — comes out the same. Checkpoints are written to a temporary folder and renamed
+(a crash mid-write leaves the previous one usable); ``resume: auto`` / ``--resume`` continue from the latest complete
+one with the same prompts, policy version and per-step results. Dead engines are replaced and synced before they
+serve; a failed train rank stops the job naming the rank (``restart_on_failure`` resumes it automatically); updates
+with NaN/Inf are skipped and counted.
 """
 
 from __future__ import annotations
@@ -15,16 +22,19 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections import deque
 from pathlib import Path
 
+import ray
 import torch
 from tqdm import tqdm
 
 from cluster.data import DataError, PromptSampler, build_chat_prompt, load_jsonl_examples
 from cluster.metrics import MetricsLogger, format_console_line
 from cluster.models import ModelError, resolve_model_path
-from cluster.pools import RolloutPool, TrainPool, WeightSync, check_cluster_resources
+from cluster.pools import (EngineFailure, RolloutPool, TrainPool, TrainWorkerFailure, WeightSync, WorkerTimeout,
+                           check_cluster_resources)
 from cluster.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.scheduler import plan_microbatches
 from cluster.spec import JobSpec, spec_to_yaml
@@ -42,8 +52,39 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
+#: Files of a checkpoint folder written by the driver; ``trainer_state.json`` is written last.
+TRAINER_STATE = "trainer_state.json"
+
+
 class SetupError(RuntimeError):
     """The job cannot start here (an output folder that cannot be written, missing cluster resources)."""
+
+
+class NumericsError(RuntimeError):
+    """``train.max_skipped_updates`` updates in a row had a NaN/Inf loss or gradient."""
+
+
+class StaleSamplesError(RuntimeError):
+    """Engines kept returning samples older than ``rollout.max_staleness`` after being synced again."""
+
+
+def request_seed(seed: int, step: int, group_id: int) -> int:
+    """The sampling seed of one group: a CRC-32 mix of (spec seed, step, group id), in [0, 2**31).
+
+    Each group's completions then depend only on the policy weights, its prompt and this seed — not on the engine,
+    the batch it shares, or what ran before — so re-sampled groups (engine replaced, job resumed) are identical."""
+    return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint folder under ``root`` (``step_NNNNNN`` holding ``trainer_state.json``), or
+    None. Temporary folders of an interrupted save (``*.partial``) are never returned."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
+                  and (p / TRAINER_STATE).is_file())
+    return done[-1] if done else None
 
 
 class GRPOJob:
@@ -54,7 +95,7 @@ class GRPOJob:
         progress: show a progress bar on stderr.
     """
 
-    def __init__(self, spec: JobSpec, progress: bool = True):
+    def __init__(self, spec: JobSpec, progress: bool = True, resume: bool = False):
         self.spec = spec
         self.progress = progress
         self.output_dir = Path(spec.output_dir)
@@ -80,20 +121,41 @@ class GRPOJob:
                               if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
         self.policy_version = 0
         self.step = 0
+        self.skipped_updates = 0  # in a row
+        self.skipped_updates_total = 0
+        self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
+        self.resume_from = latest_checkpoint(self.checkpoint_root()) if resume or spec.resume == "auto" else None
+        if self.resume_from is not None:
+            self._load_driver_state(self.resume_from)
+        elif resume or spec.resume == "auto":
+            self._status(f"resume: no complete checkpoint under {self.checkpoint_root()}; starting from step 0")
+        for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows past the resumed step are redone
+            _truncate_jsonl(self.output_dir / name, self.step)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
-        self.rollout = self.train = self.sync = None
+        self.rollout = self.train = self.sync = self.control = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Create the pools and the weight-sync group (engines start from the same weights: policy version 0)."""
         check_cluster_resources(self.spec)
         self._status("starting rollout engines and train workers")
-        self.rollout = RolloutPool(self.spec, self.model_path, self.max_model_len)
-        self.train = TrainPool(self.spec, self.model_path)
-        self.sync = WeightSync(self.spec, self.train, self.rollout)
-        self._status(f"ready: {len(self.rollout.engines)} engine(s), {len(self.train.workers)} train rank(s), "
+        ckpt = str(self.resume_from) if self.resume_from is not None else None
+        try:
+            self.rollout = RolloutPool(self.spec, ckpt or self.model_path, self.max_model_len, self.policy_version)
+            self.train = TrainPool(self.spec, self.model_path, policy_path=ckpt)
+            if ckpt is not None:
+                self.train.all("load_checkpoint", ckpt, self.policy_version, what=f"loading checkpoint {ckpt}")
+            self.sync = WeightSync(self.spec, self.train, self.rollout)
+        except BaseException:
+            self.shutdown()
+            raise
+        from cluster.control import current_job_id, start_control
+
+        self.control = start_control(current_job_id(self.spec.name), len(self.rollout.engines))
+        where = f" from {ckpt} (step {self.step}, policy version {self.policy_version})" if ckpt else ""
+        self._status(f"ready{where}: {len(self.rollout.engines)} engine(s), {len(self.train.workers)} train rank(s), "
                      f"{self.train.num_parameters / 1e6:.1f}M parameters, {self.sync.num_buckets} sync bucket(s)")
 
     def run(self) -> list[dict]:
@@ -103,11 +165,15 @@ class GRPOJob:
         history = []
         bar = tqdm(total=self.spec.total_steps, desc="GRPO", unit="step", file=sys.stderr, disable=not self.progress)
         try:
+            bar.update(self.step)
             while self.step < self.spec.total_steps:
+                self._apply_control()
                 self.step += 1
                 metrics = self.run_step(bar)
                 history.append(metrics)
+                self.completed[self.step] = metrics
                 self.metrics.log(self.step, metrics)
+                self._log_workers(metrics)
                 if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
                     tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
                 bar.update(1)
@@ -120,6 +186,106 @@ class GRPOJob:
     def close(self) -> None:
         self.metrics.close()
 
+    def shutdown(self) -> None:
+        """Stop every engine and train rank this job started (and free their placement groups)."""
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        for pool in (self.rollout, self.train):
+            if pool is not None:
+                pool.shutdown()
+        self.rollout = self.train = self.sync = None
+
+    # ---- membership ---------------------------------------------------------------------------------------------
+    def scale_rollout(self, replicas: int) -> None:
+        """Resize the rollout pool to ``replicas`` engines between steps.
+
+        New engines join the weight-sync group and receive the current policy before they serve; removed engines
+        hold no in-flight groups (steps are synchronous), so no prompt is lost.
+        """
+        if replicas < 1:
+            raise ValueError(f"rollout replicas must be >= 1, got {replicas}")
+        have = len(self.rollout.engines)
+        if replicas == have:
+            return
+        if replicas > have:
+            self.rollout.add(replicas - have, self.policy_version)
+        else:
+            self.rollout.remove(have - replicas)
+        self._resync_engines(f"rollout pool scaled {have} -> {replicas}")
+        self._status(f"rollout pool scaled from {have} to {replicas} engine(s) at policy version "
+                     f"{self.policy_version}")
+
+    def _resync_engines(self, why: str) -> None:
+        """Rebuild the sync group over the current engines and bring all of them to the current policy."""
+        self.sync.rebuild(self.rollout.engines)
+        report = self.sync.sync(self.policy_version)
+        if self.spec.sync.verify and not report.get("sync/verified", False):
+            raise RuntimeError(f"weight sync after {why} was not verified")
+
+    def _sync(self) -> dict:
+        """Sync the current policy to every engine; an engine that dies or stalls during the sync (an error within
+        ``sync.timeout_s``) is replaced, and the new group is synced before anything is sampled.
+
+        Raises:
+            EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
+            SyncVerificationError: an engine's weights differ from the trainer's (not retried: names the tensor).
+        """
+        try:
+            return self.sync.sync(self.policy_version)
+        except (ray.exceptions.RayError, WorkerTimeout) as exc:
+            dead = self.rollout.dead_engines()
+            if not dead:
+                raise
+            cause = f"{type(exc).__name__} during weight sync: {_first_line(exc)}"
+            self._status(f"rollout engine(s) {dead} failed ({cause}); replacing them")
+            self.rollout.replace(dead, self.policy_version, cause)
+            self.sync.rebuild(self.rollout.engines)
+            return self.sync.sync(self.policy_version)
+
+    def _apply_control(self) -> None:
+        """Apply a replica count set by ``grpo-cluster scale`` and publish the job's state."""
+        if self.control is None:
+            return
+        desired = self.control.desired_rollout_replicas()
+        if desired is not None and desired != len(self.rollout.engines):
+            self.scale_rollout(int(desired))
+        self.control.report({"step": self.step, "policy_version": self.policy_version,
+                             "rollout_replicas": len(self.rollout.engines), "total_steps": self.spec.total_steps,
+                             "engine_restarts": self.rollout.restarts})
+
+    def _generate(self, requests: list[GroupRequest]):
+        """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
+        an engine at a version within ``rollout.max_staleness`` of the trainer's.
+
+        Raises:
+            EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
+            StaleSamplesError: engines stay stale after being synced again.
+        """
+        r = self.spec.rollout
+        for attempt in range(r.max_engine_restarts + 3):
+            try:
+                groups, stats = self.rollout.generate(requests)
+            except (ray.exceptions.RayError, WorkerTimeout) as exc:
+                dead = self.rollout.dead_engines()
+                if not dead:
+                    raise
+                cause = f"{type(exc).__name__}: {_first_line(exc)}"
+                self._status(f"rollout engine(s) {dead} failed ({cause}); replacing and re-sampling "
+                             f"{len(requests)} group(s)")
+                self.rollout.replace(dead, self.policy_version, cause)
+                self._resync_engines(f"replacing engine(s) {dead}")
+                continue
+            stale = [g for g in groups if self.policy_version - g.policy_version > r.max_staleness]
+            if not stale:
+                return groups, stats
+            self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
+                         f"(trainer {self.policy_version}, rollout.max_staleness={r.max_staleness}); re-syncing "
+                         f"and sampling again")
+            self.stale_refused += len(stale)
+            self._resync_engines("stale samples")
+        raise StaleSamplesError(f"engines still returned stale or failed samples after {attempt + 1} attempts")
+
     # ---- one step -----------------------------------------------------------------------------------------------
     def run_step(self, bar=None) -> dict:
         """generate → score → advantages (repeated by dynamic sampling) → train → sync. Returns the step's metrics."""
@@ -127,14 +293,17 @@ class GRPOJob:
         phase = (lambda s: bar.set_postfix_str(s)) if bar is not None else (lambda s: None)
         alg = self.spec.algorithm
         group_size = self.group_size.group_size(self.step)
-        timings = {"generate_s": 0.0, "score_s": 0.0, "tokens": 0}
+        timings = {"generate_s": 0.0, "score_s": 0.0, "tokens": 0, "engine_idle": []}
         self._group_counter = 0  # group ids restart every step
+        self._step_prompts: dict[int, int] = {}  # group id -> example index, this step
+        self.stale_refused = 0
 
         def sample_round(num_prompts: int) -> RolloutBatch:
             phase("generate")
             examples, requests = self._next_requests(num_prompts, group_size)
             t0 = time.perf_counter()
-            groups, gen_stats = self.rollout.generate(requests)
+            groups, gen_stats = self._generate(requests)
+            timings["engine_idle"].append(gen_stats.get("engine_idle_fraction", 0.0))
             timings["generate_s"] += time.perf_counter() - t0
             timings["tokens"] += gen_stats["tokens"]
             phase("score")
@@ -155,20 +324,31 @@ class GRPOJob:
         num_sequences = sum(v > 0 for v in batch.valid_lengths)
         if alg.kl_controller == "adaptive":
             self.train.all("set_kl_coef", self.kl_controller.value, what="setting kl_coef")
+        version_at_train = self.policy_version
         train_metrics = self.train.train_step(per_rank, num_tokens, num_sequences)
-        self.kl_controller.update(train_metrics["actor/kl"], len(batch))
         train_s = time.perf_counter() - t0
+        skipped = bool(train_metrics.get("actor/update_skipped", 0.0))
+        if skipped:
+            self._note_skipped_update(train_metrics)
+        else:
+            self.skipped_updates = 0
+            self.kl_controller.update(train_metrics["actor/kl"], len(batch))
 
         phase("sync")
         t0 = time.perf_counter()
-        self.policy_version = int(train_metrics["policy_version"])
-        sync_metrics = self.sync.sync(self.policy_version)
+        new_version = int(train_metrics["policy_version"])
+        sync_metrics = {"sync/skipped": 1.0}
+        if new_version != self.policy_version:  # a skipped update changes no weights: nothing to send
+            self.policy_version = new_version
+            sync_metrics = {**self._sync(), "sync/skipped": 0.0}
         sync_s = time.perf_counter() - t0
+        self._record_prompts(batch)
 
         sampled = sampling.sampled
         rewards = sampled.rewards
         valid = rewards[~rewards.isnan()]
         lengths = torch.tensor([len(r) for r in sampled.response_ids], dtype=torch.float32)
+        staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
         generate_s = timings["generate_s"]
         metrics = {
             "policy_version": self.policy_version,
@@ -186,6 +366,15 @@ class GRPOJob:
             "rollout/groups_sampled": sampling.num_groups_sampled,
             "rollout/sequences_trained": len(batch),
             "rollout/sample_policy_version_min": min(sampled.versions),
+            "rollout/staleness_max": float(staleness.max()),
+            "rollout/staleness_mean": float(staleness.mean()),
+            "rollout/stale_groups_refused": self.stale_refused,
+            "rollout/engines": len(self.rollout.engines),
+            "rollout/engine_idle_fraction": (sum(timings["engine_idle"]) / len(timings["engine_idle"])
+                                             if timings["engine_idle"] else 0.0),
+            "workers/restarts": self.rollout.restarts,
+            "actor/update_skipped": float(skipped),
+            "actor/updates_skipped_total": self.skipped_updates_total,
             **{k: v for k, v in train_metrics.items() if k != "policy_version"},
             **sync_metrics,
             **plan_stats,
@@ -250,8 +439,10 @@ class GRPOJob:
             if not self._pending:
                 self._pending.extend(self.sampler.next_batch())
             ex = self._pending.popleft()
-            requests.append(GroupRequest(group_id=self._group_counter, prompt_ids=self.prompt_ids[ex.index],
-                                         group_size=group_size))
+            gid = self._group_counter
+            requests.append(GroupRequest(group_id=gid, prompt_ids=self.prompt_ids[ex.index], group_size=group_size,
+                                         seed=request_seed(self.spec.seed, self.step, gid)))
+            self._step_prompts[gid] = ex.index
             self._group_counter += 1
             examples.append(ex)
         return examples, requests
@@ -274,26 +465,105 @@ class GRPOJob:
         return Path(self.spec.checkpoint.dir) if self.spec.checkpoint.dir else self.output_dir / "checkpoints"
 
     def save_checkpoint(self) -> Path:
-        """An HF folder (safetensors, config, tokenizer, generation config) plus optimizer state and driver state."""
-        path = self.checkpoint_root() / f"step_{self.step:06d}"
-        if path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        self.train.all("save_checkpoint", str(path), what=f"saving checkpoint {path}")
+        """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config), the
+        sharded optimizer state, the spec and the driver state (step, policy version, data position including prompts
+        drawn but not yet sampled, KL and group-size controllers), then prune to ``checkpoint.keep_last``.
+
+        Atomic: everything is written into ``step_NNNNNN.partial`` and renamed when complete (``trainer_state.json``
+        last), so a crash mid-write leaves the previous checkpoint the latest complete one.
+        """
+        root = self.checkpoint_root()
+        path = root / f"step_{self.step:06d}"
+        tmp = root / f"step_{self.step:06d}.partial"
+        for stale in (tmp, path):
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+        self.train.all("save_checkpoint", str(tmp), what=f"saving checkpoint {path}")
         for name in TOKENIZER_FILES:
             src = Path(self.model_path) / name
             if src.is_file():
-                shutil.copy2(src, path / name)
+                shutil.copy2(src, tmp / name)
+        (tmp / "spec.yaml").write_text(spec_to_yaml(self.spec))
         state = {"step": self.step, "policy_version": self.policy_version, "sampler": self.sampler.state_dict(),
-                 "prompts_filtered": self.prompts_filtered, "model_path": self.model_path,
-                 "kl_coef": self.kl_controller.value, "group_size": self.group_size.state_dict()}
-        (path / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        latest = self.checkpoint_root() / "latest"
-        tmp = latest.with_suffix(".tmp")
-        tmp.write_text(path.name)
-        os.replace(tmp, latest)
+                 "pending_prompts": [ex.index for ex in self._pending], "prompts_filtered": self.prompts_filtered,
+                 "model_path": self.model_path, "kl_coef": self.kl_controller.value,
+                 "group_size": self.group_size.state_dict(), "skipped_updates": self.skipped_updates,
+                 "skipped_updates_total": self.skipped_updates_total,
+                 "engine_restarts": self.rollout.restarts if self.rollout is not None else 0}
+        _write_atomic(tmp / TRAINER_STATE, json.dumps(state, indent=2))
+        os.replace(tmp, path)
+        _write_atomic(root / "latest", path.name)
+        self._prune_checkpoints(root)
         self._status(f"checkpoint saved: {path}")
         return path
+
+    def _prune_checkpoints(self, root: Path) -> None:
+        keep = self.spec.checkpoint.keep_last
+        if keep is None:
+            return
+        done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / TRAINER_STATE).is_file()
+                      and not p.name.endswith(".partial"))
+        for old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _load_driver_state(self, path: Path) -> None:
+        """Restore the driver's side of a checkpoint (the workers load theirs in :meth:`start`).
+
+        Raises:
+            SetupError: the checkpoint's state does not fit this spec's data (naming the file and the field).
+        """
+        state_file = path / TRAINER_STATE
+        try:
+            state = json.loads(state_file.read_text())
+            self.step = int(state["step"])
+            self.policy_version = int(state["policy_version"])
+            self.sampler.load_state_dict(state["sampler"])
+            by_index = {ex.index: ex for ex in self.sampler.examples}
+            self._pending = deque(by_index[i] for i in state.get("pending_prompts", []))
+            self.kl_controller.value = float(state["kl_coef"])
+            self.group_size.load_state_dict(state["group_size"])
+            self.skipped_updates = int(state.get("skipped_updates", 0))
+            self.skipped_updates_total = int(state.get("skipped_updates_total", 0))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SetupError(f"resume: {state_file}: cannot restore the driver state: {type(exc).__name__}: {exc}") \
+                from None
+        if self.step >= self.spec.total_steps:
+            self._status(f"resume: checkpoint {path} is at step {self.step} >= total_steps={self.spec.total_steps}")
+
+    def _note_skipped_update(self, train_metrics: dict) -> None:
+        """Count an update skipped for NaN/Inf; too many in a row stop the job naming the step and the metric."""
+        self.skipped_updates += 1
+        self.skipped_updates_total += 1
+        metric = train_metrics.get("actor/nonfinite_metric") or "loss or grad_norm"
+        limit = self.spec.train.max_skipped_updates
+        self._status(f"step {self.step}: non-finite {metric}; update skipped, weights not broadcast "
+                     f"({self.skipped_updates} in a row, limit {limit})")
+        if self.skipped_updates >= limit:
+            raise NumericsError(f"step {self.step}: {self.skipped_updates} updates in a row skipped for a non-finite "
+                                f"{metric} (train.max_skipped_updates={limit}); last good policy version "
+                                f"{self.policy_version}")
+
+    def _record_prompts(self, batch: RolloutBatch) -> None:
+        """Append the step's trained prompts (example indices, one per group) to ``trained_prompts.jsonl``."""
+        seen, prompts = set(), []
+        for gid in batch.group_ids.tolist():
+            if gid not in seen:
+                seen.add(gid)
+                prompts.append(self._step_prompts[gid])
+        row = {"step": self.step, "policy_version": self.policy_version, "prompts": prompts,
+               "engines": len(self.rollout.engines)}
+        with open(self.output_dir / "trained_prompts.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _log_workers(self, metrics: dict) -> None:
+        """Per-engine figures for Prometheus (worker label)."""
+        log_worker = getattr(self.metrics, "log_worker", None)
+        if log_worker is None or self.rollout is None:
+            return
+        for i, info in enumerate(self.rollout.infos):
+            log_worker(self.step, "rollout", f"engine-{i}", {"policy_version": float(self.policy_version),
+                                                             "workers/pid": float(info.get("pid") or 0)})
 
     def _status(self, message: str) -> None:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
@@ -347,3 +617,62 @@ def _model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
     path = Path(model_path) / "generation_config.json"
     config_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
     return eos_token_ids(config_eos, tokenizer.eos_token_id)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace`` (readers never see half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _truncate_jsonl(path: Path, max_step: int) -> None:
+    """Drop rows whose ``step`` is above ``max_step`` (a resumed run redoes those steps); other rows are kept."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= max_step]
+    if len(kept) != len(lines):
+        _write_atomic(path, "".join(kept))
+
+
+def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False,
+                      first_job: GRPOJob | None = None) -> tuple[GRPOJob, list[dict]]:
+    """Run a job; when a worker fails, resume from the latest checkpoint up to ``spec.restart_on_failure`` times.
+
+    ``first_job`` is an already constructed (not started) job for the first attempt (the CLI builds one before Ray
+    starts, so bad data or model paths fail early).
+
+    Returns (the last job, every completed step's metrics in step order).
+
+    Raises:
+        TrainWorkerFailure | EngineFailure | WorkerTimeout | NumericsError: the failure, once restarts are used up
+            (``NumericsError`` is never retried: the same data would give the same NaN).
+    """
+    history: dict[int, dict] = {}
+    attempt = 0
+    while True:
+        job = first_job if attempt == 0 and first_job is not None else GRPOJob(
+            spec, progress=progress, resume=resume or attempt > 0)
+        try:
+            job.run()
+            history.update(job.completed)
+            return job, [history[k] for k in sorted(history)]
+        except (TrainWorkerFailure, EngineFailure, WorkerTimeout, ray.exceptions.RayError) as exc:
+            history.update(job.completed)
+            if attempt >= spec.restart_on_failure:
+                raise
+            attempt += 1
+            job._status(f"failure: {type(exc).__name__}: {exc}; restarting from the latest checkpoint "
+                        f"({attempt}/{spec.restart_on_failure})")
+        finally:
+            job.close()
+            job.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,8 +1,19 @@
 """Per-step metrics: one JSON line per step in ``<output_dir>/metrics.jsonl``, a console line, Prometheus gauges.
 
 Metric keys are free-form ``group/name`` strings; each becomes a gauge ``grpo_<key>`` with every character outside
-``[a-zA-Z0-9_:]`` replaced by ``_`` (``reward/mean`` → ``grpo_reward_mean``), labelled ``job``. The console line
-shows the keys in :data:`CONSOLE_FIELDS` that are present, e.g.::
+``[a-zA-Z0-9_:]`` replaced by ``_`` (``reward/mean`` → ``grpo_reward_mean``). Every series carries three labels:
+
+- ``job``: the job name (``spec.name``);
+- ``pool``: ``rollout``, ``train``, ``sync`` or ``driver``, derived from the key by :func:`pool_of` for the driver's
+  figures (``actor/*`` → train, ``rollout/*`` → rollout, ``sync/*`` → sync, …) or given to
+  :meth:`MetricsLogger.log_worker`;
+- ``worker``: ``driver`` for the driver's aggregate figures (:meth:`MetricsLogger.log`), else the worker's name
+  (``engine-0``, ``train-3``) for per-worker figures (:meth:`MetricsLogger.log_worker`, also written to
+  ``<output_dir>/workers.jsonl``).
+
+So ``grpo_perf_rollout_tokens_per_s{worker="driver"}`` is the pool's throughput and
+``grpo_perf_rollout_tokens_per_s{worker!="driver"}`` one series per engine. The console line shows the keys in
+:data:`CONSOLE_FIELDS` that are present, e.g.::
 
     step 3 | reward 0.125 acc 0.062 fmt 0.250 | kl 0.0012 clip 0.000 ent 1.23 gnorm 0.41 | len 96 | gen 12.1s ...
 
@@ -10,6 +21,7 @@ Usage::
 
     with MetricsLogger("runs/x", port=0) as metrics:
         metrics.log(1, {"reward/mean": 0.125, "timing/step_s": 44.0, "sync/verified": True})
+        metrics.log_worker(1, "rollout", "engine-0", {"perf/rollout_tokens_per_s": 93.8, "rollout/queue_depth": 2})
 """
 
 from __future__ import annotations
@@ -18,14 +30,62 @@ import json
 import math
 import numbers
 import re
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
-__all__ = ["CONSOLE_FIELDS", "MetricsError", "MetricsLogger", "prometheus_name", "format_console_line",
+__all__ = ["CONSOLE_FIELDS", "DRIVER_WORKER", "LABELS", "LAST_STEP_TIMESTAMP_KEY", "METRIC_HELP", "POOLS",
+           "POOL_OF_KEY", "MetricsError", "MetricsLogger", "format_console_line", "pool_of", "prometheus_name",
            "read_metrics_jsonl"]
+
+LABELS: tuple[str, ...] = ("job", "pool", "worker")
+"""Label names of every exported series."""
+
+POOLS: tuple[str, ...] = ("driver", "rollout", "train", "sync")
+"""Values of the ``pool`` label."""
+
+DRIVER_WORKER = "driver"
+"""``worker`` label of the driver's aggregate figures (reserved: no worker may be called this)."""
+
+LAST_STEP_TIMESTAMP_KEY = "last_step_timestamp_seconds"
+"""Gauge ``grpo_last_step_timestamp_seconds``: Unix time of the last logged step (of the logger's start before the
+first step). ``time() - grpo_last_step_timestamp_seconds`` is how long the job has gone without a step."""
+
+POOL_OF_KEY: tuple[tuple[str, str], ...] = (
+    ("rollout/", "rollout"), ("response_length/", "rollout"), ("perf/rollout_", "rollout"),
+    ("timing/generate_s", "rollout"),
+    ("actor/", "train"), ("perf/train_", "train"), ("timing/train_", "train"), ("memory/train_", "train"),
+    ("packing/", "train"),
+    ("sync/", "sync"), ("timing/sync_s", "sync"),
+)
+"""(key prefix, pool): the first prefix a key starts with names its pool; keys matching none belong to ``driver``
+(``step``, ``policy_version``, ``reward/*``, ``groups/*``, ``data/*``, ``workers/*``, ``timing/step_s``)."""
+
+METRIC_HELP: dict[str, str] = {
+    "step": "Training steps completed by the job.",
+    LAST_STEP_TIMESTAMP_KEY: "Unix time (seconds) of the last completed step, or of the job's start before step 1.",
+    "policy_version": "Policy version: optimizer updates applied to the policy so far.",
+    "reward/mean": "Mean reward over the step's sampled completions.",
+    "reward/accuracy": "Mean accuracy reward (fraction of correct final answers).",
+    "actor/loss": "Policy loss of the step (NaN if non-finite).",
+    "actor/kl": "Mean per-token KL(policy || reference policy), estimator algorithm.kl_estimator.",
+    "actor/clip_fraction": "Fraction of response tokens whose importance ratio was clipped.",
+    "response_length/mean": "Mean response length, tokens.",
+    "perf/rollout_tokens_per_s": "Rollout generation throughput, response tokens per second.",
+    "perf/train_tokens_per_s": "Training throughput, tokens per second.",
+    "rollout/queue_depth": "Prompt groups queued or in flight at the rollout engine(s).",
+    "rollout/kv_cache_usage": "Fraction of the engine's KV cache in use (0..1).",
+    "rollout/staleness_max": "Max over trained groups of (policy version trained - policy version that sampled).",
+    "rollout/staleness_mean": "Mean over trained groups of (policy version trained - policy version that sampled).",
+    "sync/bytes": "Bytes of weights sent per weight sync.",
+    "timing/sync_s": "Wall seconds of the step's weight sync.",
+    "workers/restarts": "Worker restarts since the job started (cumulative count).",
+}
+"""HELP text of the figures the dashboards and alerts use; other keys get a generic one."""
 
 CONSOLE_FIELDS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("policy_version", "v{:.0f}"),),
@@ -50,6 +110,14 @@ class MetricsError(RuntimeError):
 def prometheus_name(key: str) -> str:
     """``reward/mean`` → ``grpo_reward_mean``: prefix ``grpo_``, characters outside [a-zA-Z0-9_:] → ``_``."""
     return "grpo_" + re.sub(r"[^a-zA-Z0-9_:]", "_", key)
+
+
+def pool_of(key: str) -> str:
+    """The ``pool`` label of a driver-level metric key (see :data:`POOL_OF_KEY`): ``actor/kl`` → ``train``."""
+    for prefix, pool in POOL_OF_KEY:
+        if key.startswith(prefix):
+            return pool
+    return "driver"
 
 
 def _as_number(value: Any) -> float | None:
@@ -106,9 +174,10 @@ def format_console_line(step: int, metrics: Mapping[str, Any]) -> str:
 class MetricsLogger:
     """Writes ``<output_dir>/metrics.jsonl`` (append), prints a line per logged step, serves Prometheus gauges.
 
-    port: TCP port of the ``/metrics`` HTTP endpoint on ``host``; 0 picks a free one (read it from ``.port``);
-    None serves nothing. Gauges live in a private CollectorRegistry, so several loggers can coexist in a process.
-    Raises MetricsError if the port cannot be bound.
+    port: TCP port of the ``/metrics`` HTTP endpoint on ``host`` (prometheus_client's server: it serves the
+    exposition text and nothing else); 0 picks a free one (read it from ``.port``); None serves nothing. Gauges live in
+    a private CollectorRegistry, so several loggers can coexist in a process. Every series is labelled
+    ``job``/``pool``/``worker`` (see the module docstring). Raises MetricsError if the port cannot be bound.
     """
 
     def __init__(self, output_dir: str | Path, *, host: str = "127.0.0.1", port: int | None = 9300,
@@ -116,11 +185,14 @@ class MetricsLogger:
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / "metrics.jsonl"
+        self.workers_path = self.output_dir / "workers.jsonl"
         self.host = host
         self.job = job
         self.echo = echo
         self.registry = CollectorRegistry(auto_describe=True)
         self._gauges: dict[str, Gauge] = {}
+        self._worker_series: dict[tuple[str, str], set[str]] = {}  # (pool, worker) → gauge names it has set
+        self._lock = threading.Lock()
         self._server = self._thread = None
         self.port: int | None = None
         if port is not None:
@@ -131,6 +203,8 @@ class MetricsLogger:
                                    f"a free port, 0 for any free port, or null to disable") from exc
             self.port = int(self._server.server_port)
         self._file = self.path.open("a", encoding="utf-8")
+        self._workers_file = None  # opened on the first log_worker call
+        self._set_gauge(LAST_STEP_TIMESTAMP_KEY, "driver", DRIVER_WORKER, time.time())
 
     @property
     def url(self) -> str | None:
@@ -140,42 +214,96 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record one step: a JSON line ``{"step": step, **metrics}`` (NaN → null), a console line, gauges.
 
-        Numbers and bools (as 0/1) go to Prometheus; other values only to the JSON line.
+        Numbers and bools (as 0/1) go to Prometheus with ``worker="driver"`` and ``pool=pool_of(key)``, plus
+        ``grpo_step`` and ``grpo_last_step_timestamp_seconds`` (now); other values only to the JSON line.
+        Raises ValueError if ``metrics`` has a ``step`` key or the logger is closed.
         """
         if "step" in metrics:
             raise ValueError(f"metrics must not contain the key 'step' (given as the step argument); got "
                              f"step={metrics['step']!r}")
-        if self._file.closed:
-            raise ValueError(f"MetricsLogger for {self.path} is closed")
+        self._check_open()
         record = {"step": int(step), **{str(k): _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        with self._lock:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._file.flush()
         if self.echo:
             print(format_console_line(step, metrics), flush=True)
-        self._set_gauge("step", float(step))
+        self._set_gauge("step", "driver", DRIVER_WORKER, float(step))
+        self._set_gauge(LAST_STEP_TIMESTAMP_KEY, "driver", DRIVER_WORKER, time.time())
         for key, value in metrics.items():
             number = _as_number(value)
             if number is not None:
-                self._set_gauge(str(key), number)
+                self._set_gauge(str(key), pool_of(str(key)), DRIVER_WORKER, number)
 
-    def _set_gauge(self, key: str, value: float) -> None:
+    def log_worker(self, step: int, pool: str, worker: str, metrics: Mapping[str, Any]) -> None:
+        """Record one worker's own figures (e.g. an engine's tokens/s, KV-cache use, queue depth, restarts).
+
+        Each number becomes the gauge of the same name as :meth:`log` would export (``rollout/queue_depth`` →
+        ``grpo_rollout_queue_depth``) with labels ``pool=pool, worker=worker``; the whole record goes to
+        ``<output_dir>/workers.jsonl`` as ``{"step", "pool", "worker", **metrics}``. Nothing is printed.
+
+        Raises:
+            ValueError: ``pool`` not in :data:`POOLS`; ``worker`` empty or ``"driver"`` (reserved for aggregates);
+                ``metrics`` has a ``step``, ``pool`` or ``worker`` key; the logger is closed.
+        """
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {list(POOLS)}; got {pool!r}")
+        if not worker or worker == DRIVER_WORKER:
+            raise ValueError(f"worker must be a non-empty name other than {DRIVER_WORKER!r} (reserved for the "
+                             f"driver's aggregate figures); got {worker!r}")
+        clash = sorted({"step", "pool", "worker"} & set(metrics))
+        if clash:
+            raise ValueError(f"worker metrics must not contain the keys {clash} (given as arguments)")
+        self._check_open()
+        record = {"step": int(step), "pool": pool, "worker": worker,
+                  **{str(k): _jsonable(v) for k, v in metrics.items()}}
+        with self._lock:
+            if self._workers_file is None:
+                self._workers_file = self.workers_path.open("a", encoding="utf-8")
+            self._workers_file.write(json.dumps(record, allow_nan=False) + "\n")
+            self._workers_file.flush()
+        for key, value in metrics.items():
+            number = _as_number(value)
+            if number is not None:
+                self._set_gauge(str(key), pool, worker, number)
+
+    def remove_worker(self, pool: str, worker: str) -> int:
+        """Drop every series of a worker that left the job (e.g. a rollout engine removed by scaling), so Prometheus
+        stops seeing it. Returns the number of series removed (0 for an unknown worker)."""
+        with self._lock:
+            names = self._worker_series.pop((pool, worker), set())
+            for name in names:
+                self._gauges[name].remove(self.job, pool, worker)
+        return len(names)
+
+    def _check_open(self) -> None:
+        if self._file.closed:
+            raise ValueError(f"MetricsLogger for {self.path} is closed")
+
+    def _set_gauge(self, key: str, pool: str, worker: str, value: float) -> None:
         name = prometheus_name(key)
-        gauge = self._gauges.get(name)
-        if gauge is None:
-            gauge = Gauge(name, f"GRPO metric {key!r}", labelnames=["job"], registry=self.registry)
-            self._gauges[name] = gauge
-        gauge.labels(job=self.job).set(value)
+        with self._lock:
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = Gauge(name, METRIC_HELP.get(key, f"GRPO metric {key!r}"), labelnames=list(LABELS),
+                              registry=self.registry)
+                self._gauges[name] = gauge
+            gauge.labels(job=self.job, pool=pool, worker=worker).set(value)
+            if worker != DRIVER_WORKER:
+                self._worker_series.setdefault((pool, worker), set()).add(name)
 
     def close(self) -> None:
-        """Stop the HTTP server and close the jsonl file; safe to call twice."""
+        """Stop the HTTP server and close the jsonl files; safe to call twice."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             if self._thread is not None:
                 self._thread.join(timeout=5)
             self._server = self._thread = None
-        if not self._file.closed:
-            self._file.close()
+        with self._lock:
+            for fh in (self._file, self._workers_file):
+                if fh is not None and not fh.closed:
+                    fh.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

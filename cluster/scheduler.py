@@ -23,6 +23,11 @@ The algorithm (:func:`plan_microbatches`):
 Micro-batches are packed rows (sequences concatenated, varlen attention), so they carry no padding; use
 :func:`padded_tokens` to price the same micro-batches as padded ``[num_seqs, max_len]`` batches.
 
+Rollout side, :func:`assign_groups` dispatches groups to vLLM engines by load (tokens, not request count): every
+group's G samples go to one engine (one request with ``n=G`` shares the prompt's prefix cache), each to the engine with
+the fewest tokens assigned so far, heaviest group first (longest-processing-time-first list scheduling, R. L. Graham,
+"Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 17(2), 1969).
+
 Everything is deterministic: ties are broken by sequence index. Pure Python, no Ray, no torch.
 """
 
@@ -34,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MicroBatchPlan", "plan_microbatches", "karmarkar_karp", "padded_tokens"]
+__all__ = ["MicroBatchPlan", "plan_microbatches", "karmarkar_karp", "padded_tokens", "assign_groups"]
 
 Oversize = Literal["error", "own"]
 
@@ -189,6 +194,44 @@ def padded_tokens(lengths: Sequence[int], microbatches: Iterable[Sequence[int]])
     Compare with ``sum(lengths)``, the packed cost; padding fraction = 1 - sum(lengths) / padded_tokens.
     """
     return sum(len(mb) * max(lengths[i] for i in mb) for mb in microbatches if len(mb))
+
+
+def assign_groups(prompt_lengths: Sequence[int], group_sizes: Sequence[int], num_engines: int,
+                  max_response_tokens: int) -> list[list[int]]:
+    """Dispatch groups to engines by load: ``out[e]`` = indices of the groups engine e samples, in dispatch order.
+
+    prompt_lengths: ``[B]`` int, prompt tokens of each group's prompt (>= 1).
+    group_sizes: ``[B]`` int, G of each group (>= 1; groups may differ, e.g. with an adaptive group size).
+    num_engines: E >= 1 rollout engines.
+    max_response_tokens: T >= 1, the response cap.
+
+    Load of group i: ``prompt_lengths[i] + group_sizes[i] · T`` tokens, the most the engine can have in flight for it
+    (the prompt is computed once: its G samples share the prefix cache). Groups are taken heaviest first (ties: lower
+    index) and each goes whole to the engine with the least load so far (ties: lower engine index), so engines
+    finish together; with equal loads that is round-robin. An engine may get no group (B < E).
+
+    Raises ValueError for mismatched lengths, E < 1, T < 1, or a prompt length / group size < 1.
+
+    Cost: O(B log B + B·E).
+    """
+    num_engines = _check_positive("num_engines", num_engines)
+    max_response_tokens = _check_positive("max_response_tokens", max_response_tokens)
+    prompts, sizes = _as_int_list(prompt_lengths), _as_int_list(group_sizes)
+    if len(prompts) != len(sizes):
+        raise ValueError(f"assign_groups: got {len(prompts)} prompt lengths and {len(sizes)} group sizes; "
+                         f"expected one of each per group")
+    for name, values in (("prompt_lengths", prompts), ("group_sizes", sizes)):
+        for i, v in enumerate(values):
+            if v < 1:
+                raise ValueError(f"{name}[{i}]: expected >= 1, got {v}")
+    loads = [p + g * max_response_tokens for p, g in zip(prompts, sizes)]
+    engine_load = [0] * num_engines
+    out: list[list[int]] = [[] for _ in range(num_engines)]
+    for i in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
+        e = min(range(num_engines), key=lambda k: (engine_load[k], k))
+        out[e].append(i)
+        engine_load[e] += loads[i]
+    return out
 
 
 def _materialise(payload: object, lengths: list[int], k: int,

@@ -138,6 +138,15 @@ class RolloutSpec(BaseModel):
     max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Engine context length in tokens; null lets the engine use the model's own."))
     timeout_s: float = Field(900, gt=0, description="Seconds to wait for one step's rollouts before failing.")
+    max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
+        "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
+        "refused and sampled again."))
+    max_engine_restarts: int = Field(3, ge=0, le=1_000_000, strict=True, description=(
+        "Engines that die are replaced and synced before they serve; more than this many replacements in one job "
+        "stop it with the cause."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray placement-group strategy across engine replicas (each multi-GPU engine's own bundles are always "
+        "STRICT_PACK, i.e. on one node)."))
 
 
 class TrainSpec(BaseModel):
@@ -159,6 +168,20 @@ class TrainSpec(BaseModel):
     max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
         "Token budget of one forward/backward pass."))
     timeout_s: float = Field(900, gt=0, description="Seconds to wait for one train step before failing.")
+    strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
+        "Data-parallel training strategy; 'megatron' is reserved and rejected until its workers exist."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray placement-group strategy for the train ranks' bundles."))
+    max_skipped_updates: int = Field(3, ge=1, le=1_000_000, strict=True, description=(
+        "Updates with a NaN/Inf loss or gradient are skipped (weights unchanged, nothing broadcast); this many in a "
+        "row stop the job naming the step and the metric."))
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_available(cls, strategy: str) -> str:
+        if strategy != "fsdp":
+            raise ValueError(f"strategy {strategy!r} is not available yet; use 'fsdp'")
+        return strategy
 
     @field_validator("betas")
     @classmethod
@@ -182,8 +205,19 @@ class SyncSpec(BaseModel):
     model_config = _CONFIG
     bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, strict=True, description=(
         "Bytes per broadcast bucket; ints or strings like '64MiB', '512MB', '1GiB'."))
-    verify: bool = Field(True, description="Check checksums / probe logprobs after every sync.")
-    timeout_s: float = Field(300, gt=0, description="Seconds to wait for one weight sync before failing.")
+    verify: bool | Literal["sample"] = Field(True, description=(
+        "Compare every engine's per-tensor CRC-32 of the received weights with the trainer's: true after every "
+        "sync, false never, 'sample' a rotating 1/verify_full_every of the tensors every sync and all of them "
+        "every verify_full_every-th policy version."))
+    verify_full_every: int = Field(10, ge=1, strict=True, description=(
+        "With verify 'sample': policy versions between full checks (K); sampled checks cover every tensor once "
+        "per K consecutive versions."))
+    timeout_s: float = Field(300, gt=0, description=(
+        "Seconds one weight sync (and forming the sync group) may take; an engine that dies or stalls becomes an "
+        "error naming it within this limit."))
+    mode: Literal["broadcast", "ipc", "auto"] = Field("broadcast", description=(
+        "How buckets reach the engines: 'broadcast' (gloo/NCCL group), 'ipc' (same host only: shared memory on CPU, "
+        "CUDA IPC handles on GPU), 'auto' (ipc when every engine is on the trainer rank 0's Ray node)."))
 
 
 class MetricsSpec(BaseModel):
@@ -203,6 +237,9 @@ class CheckpointSpec(BaseModel):
     every_steps: int = Field(0, ge=0, strict=True, description="Save every this many steps; 0 saves only at the end.")
     save_final: bool = Field(True, description="Save after the last step.")
     dir: str | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
+    keep_last: int | None = Field(None, ge=1, le=1_000_000, strict=True, description=(
+        "Keep only this many newest complete checkpoints (older ones are deleted after a new one is complete); "
+        "null keeps all."))
 
 
 class RaySpec(BaseModel):
@@ -235,6 +272,11 @@ class JobSpec(BaseModel):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=CheckpointSpec.__doc__)
     ray: RaySpec = Field(default_factory=RaySpec, description=RaySpec.__doc__)
+    resume: Literal["never", "auto"] = Field("never", description=(
+        "'auto' continues from the latest complete checkpoint in checkpoint.dir when there is one "
+        "(same as `grpo-cluster run --resume`)."))
+    restart_on_failure: int = Field(0, ge=0, le=1000, strict=True, description=(
+        "When a worker fails, tear the pools down and resume from the latest checkpoint, up to this many times."))
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> JobSpec:

@@ -22,11 +22,15 @@ EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
 @dataclass(frozen=True)
 class GroupRequest:
     """One prompt to sample a group for. ``group_id`` is unique within a step; ``group_size`` (G for this prompt)
-    overrides the ``group_size`` argument of ``RolloutEngine.generate`` when set (adaptive group size)."""
+    overrides the ``group_size`` argument of ``RolloutEngine.generate`` when set (adaptive group size). ``seed``
+    (when set) seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
+    and the seed — not on which engine samples it or what else is in the batch's queue. The driver derives it from
+    (spec seed, step, sampling round, group id), which makes resumed runs and re-sampled groups reproducible."""
 
     group_id: int
     prompt_ids: list[int]
     group_size: int | None = None
+    seed: int | None = None
 
 
 @dataclass
@@ -66,9 +70,11 @@ class RolloutEngine:
         dtype: engine dtype name (``float32`` on CPU).
         seed: engine seed (sampling is reproducible for a fixed seed and request order).
         max_model_len: context length the engine reserves per sequence.
+        policy_version: version of the weights in ``model_path`` (0 for the initial model, a checkpoint's version on
+            resume); the driver syncs newer weights before the engine serves.
     """
 
-    def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int):
+    def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int, policy_version: int = 0):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not on_gpu:
@@ -76,7 +82,7 @@ class RolloutEngine:
         from vllm import LLM
 
         self.rollout = rollout
-        self.policy_version = 0
+        self.policy_version = policy_version
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -91,8 +97,18 @@ class RolloutEngine:
         )
 
     def ready(self) -> dict:
-        """Cheap liveness probe; returns the engine's policy version and process id."""
-        return {"policy_version": self.policy_version, "pid": os.getpid()}
+        """Cheap liveness probe: the engine's policy version, process id, and where it really runs (Ray node id and
+        the GPU ids Ray gave this process, read here rather than inferred from a placement bundle)."""
+        info = {"policy_version": self.policy_version, "pid": os.getpid(), "node_id": None, "gpu_ids": []}
+        try:
+            import ray
+
+            if ray.is_initialized():
+                info["node_id"] = ray.get_runtime_context().get_node_id()
+                info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
+        except Exception:  # noqa: BLE001 - outside Ray (tests build the engine in-process)
+            pass
+        return info
 
     def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
         """Sample ``group_size`` completions for each request (``request.group_size`` when set).
@@ -103,6 +119,8 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.policy_version is None:
+            raise RuntimeError("engine weights are inconsistent after a failed weight sync; sync it before generating")
         params = [SamplingParams(
             n=r.group_size or group_size,
             temperature=self.rollout.temperature,
@@ -110,6 +128,7 @@ class RolloutEngine:
             max_tokens=self.rollout.max_response_tokens,
             logprobs=0,
             skip_special_tokens=True,
+            seed=r.seed,
         ) for r in requests]
         t0 = time.perf_counter()
         outputs = self.llm.generate(
@@ -130,20 +149,31 @@ class RolloutEngine:
                                        self.policy_version))
         return results, {"seconds": seconds, "tokens": tokens}
 
-    def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo") -> list[int]:
-        """Every engine worker joins the sync group; returns their ranks."""
+    def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
+                         channel=None) -> list[int]:
+        """Every engine worker joins the sync group (``channel``: the sender's transport descriptor, see
+        ``weight_sync.transport``; None = broadcast); returns their ranks."""
         from weight_sync.buckets import buckets_to_wire
 
         return self.llm.collective_rpc(
-            "init_weight_sync", args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend)
+            "init_weight_sync",
+            args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend, channel),
         )
+
+    def close_weight_sync(self) -> None:
+        """Every engine worker leaves the sync group (before a group with new membership is formed)."""
+        self.llm.collective_rpc("close_weight_sync")
 
     def receive_weights(self, policy_version: int, verify: bool) -> dict:
         """Receive one streamed sync, reset the prefix cache, then serve ``policy_version``.
 
         Returns the first worker's report (see ``WeightSyncExtension.receive_weights``), with all workers' checksums.
         """
-        reports = self.llm.collective_rpc("receive_weights", args=(policy_version, verify))
+        try:
+            reports = self.llm.collective_rpc("receive_weights", args=(policy_version, verify))
+        except BaseException:
+            self.policy_version = None  # some layers may hold the new weights: refuse to generate until a sync
+            raise
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
         report = dict(reports[0])

@@ -19,58 +19,98 @@ from weight_sync.group import SyncGroup
 
 
 class WeightSyncExtension:
-    """Methods added to each vLLM worker (``self`` is the vLLM worker; it has ``model_runner`` and ``vllm_config``)."""
+    """Methods added to each vLLM worker (``self`` is the vLLM worker; it has ``model_runner`` and ``vllm_config``).
+
+    State kept on the worker: the transport receiver, the bucket plan, and ``_grpo_policy_version``, the policy
+    version whose weights the worker holds (None before the first sync and after a failed one, when the model may
+    hold a mix of two versions).
+    """
 
     def init_weight_sync(
         self, host: str, port: int, rank_offset: int, world_size: int, buckets: list[dict], timeout_s: float,
-        backend: str = "gloo",
+        backend: str = "gloo", channel: dict | None = None,
     ) -> int:
         """Join the sync group as rank ``rank_offset + tp_rank``; remember the bucket plan (``buckets_to_wire`` form).
 
+        Args:
+            backend: the broadcast backend (``gloo``/``nccl``) when ``channel`` is None or a broadcast.
+            channel: the sender's transport descriptor (``weight_sync.transport``): ``{"kind": "broadcast"}``,
+                ``shm`` (maps the sender's shared-memory slots) or ``cuda_ipc``.
+
         Returns the rank.
         """
+        from weight_sync.transport import backend_for, make_receiver
+
+        self.close_weight_sync()
+        channel = channel or {"kind": "broadcast"}
         tp_rank = getattr(self, "rank", 0)
         rank = rank_offset + tp_rank
-        self._grpo_sync_group = SyncGroup(host, port, rank, world_size, timeout_s, backend=backend)
+        device = self._grpo_device()
+        group_backend = backend if channel["kind"] == "broadcast" else backend_for(channel["kind"], False)
+        group = SyncGroup(host, port, rank, world_size, timeout_s, backend=group_backend)
+        self._grpo_receiver = make_receiver(channel, group, device)
         self._grpo_buckets = buckets_from_wire(buckets)
         return rank
 
     def close_weight_sync(self) -> None:
-        """Forget the sync group (before a new one is built for changed membership)."""
-        self._grpo_sync_group = None
+        """Leave the sync group (before a new one is built for changed membership)."""
+        receiver = getattr(self, "_grpo_receiver", None)
+        if receiver is not None:
+            receiver.close()
+        self._grpo_receiver = None
 
-    def receive_weights(self, policy_version: int, verify: bool) -> dict:
+    def weight_sync_version(self) -> int | None:
+        """The policy version this worker's weights are (None: never synced, or the last sync failed)."""
+        return getattr(self, "_grpo_policy_version", None)
+
+    def _grpo_device(self) -> torch.device:
+        device = getattr(self.model_runner, "device", torch.device("cpu"))
+        return device if getattr(device, "type", "cpu") == "cuda" else torch.device("cpu")
+
+    def receive_weights(self, policy_version: int, verify: bool | list[str]) -> dict:
         """Receive every bucket of one sync and load it into the model.
 
         Args:
             policy_version: the version the trainer is sending (recorded, returned).
-            verify: also return per-tensor CRC-32 checksums of the received bytes (engine dtype).
+            verify: return CRC-32 checksums of the received bytes (engine dtype) of every tensor (True), none
+                (False) or of the named tensors (``weight_sync.verify``).
 
         Returns:
-            ``{"policy_version", "seconds", "bytes", "checksums": {name: crc} (empty unless verify)}``.
+            ``{"policy_version", "seconds", "bytes", "checksums": {name: crc}}``.
+
+        Raises:
+            RuntimeError: before ``init_weight_sync``, or the transport failed (the sender died, stalled past the
+                timeout, or closed the group after another member failed). The reload is then abandoned, every
+                layer keeps a consistent tensor set (old layers keep their old weights), and the worker's version
+                becomes None until a sync succeeds.
         """
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        group = getattr(self, "_grpo_sync_group", None)
-        if group is None:
-            raise RuntimeError("receive_weights called before init_weight_sync")
-        device = self.model_runner.device if hasattr(self.model_runner, "device") else torch.device("cpu")
-        on_gpu = getattr(device, "type", "cpu") == "cuda"
+        receiver = getattr(self, "_grpo_receiver", None)
+        if receiver is None:
+            raise RuntimeError("receive_weights called before init_weight_sync (or after close_weight_sync)")
+        check = set(s.name for b in self._grpo_buckets for s in b.slots) if verify is True else set(verify or ())
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         checksums: dict[str, int] = {}
         total = 0
         t0 = time.perf_counter()
+        self._grpo_policy_version = None
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
-            for bucket in self._grpo_buckets:
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device if on_gpu else "cpu")
-                group.broadcast(buf)
-                total += bucket.nbytes
-                if verify:
-                    checksums.update(bucket_checksums(bucket, buf.cpu() if on_gpu else buf))
-                model.load_weights(unpack_bucket(bucket, buf))
+            try:
+                receiver.begin()
+                for bucket in self._grpo_buckets:
+                    buf = receiver.receive(bucket)
+                    total += bucket.nbytes
+                    if check and any(s.name in check for s in bucket.slots):
+                        checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+                    model.load_weights(unpack_bucket(bucket, buf))
+            except BaseException:
+                _abandon_reload(model)
+                finalize_layerwise_reload(model, model_config)
+                raise
             finalize_layerwise_reload(model, model_config)
             _refresh_tied_lm_head(model, model_config)
         self._grpo_policy_version = policy_version
@@ -80,6 +120,18 @@ class WeightSyncExtension:
             "bytes": total,
             "checksums": checksums,
         }
+
+
+def _abandon_reload(model: torch.nn.Module) -> None:
+    """Drop the weights buffered for layers that did not receive all of theirs, so that finalising puts their
+    previous kernel tensors back instead of processing a partial set (or mixing it into the next sync)."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.loaded_weights.clear()
+            info.load_numel = 0
 
 
 def _refresh_tied_lm_head(model: torch.nn.Module, model_config) -> None:

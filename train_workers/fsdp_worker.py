@@ -40,7 +40,15 @@ _SUMS = {name: i for i, name in enumerate((
     "logprob_diff",    # Σ |trainer old logprob − engine logprob|, first iteration only
     "tokens_first",    # loss tokens of the first iteration
     "forward_tokens",  # packed tokens run forward (all passes)
+    "nonfinite_loss",       # ranks whose local loss sum is NaN/Inf (0/1 per rank, so the reduced sum counts ranks)
+    "nonfinite_grad_norm",  # ranks that saw a NaN/Inf global gradient norm
 ))}
+
+#: Metric names reported as the cause of a skipped update, in the order they are checked.
+_NONFINITE = {"nonfinite_loss": "actor/loss", "nonfinite_grad_norm": "actor/grad_norm"}
+
+#: Phases of a train step timed on each rank (``timing/<phase>_s`` in the metrics; rank 0's numbers).
+_PHASES = ("ref_forward", "behaviour", "policy_fwd_bwd", "optimizer")
 
 
 @dataclass
@@ -74,6 +82,16 @@ def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return on_device.cpu()
 
 
+def _poison_one_grad(model: torch.nn.Module) -> None:
+    """Test hook: set the first element of this rank's local part of the first gradient to +Inf."""
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if g.numel():
+                g.view(-1)[0] = float("inf")
+                return
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly DTensor-sharded) parameter; a collective over the train group."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -102,9 +120,14 @@ class FSDPTrainWorker:
         self.policy_version = 0
         self._sync_group = None
         self._buckets = None
+        self._phase_s = dict.fromkeys(_PHASES, 0.0)  # seconds per train-step phase, reset by every train_step
+        self._inject_nan: str | None = None  # test hook, see inject_nan_next_step
         if train.num_threads:
             torch.set_num_threads(train.num_threads)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
+        # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
+        # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
+        self._cpu_fast_paths = self.device.type == "cpu"
 
     def _use_cuda(self) -> bool:
         return torch.cuda.is_available() and self.train.num_gpus_per_worker > 0
@@ -119,8 +142,11 @@ class FSDPTrainWorker:
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return ip, free_port(ip)
 
-    def init_distributed(self, master_addr: str, master_port: int) -> dict:
-        """Join the train process group, build and shard the policy, reference policy and optimizer."""
+    def init_distributed(self, master_addr: str, master_port: int, policy_path: str | None = None) -> dict:
+        """Join the train process group, build and shard the policy, reference policy and optimizer.
+
+        ``policy_path`` (a checkpoint's HF folder, on resume) initialises the policy; the reference policy always
+        comes from ``model_path`` (the job's initial model)."""
         from transformers import AutoModelForCausalLM
 
         backend = self.train.backend if self.train.backend != "auto" else ("nccl" if self._use_cuda() else "gloo")
@@ -133,13 +159,16 @@ class FSDPTrainWorker:
         torch.manual_seed(self.seed + self.rank)
 
         def load(trainable: bool) -> ResponseLogprobModel:
-            hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+            path = (policy_path or self.model_path) if trainable else self.model_path
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
             hf.to(self.device)
             hf.config.use_cache = False
             model = ResponseLogprobModel(hf, self.temperature)
             model.requires_grad_(trainable)
             model.train(trainable)
-            _shard(model)
+            if trainable or not self._replicate_reference():
+                # CPU: unsharded from the first forward to the last backward of a step (see _accumulate_locally)
+                _shard(model, reshard_after_forward=not self._cpu_fast_paths)
             return model
 
         self.policy = load(True)
@@ -150,7 +179,14 @@ class FSDPTrainWorker:
             betas=tuple(self.train.betas), weight_decay=self.train.weight_decay,
         )
         n_params = sum(p.numel() for p in self.policy.parameters())
-        return {"rank": self.rank, "backend": backend, "num_parameters": n_params, "pid": os.getpid()}
+        info = {"rank": self.rank, "backend": backend, "num_parameters": n_params, "pid": os.getpid(),
+                "device": str(self.device), "node_id": None, "gpu_ids": []}
+        import ray
+
+        if ray.is_initialized():  # where this rank really runs, read from the worker itself
+            info["node_id"] = ray.get_runtime_context().get_node_id()
+            info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
+        return info
 
     # ---- training -----------------------------------------------------------------------------------------------
     def set_kl_coef(self, kl_coef: float) -> None:
@@ -172,26 +208,46 @@ class FSDPTrainWorker:
             num_tokens, num_sequences: global counts of loss tokens (``response_mask``) and of sequences with at least
                 one loss token, over the whole batch (all ranks).
 
+        An iteration whose loss or global gradient norm is NaN/Inf on any rank (a flag all-reduced with the metric
+        sums) skips its optimizer step on every rank and drops its gradients; when every iteration is skipped the
+        policy version stays where it was.
+
         Returns:
             Metrics summed/averaged over all ranks and iterations (identical on every rank): ``actor/*`` and
-            ``rollout/logprob_diff`` (engine vs trainer before the first update).
+            ``rollout/logprob_diff`` (engine vs trainer before the first update); ``actor/update_skipped`` (fraction
+            of iterations skipped, 0.0 or 1.0 with one iteration) and ``actor/update_skipped_reason`` (``""``, or
+            the first non-finite metric: ``"actor/loss"`` or ``"actor/grad_norm"``); ``timing/<phase>_s`` (rank 0).
         """
         t0 = time.perf_counter()
+        self._phase_s = dict.fromkeys(_PHASES, 0.0)
         iterations = self.algorithm.num_iterations
         saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 else [None] * len(microbatches)
         totals = torch.zeros(len(_SUMS), dtype=torch.float64)
-        grad_norms, applied = [], 0
+        grad_norms, applied, skip_reason = [], 0, ""
+        inject, self._inject_nan = self._inject_nan, None
         for iteration in range(iterations):
             sums = torch.zeros(len(_SUMS), dtype=torch.float64)
             self.optimizer.zero_grad(set_to_none=True)
-            for mb, old in zip(microbatches, saved):
-                sums += self._microbatch(mb, old, num_tokens, num_sequences, first=iteration == 0)
+            for i, (mb, old) in enumerate(zip(microbatches, saved)):
+                self._accumulate_locally(last=i == len(microbatches) - 1)
+                sums += self._microbatch(mb, old, num_tokens, num_sequences, first=iteration == 0,
+                                         inject_nan=inject == "loss" and i == 0)
+            t_opt = time.perf_counter()
+            if inject == "grad_norm":
+                _poison_one_grad(self.policy)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.max_grad_norm)
             grad_norm = float(_full(grad_norm))
-            sums = _all_reduce_sum(sums, self.device)
-            if math.isfinite(grad_norm) and math.isfinite(float(sums[_SUMS["loss"]])):
+            sums[_SUMS["nonfinite_loss"]] = float(not math.isfinite(float(sums[_SUMS["loss"]])))
+            sums[_SUMS["nonfinite_grad_norm"]] = float(not math.isfinite(grad_norm))
+            sums = _all_reduce_sum(sums, self.device)  # every rank sees every rank's flags: all skip or none
+            bad = [metric for key, metric in _NONFINITE.items() if sums[_SUMS[key]] > 0]
+            if bad:
+                self.optimizer.zero_grad(set_to_none=True)  # the poisoned gradients never reach AdamW's moments
+                skip_reason = skip_reason or bad[0]
+            else:
                 self.optimizer.step()
                 applied += 1
+            self._phase_s["optimizer"] += time.perf_counter() - t_opt
             grad_norms.append(grad_norm)
             totals += sums
         self.optimizer.zero_grad(set_to_none=True)
@@ -209,9 +265,11 @@ class FSDPTrainWorker:
             "actor/ratio_mean": float(totals[_SUMS["ratio"]]) / n,
             "actor/grad_norm": sum(grad_norms) / iterations,
             "actor/update_skipped": 1.0 - applied / iterations,
+            "actor/update_skipped_reason": skip_reason,  # "" or the first non-finite metric ("actor/loss", ...)
             "actor/lr": self.train.lr,
             "perf/train_tokens": float(totals[_SUMS["forward_tokens"]]),
             "timing/train_compute_s": time.perf_counter() - t0,
+            **{f"timing/{name}_s": seconds for name, seconds in self._phase_s.items()},
             "memory/train_peak_rss_gib": _peak_rss_gib(),
             "policy_version": self.policy_version,
         }
@@ -221,38 +279,82 @@ class FSDPTrainWorker:
             metrics["actor/tis_weight_mean"] = float(totals[_SUMS["tis"]]) / n
         return metrics
 
+    def inject_nan_next_step(self, metric: str = "loss") -> None:
+        """Test hook (fault injection): make this rank's next ``train_step`` non-finite.
+
+        ``"loss"`` multiplies the first micro-batch's loss by NaN (so its gradients are NaN too); ``"grad_norm"``
+        sets one gradient element to +Inf after the backward (finite loss). Only this rank is poisoned: the others
+        learn of it from the all-reduced flags.
+
+        Raises:
+            ValueError: ``metric`` is neither ``"loss"`` nor ``"grad_norm"``.
+        """
+        if metric not in ("loss", "grad_norm"):
+            raise ValueError(f"metric must be 'loss' or 'grad_norm', got {metric!r}")
+        self._inject_nan = metric
+
+    def _accumulate_locally(self, last: bool) -> None:
+        """On CPU, keep the policy unsharded and its gradients local until the step's last micro-batch, so a step
+        costs one all-gather and one reduce-scatter whatever its micro-batch count (gloo over loopback TCP is slow;
+        the price is one unsharded copy of the parameters and gradients per rank). On GPU, FSDP2's defaults."""
+        if not self._cpu_fast_paths or not hasattr(self.policy, "set_requires_gradient_sync"):
+            return
+        self.policy.set_requires_gradient_sync(last)
+        self.policy.set_reshard_after_backward(last)
+
     def _inputs(self, mb: PackedMicroBatch):
         dev = self.device
         return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.logit_positions.to(dev), mb.targets.to(dev)
 
+    def _replicate_reference(self) -> bool:
+        """On CPU the frozen reference policy is a full copy on every rank (one model's memory per rank, no
+        all-gathers over loopback TCP); on GPU it is sharded like the policy."""
+        return self._cpu_fast_paths
+
     def _reference_logprobs(self, mb: PackedMicroBatch, args) -> torch.Tensor | None:
+        """Reference-policy logprobs [n, T] float32 of one packed micro-batch (0 at padding); None when the job has
+        no reference policy (``kl_coef`` 0)."""
         if self.reference is None:
             return None
-        with torch.no_grad():
+        t0 = time.perf_counter()
+        # inference_mode only for the plain replicated module (FSDP2's hooks manage their own tensors)
+        with torch.inference_mode(self._replicate_reference()), torch.no_grad():
             ref_flat, _ = self.reference(*args, with_entropy=False)
-        return mb.to_padded(ref_flat.float())
+            out = mb.to_padded(ref_flat.float())
+        out = out.clone()  # a normal tensor: the loss's autograd may save it
+        self._phase_s["ref_forward"] += time.perf_counter() - t0
+        return out
 
     def _behaviour_pass(self, mb: PackedMicroBatch) -> _Saved:
         """No-grad forward before any update: the policy's (old) and the reference policy's logprobs [n, T]."""
         args = self._inputs(mb)
+        t0 = time.perf_counter()
         with torch.no_grad():
             old_flat, _ = self.policy(*args, with_entropy=False)
+        self._phase_s["behaviour"] += time.perf_counter() - t0
         return _Saved(old=mb.to_padded(old_flat.float()), ref=self._reference_logprobs(mb, args),
                       forward_tokens=mb.num_tokens)
 
     def _microbatch(self, mb: PackedMicroBatch, saved: _Saved | None, num_tokens: int, num_sequences: int,
-                    first: bool) -> torch.Tensor:
-        """Forward + backward of one packed micro-batch; returns the local metric sums (layout: ``_SUMS``)."""
+                    first: bool, inject_nan: bool = False) -> torch.Tensor:
+        """Forward + backward of one packed micro-batch; returns the local metric sums (layout: ``_SUMS``).
+        ``inject_nan`` (test hook) multiplies the loss by NaN."""
         alg = self.algorithm
         dev = self.device
         args = self._inputs(mb)
         ref_lp = saved.ref if saved is not None else self._reference_logprobs(mb, args)
+        t_policy = time.perf_counter()
         lp_flat, ent_flat = self.policy(*args)
         out = torch.zeros(len(_SUMS), dtype=torch.float64)
         out[_SUMS["forward_tokens"]] = mb.num_tokens + (saved.forward_tokens if saved is not None and first else 0)
         if mb.num_sequences == 0:
             # Placeholder micro-batch: run backward on a zero loss so every rank issues the same collectives.
-            (lp_flat.sum() * 0.0).backward()
+            zero = lp_flat.sum() * 0.0
+            if inject_nan:
+                zero = zero * float("nan")
+                out[_SUMS["loss"]] = float("nan")
+            zero.backward()
+            self._phase_s["policy_fwd_bwd"] += time.perf_counter() - t_policy
             return out
         logprobs = mb.to_padded(lp_flat)
         entropy = mb.to_padded(ent_flat)
@@ -272,7 +374,10 @@ class FSDPTrainWorker:
             entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis,
             num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=self.max_response_tokens,
         )
+        if inject_nan:
+            loss = loss * float("nan")
         (loss * self.world_size).backward()
+        self._phase_s["policy_fwd_bwd"] += time.perf_counter() - t_policy
         n_tok = float(mask.sum())
         out[_SUMS["loss"]] = float(loss.detach())
         out[_SUMS["tokens"]] = n_tok
@@ -294,7 +399,6 @@ class FSDPTrainWorker:
 
         dt = _DTYPES[engine_dtype]
         self._engine_dtype = dt
-        self._send_buffers = None  # sized for this plan on the first broadcast
         self._buckets = plan_buckets(
             [(name, tuple(p.shape), dt) for name, p in self._named_parameters()], bucket_bytes
         )
@@ -304,59 +408,80 @@ class FSDPTrainWorker:
         """Parameters in HF checkpoint names (tied weights once), in a fixed order."""
         return list(self.policy.model.named_parameters())
 
-    def init_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> int:
-        """Rank 0 hosts the weight-sync group (rank 0 of it); other train ranks do nothing here."""
-        from weight_sync.group import SyncGroup
+    def sync_node_id(self) -> str | None:
+        """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""
+        import ray
 
-        if self.rank == 0:
-            backend = "nccl" if self._use_cuda() else "gloo"
-            self._sync_group = SyncGroup(host, port, 0, world_size, timeout_s, backend=backend)
-        return self.rank
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
-    def broadcast_weights(self, verify: bool) -> dict:
-        """Stream the policy to every engine, bucket by bucket (all train ranks call this together).
+    def init_sync_group(self, host: str, port: int, world_size: int, timeout_s: float,
+                        transport: str = "broadcast") -> dict | None:
+        """Rank 0 hosts the weight-sync group (rank 0 of it) and its transport; other train ranks do nothing here.
 
-        Each bucket's tensors are gathered from their shards (``full_tensor``, a collective over the train group),
-        cast to the engine dtype and packed into one flat buffer; rank 0 broadcasts it asynchronously while the next
-        bucket is gathered into the other buffer (double buffering). At most two buckets are materialised at once.
+        Args:
+            transport: ``broadcast`` (gloo/NCCL; blocks until every engine worker joined, so the engines must join
+                concurrently), ``shm`` or ``cuda_ipc`` (returns at once; the engines join afterwards with the
+                returned descriptor). See ``weight_sync.transport``.
 
         Returns:
-            ``{"policy_version", "seconds", "bytes", "checksums"}`` (checksums and bytes from rank 0 only).
+            The transport descriptor the engines join with (rank 0), None on other ranks.
         """
-        from weight_sync.buckets import bucket_checksums, pack_bucket
+        from weight_sync.group import SyncGroup
+        from weight_sync.transport import backend_for, make_sender
+
+        self.close_sync_group()
+        if self.rank != 0:
+            return None
+        if self._buckets is None:
+            raise RuntimeError("init_sync_group called before sync_plan")
+        group = SyncGroup(host, port, 0, world_size, timeout_s, backend=backend_for(transport, self._use_cuda()))
+        largest = max((b.nbytes for b in self._buckets), default=0)
+        self._sync_group = make_sender(transport, group, self.device, largest)
+        return self._sync_group.descriptor()
+
+    def close_sync_group(self) -> None:
+        """Tear down this rank's side of the weight-sync group (before a group with new membership is built)."""
+        if self._sync_group is not None:
+            self._sync_group.close()
+            self._sync_group = None
+
+    def broadcast_weights(self, verify: bool | list[str]) -> dict:
+        """Stream the policy to every engine, bucket by bucket (all train ranks call this together).
+
+        Each tensor is gathered from its shards (``full_tensor``, a collective over the train group), cast to the
+        engine dtype and copied into its bucket's buffer at once; rank 0 hands a full bucket to the transport
+        (an asynchronous broadcast, or an IPC slot) while it packs the next into the other buffer (double
+        buffering). The sender holds two bucket buffers plus one gathered tensor, never the whole model
+        (``weight_sync.sender.stream_buckets``). After a transport error the group is closed (peers blocked in it
+        fail at once) and must be rebuilt.
+
+        Args:
+            verify: True to CRC-32 every tensor, False none, or the names to check (``weight_sync.verify``).
+
+        Returns:
+            ``{"policy_version", "seconds", "bytes", "checksums", "peak_extra_bytes", "peak_extra_bytes_accounted"}``
+            (bytes, checksums and memory from rank 0; see ``stream_buckets``).
+
+        Raises:
+            RuntimeError: called before ``sync_plan``/``init_sync_group``, or the transport failed (a receiver died
+                or stalled past ``sync.timeout_s``).
+        """
+        from weight_sync.sender import stream_buckets
 
         if self._buckets is None:
             raise RuntimeError("broadcast_weights called before sync_plan")
-        t0 = time.perf_counter()
+        sender = self._sync_group if self.rank == 0 else None
+        if self.rank == 0 and sender is None:
+            raise RuntimeError("broadcast_weights on train rank 0 before init_sync_group (or after a failed sync)")
         params = dict(self._named_parameters())
-        sender = self.rank == 0
-        if sender and self._sync_group is None:
-            raise RuntimeError("broadcast_weights on train rank 0 before init_sync_group")
-        checksums: dict[str, int] = {}
-        pending = None
-        total = 0
-        if sender and getattr(self, "_send_buffers", None) is None:
-            largest = max(b.nbytes for b in self._buckets)
-            self._send_buffers = [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
-        with torch.no_grad():
-            for bucket in self._buckets:
-                tensors = [_full(params[s.name]).to(self._engine_dtype) for s in bucket.slots]
-                if not sender:
-                    continue
-                slot = self._send_buffers[bucket.index % 2]  # its last broadcast finished before the previous one began
-                buf = pack_bucket(bucket, [t.cpu() if self.device.type == "cpu" else t for t in tensors], out=slot)
-                if self.device.type == "cuda":
-                    buf = buf.to(self.device)
-                if verify:
-                    checksums.update(bucket_checksums(bucket, buf.cpu()))
-                if pending is not None:
-                    pending.wait()
-                pending = self._sync_group.broadcast(buf, async_op=True)
-                total += bucket.nbytes
-            if pending is not None:
-                pending.wait()
-        return {"policy_version": self.policy_version, "seconds": time.perf_counter() - t0, "bytes": total,
-                "checksums": checksums}
+        check = [s.name for b in self._buckets for s in b.slots] if verify is True else (verify or [])
+        try:
+            report = stream_buckets(self._buckets, lambda name: _full(params[name]).to(self._engine_dtype),
+                                    sender, check, self.device)
+        except Exception:
+            self.close_sync_group()
+            raise
+        return {"policy_version": self.policy_version, **report}
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict:
@@ -382,6 +507,24 @@ class FSDPTrainWorker:
         dcp.save({"optimizer": optim}, checkpoint_id=os.path.join(path, "optimizer"))
         dist.barrier()
         return {"seconds": time.perf_counter() - t0}
+
+    def load_checkpoint(self, path: str, policy_version: int) -> None:
+        """Restore the optimizer state saved by :meth:`save_checkpoint` under ``path/optimizer`` (the policy weights
+        were loaded by ``init_distributed(policy_path=path)``) and continue at ``policy_version``.
+
+        Raises:
+            FileNotFoundError: ``path/optimizer`` is missing (not a complete checkpoint).
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        optim_dir = os.path.join(path, "optimizer")
+        if not os.path.isdir(optim_dir):
+            raise FileNotFoundError(f"{optim_dir}: no optimizer state (incomplete checkpoint)")
+        state = {"optimizer": get_optimizer_state_dict(self.policy, self.optimizer)}
+        dcp.load(state, checkpoint_id=optim_dir)
+        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
+        self.policy_version = int(policy_version)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

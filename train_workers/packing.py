@@ -28,6 +28,9 @@ class PackedMicroBatch:
     advantages: [n] float32.
     behaviour_logprobs: [n, T] float32, the engine's logprobs (0 under the mask's zeros).
     seq_indices: [n] int64, indices of the sequences in the step's rollout batch.
+    group_ids: [n] int64, the group (prompt) of each sequence, −1 where the caller gave none. Group identity travels
+        with each sequence, so a reordering by the scheduler cannot mix up groups; advantages are computed per group
+        before packing and travel the same way.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +43,11 @@ class PackedMicroBatch:
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
     seq_indices: torch.Tensor
+    group_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.group_ids is None:
+            self.group_ids = torch.full((self.num_sequences,), -1, dtype=torch.long)
 
     @property
     def num_sequences(self) -> int:
@@ -63,10 +71,12 @@ def pack_microbatch(
     behaviour_logprobs: Sequence[torch.Tensor],
     seq_indices: Sequence[int],
     valid_lengths: Sequence[int] | None = None,
+    group_ids: Sequence[int] | None = None,
 ) -> PackedMicroBatch:
     """Pack n (prompt, response) pairs into one row.
 
     Args:
+        group_ids: per sequence, its group id (``GroupResult.group_id``); None: −1 for every sequence.
         valid_lengths: per sequence, how many leading response tokens count in the loss (``response_mask``): the
             tokens up to the first EOS (``grpo.eos.response_valid_lengths``), or 0 for a truncated completion masked
             out of the loss. Masked tokens are still packed and run forward. None: every response token counts.
@@ -87,6 +97,8 @@ def pack_microbatch(
         valid_lengths = [len(r) for r in response_ids]
     if len(valid_lengths) != n:
         raise ValueError(f"pack_microbatch: got {len(valid_lengths)} valid lengths for {n} sequences")
+    if group_ids is not None and len(group_ids) != n:
+        raise ValueError(f"pack_microbatch: got {len(group_ids)} group ids for {n} sequences")
     ids, pos, logit_pos, targets, tok_seq, tok_pos = [], [], [], [], [], []
     start = 0
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
@@ -125,6 +137,7 @@ def pack_microbatch(
         advantages=torch.as_tensor(advantages, dtype=torch.float32).reshape(n),
         behaviour_logprobs=behaviour,
         seq_indices=torch.as_tensor(list(seq_indices), dtype=torch.long),
+        group_ids=None if group_ids is None else torch.as_tensor(list(group_ids), dtype=torch.long).reshape(n),
     )
 
 
@@ -147,12 +160,16 @@ def pack_rank_microbatches(
     advantages: torch.Tensor,
     behaviour_logprobs: Sequence[torch.Tensor],
     valid_lengths: Sequence[int] | None = None,
+    group_ids: Sequence[int] | torch.Tensor | None = None,
 ) -> list[list[PackedMicroBatch]]:
     """Pack a scheduler plan (``ranks[r][m]`` = sequence indices, e.g. ``MicroBatchPlan.ranks``) into per-rank lists
     of packed micro-batches; an empty index list becomes :func:`empty_microbatch` (keeps FSDP collectives in step).
 
-    ``advantages``: [N] float32 over the whole batch; the other arguments are row-aligned lists over N sequences.
+    ``advantages``: [N] float32 over the whole batch; ``group_ids``: [N] int (e.g. ``RolloutBatch.group_ids``) or
+    None; the other arguments are row-aligned lists over N sequences. Each micro-batch's ``seq_indices``,
+    ``advantages`` and ``group_ids`` are those of the rows it holds, whatever order the plan put them in.
     """
+    gids = None if group_ids is None else [int(g) for g in group_ids]
     out = []
     for rank in ranks:
         mbs = []
@@ -163,6 +180,7 @@ def pack_rank_microbatches(
             mbs.append(pack_microbatch(
                 [prompt_ids[i] for i in idx], [response_ids[i] for i in idx], advantages[list(idx)],
                 [behaviour_logprobs[i] for i in idx], idx,
-                valid_lengths=None if valid_lengths is None else [valid_lengths[i] for i in idx]))
+                valid_lengths=None if valid_lengths is None else [valid_lengths[i] for i in idx],
+                group_ids=None if gids is None else [gids[i] for i in idx]))
         out.append(mbs)
     return out

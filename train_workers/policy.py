@@ -1,28 +1,32 @@
 """A causal LM that returns per-token logprobs of the response tokens only.
 
 The LM head (49k × 576 for SmolLM2, a large share of the FLOPs) is applied only at the M positions that predict
-response tokens, never to prompt positions. Wrapping the HF model in this module also makes it the FSDP2 root, so
-one root pre-forward hook unshards the embedding, final norm and head before ``forward`` runs.
+response tokens, never to prompt positions, and is fused with the log-softmax (``grpo.logprobs.linear_logprobs``):
+at most ``logit_chunk_size`` × V float32 logits exist at once, in the forward and in the backward. Wrapping the HF
+model in this module also makes it the FSDP2 root, so one root pre-forward hook unshards the embedding, final norm and
+head before ``forward`` runs.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from grpo.logprobs import entropy_from_logits, logprobs_from_logits
+from grpo.logprobs import linear_logprobs
 
 
 class ResponseLogprobModel(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
-    ``(logprobs [M] float32, entropy [M] float32 detached)`` at the sampling ``temperature``.
+    ``(logprobs [M] float32, entropy [M] float32 detached or None)`` at the sampling ``temperature``.
 
     Args:
-        model: an HF ``*ForCausalLM`` (``get_decoder()`` backbone + ``get_output_embeddings()`` head).
+        model: an HF ``*ForCausalLM`` (``get_decoder()`` backbone + ``get_output_embeddings()`` linear head).
         temperature: logits are divided by it before log-softmax, matching the engine's processed logprobs.
+        logit_chunk_size: response positions whose logits are materialised at once (memory ≈ chunk × V × 4 bytes,
+            ≈ 200 MB at 1024 for a 49k vocabulary). Up to it, one chunk keeps its softmax for the backward; above it
+            each chunk's logits are recomputed in the backward (+ 2·M·H·V FLOPs). None: never chunk.
     """
 
-    def __init__(self, model: nn.Module, temperature: float, logit_chunk_size: int = 1024):
+    def __init__(self, model: nn.Module, temperature: float, logit_chunk_size: int | None = 1024):
         super().__init__()
         self.model = model
         self.temperature = float(temperature)
@@ -33,11 +37,5 @@ class ResponseLogprobModel(nn.Module):
         head = self.model.get_output_embeddings()
         hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         h = hidden[0, logit_positions]  # [M, H]
-        logits = head(h).float()  # [M, V]
-        # clone: FSDP2 hooks the root's outputs for backward and warns about returned views
-        logprobs = logprobs_from_logits(logits, targets, self.temperature).clone()
-        if not with_entropy:
-            return logprobs, None
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach(), self.temperature, chunk_size=self.logit_chunk_size)
-        return logprobs, entropy
+        return linear_logprobs(h, head.weight, targets, self.temperature, bias=head.bias,
+                               chunk_size=self.logit_chunk_size, with_entropy=with_entropy)

@@ -11,7 +11,7 @@ aligned to ``ALIGN_BYTES`` so that every slot can be viewed in its own dtype wit
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,11 +179,16 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(data))
 
 
-def bucket_checksums(bucket: Bucket, buf: torch.Tensor) -> dict[str, int]:
-    """Per-tensor checksums of a packed bucket, keyed by tensor name."""
+def bucket_checksums(bucket: Bucket, buf: torch.Tensor, only: Collection[str] | None = None) -> dict[str, int]:
+    """Per-tensor CRC-32 checksums of a packed bucket (a CPU uint8 buffer), keyed by tensor name.
+
+    Args:
+        only: check just these tensor names (others in the bucket are skipped); None checks all.
+    """
     return {
         slot.name: zlib.crc32(memoryview(buf[slot.offset : slot.offset + slot.nbytes].numpy()))
         for slot in bucket.slots
+        if only is None or slot.name in only
     }
 
 

@@ -124,9 +124,10 @@ def test_prometheus_endpoint_serves_the_last_step(tiny_run):
     assert tiny_run["url"].startswith("http://127.0.0.1:") and tiny_run["job"].metrics.port > 0
     samples = tiny_run["samples"]
     job = tiny_run["spec"].name
-    assert samples[f'grpo_reward_mean{{job="{job}"}}'] == pytest.approx(tiny_run["history"][-1]["reward/mean"])
-    assert samples[f'grpo_policy_version{{job="{job}"}}'] == 2.0
-    assert samples[f'grpo_sync_verified{{job="{job}"}}'] == 1.0
+    driver = f'job="{job}",pool="driver",worker="driver"'
+    assert samples[f'grpo_reward_mean{{{driver}}}'] == pytest.approx(tiny_run["history"][-1]["reward/mean"])
+    assert samples[f'grpo_policy_version{{{driver}}}'] == 2.0
+    assert samples[f'grpo_sync_verified{{job="{job}",pool="sync",worker="driver"}}'] == 1.0
 
 
 def test_final_checkpoint_loads_and_differs_from_the_initial_model(tiny_run, tiny_model_dir):

@@ -1,12 +1,13 @@
-"""MetricsLogger: metrics.jsonl lines, console line, Prometheus gauges scraped over HTTP."""
+"""MetricsLogger: metrics.jsonl lines, console line, Prometheus gauges (job/pool/worker labels) scraped over HTTP."""
 
 import json
 import math
+import time
 import urllib.request
 
 import pytest
 
-from cluster.metrics import MetricsLogger, format_console_line, prometheus_name, read_metrics_jsonl
+from cluster.metrics import MetricsLogger, format_console_line, pool_of, prometheus_name, read_metrics_jsonl
 from tests.prometheus_scrape import scrape
 
 
@@ -38,21 +39,98 @@ def test_step_key_is_rejected(tmp_path):
         metrics.log(1, {"step": 3})
 
 
+def _series(name, job="unit", pool="driver", worker="driver"):
+    return f'{name}{{job="{job}",pool="{pool}",worker="{worker}"}}'
+
+
 def test_prometheus_endpoint_on_free_port(tmp_path):
     with MetricsLogger(tmp_path, host="127.0.0.1", port=0, job="unit", echo=False) as metrics:
         assert isinstance(metrics.port, int) and metrics.port > 0
         metrics.log(4, {"reward/mean": 0.25, "sync/verified": True, "policy/kl": math.nan, "note": "text"})
         samples = scrape(f"http://127.0.0.1:{metrics.port}/metrics")
-        assert samples['grpo_reward_mean{job="unit"}'] == 0.25
-        assert samples['grpo_sync_verified{job="unit"}'] == 1.0
-        assert samples['grpo_step{job="unit"}'] == 4.0
-        assert math.isnan(samples['grpo_policy_kl{job="unit"}'])
+        assert samples[_series("grpo_reward_mean")] == 0.25
+        assert samples[_series("grpo_sync_verified", pool="sync")] == 1.0
+        assert samples[_series("grpo_step")] == 4.0
+        assert math.isnan(samples[_series("grpo_policy_kl")])
         assert not any(name.startswith("grpo_note") for name in samples)
+        started = samples[_series("grpo_last_step_timestamp_seconds")]
+        assert abs(started - time.time()) < 60
+        time.sleep(0.01)
         metrics.log(5, {"reward/mean": 0.5})
-        assert scrape(metrics.url)['grpo_reward_mean{job="unit"}'] == 0.5
+        samples = scrape(metrics.url)
+        assert samples[_series("grpo_reward_mean")] == 0.5
+        assert samples[_series("grpo_last_step_timestamp_seconds")] > started
         url = metrics.url
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=1)
+
+
+@pytest.mark.parametrize("key, pool", [
+    ("actor/kl", "train"), ("actor/clip_fraction", "train"), ("perf/train_tokens_per_s", "train"),
+    ("timing/train_s", "train"), ("timing/train_compute_s", "train"), ("packing/padding_fraction", "train"),
+    ("memory/train_peak_rss_gib", "train"),
+    ("rollout/staleness_max", "rollout"), ("rollout/queue_depth", "rollout"), ("rollout/kv_cache_usage", "rollout"),
+    ("response_length/mean", "rollout"), ("perf/rollout_tokens_per_s", "rollout"), ("timing/generate_s", "rollout"),
+    ("sync/bytes", "sync"), ("sync/verified", "sync"), ("timing/sync_s", "sync"),
+    ("step", "driver"), ("policy_version", "driver"), ("reward/mean", "driver"), ("groups/all_equal_fraction",
+                                                                                   "driver"),
+    ("workers/restarts", "driver"), ("timing/step_s", "driver"), ("timing/score_s", "driver"),
+])
+def test_pool_of_key(key, pool):
+    assert pool_of(key) == pool
+
+
+def test_issue_figures_have_stable_prometheus_names():
+    """The names the dashboard and alert rules in deploy/ query (tests/unit/test_deploy.py checks them)."""
+    assert {k: prometheus_name(k) for k in ("workers/restarts", "rollout/staleness_max", "rollout/staleness_mean",
+                                            "policy_version", "timing/sync_s", "sync/bytes", "rollout/queue_depth",
+                                            "rollout/kv_cache_usage")} == {
+        "workers/restarts": "grpo_workers_restarts", "rollout/staleness_max": "grpo_rollout_staleness_max",
+        "rollout/staleness_mean": "grpo_rollout_staleness_mean", "policy_version": "grpo_policy_version",
+        "timing/sync_s": "grpo_timing_sync_s", "sync/bytes": "grpo_sync_bytes",
+        "rollout/queue_depth": "grpo_rollout_queue_depth", "rollout/kv_cache_usage": "grpo_rollout_kv_cache_usage"}
+
+
+def test_per_worker_series_beside_the_aggregate(tmp_path):
+    with MetricsLogger(tmp_path, port=0, job="unit", echo=False) as metrics:
+        metrics.log(3, {"perf/rollout_tokens_per_s": 150.0, "rollout/queue_depth": 3, "workers/restarts": 1})
+        for i, (tps, depth) in enumerate([(100.0, 2), (50.0, 1)]):
+            metrics.log_worker(3, "rollout", f"rollout-{i}", {"perf/rollout_tokens_per_s": tps,
+                                                              "rollout/queue_depth": depth,
+                                                              "rollout/kv_cache_usage": 0.25 * (i + 1),
+                                                              "workers/restarts": i, "engine": "vllm"})
+        metrics.log_worker(3, "train", "train-0", {"workers/restarts": 0})
+        samples = scrape(metrics.url)
+        assert samples[_series("grpo_perf_rollout_tokens_per_s", pool="rollout")] == 150.0
+        assert samples[_series("grpo_perf_rollout_tokens_per_s", pool="rollout", worker="rollout-0")] == 100.0
+        assert samples[_series("grpo_perf_rollout_tokens_per_s", pool="rollout", worker="rollout-1")] == 50.0
+        assert samples[_series("grpo_rollout_queue_depth", pool="rollout", worker="rollout-1")] == 1.0
+        assert samples[_series("grpo_rollout_kv_cache_usage", pool="rollout", worker="rollout-1")] == 0.5
+        assert samples[_series("grpo_workers_restarts")] == 1.0
+        assert samples[_series("grpo_workers_restarts", pool="train", worker="train-0")] == 0.0
+        assert not any(name.startswith("grpo_engine") for name in samples)
+        assert metrics.remove_worker("rollout", "rollout-1") == 4
+        assert metrics.remove_worker("rollout", "rollout-1") == 0
+        after = scrape(metrics.url)
+        assert not any('worker="rollout-1"' in name for name in after)
+        assert after[_series("grpo_rollout_queue_depth", pool="rollout", worker="rollout-0")] == 2.0
+    rows = read_metrics_jsonl(tmp_path / "workers.jsonl")
+    assert [(r["step"], r["pool"], r["worker"]) for r in rows] == [(3, "rollout", "rollout-0"),
+                                                                 (3, "rollout", "rollout-1"), (3, "train", "train-0")]
+    assert rows[0]["engine"] == "vllm"
+    assert [r["step"] for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")] == [3]
+
+
+@pytest.mark.parametrize("pool, worker, metrics, match", [
+    ("decode", "w0", {"x": 1}, "pool must be one of"),
+    ("rollout", "driver", {"x": 1}, "reserved"),
+    ("rollout", "", {"x": 1}, "non-empty"),
+    ("rollout", "w0", {"worker": "w1"}, r"\['worker'\]"),
+])
+def test_log_worker_rejects_bad_arguments(tmp_path, pool, worker, metrics, match):
+    with MetricsLogger(tmp_path, port=None, echo=False) as logger, pytest.raises(ValueError, match=match):
+        logger.log_worker(1, pool, worker, metrics)
+    assert not (tmp_path / "workers.jsonl").exists()
 
 
 def test_console_line(tmp_path, capsys):
@@ -62,3 +140,13 @@ def test_console_line(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == (
         "step 3 | reward 0.125 acc 0.062 | kl 0.0012 | step 44.0s | 152 tok/s | verified")
     assert format_console_line(1, {"sync/verified": False}) == "step 1 | NOT VERIFIED"
+
+
+def test_stall_timestamp_is_set_before_the_first_step(tmp_path):
+    """GRPOJobStalled (deploy/prometheus/alerts.yml) also covers a job that never completes step 1."""
+    with MetricsLogger(tmp_path, port=None, job="unit", echo=False) as metrics:
+        value = metrics.registry.get_sample_value("grpo_last_step_timestamp_seconds",
+                                                  {"job": "unit", "pool": "driver", "worker": "driver"})
+        assert value is not None and abs(value - time.time()) < 60
+        assert metrics.registry.get_sample_value("grpo_step", {"job": "unit", "pool": "driver",
+                                                               "worker": "driver"}) is None

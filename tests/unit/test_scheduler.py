@@ -1,10 +1,11 @@
-"""Scheduler: Karmarkar–Karp rank balancing, first-fit-decreasing micro-batches, equal micro-batch counts."""
+"""Scheduler: Karmarkar–Karp rank balancing, first-fit-decreasing micro-batches, equal micro-batch counts; rollout
+dispatch of whole groups to engines by token load."""
 
 import random
 
 import pytest
 
-from cluster.scheduler import MicroBatchPlan, karmarkar_karp, padded_tokens, plan_microbatches
+from cluster.scheduler import MicroBatchPlan, assign_groups, karmarkar_karp, padded_tokens, plan_microbatches
 
 
 def lognormal_lengths(n: int, seed: int, lo: int = 50, hi: int = 4000) -> list[int]:
@@ -181,3 +182,51 @@ def test_property_random_seeds():
             assert max(plan.tokens_per_rank) - min(plan.tokens_per_rank) <= max(lengths)
         sets = karmarkar_karp(lengths, world_size)
         assert sorted(i for s in sets for i in s) == list(range(n))
+
+
+def test_assign_groups_by_tokens_not_count():
+    # T = 10, equal prompts: loads 1 + 4·10 = 41 (G = 4) and 1 + 1·10 = 11 (G = 1). Heaviest first onto the least
+    # loaded engine (ties: lower index): 0 → e0 (41), 2 → e1 (41), 1 → e0 (52), 3 → e1 (52), 4 → e0 (63),
+    # 5 → e1 (63).
+    sizes = [4, 1, 4, 1, 1, 1]
+    plan = assign_groups([1] * 6, sizes, num_engines=2, max_response_tokens=10)
+    assert plan == [[0, 1, 4], [2, 3, 5]]
+    assert [sum(1 + sizes[i] * 10 for i in e) for e in plan] == [63, 63]
+    # Dispatching by request count (round-robin in request order) would load the engines 93 vs 33 tokens.
+    assert [sum(1 + sizes[i] * 10 for i in range(k, 6, 2)) for k in (0, 1)] == [93, 33]
+
+
+def test_assign_groups_longest_prompts_spread_and_groups_whole():
+    prompts = [500, 20, 480, 30, 25, 10]
+    plan = assign_groups(prompts, [4] * 6, num_engines=3, max_response_tokens=100)
+    assert sorted(i for e in plan for i in e) == list(range(6))  # every group exactly once, on one engine
+    assert [e[0] for e in plan] == [0, 2, 3]  # the heaviest three open the three engines
+    loads = [sum(prompts[i] + 400 for i in e) for e in plan]
+    assert max(loads) - min(loads) <= max(p + 400 for p in prompts)  # list-scheduling bound: one job
+
+
+def test_assign_groups_more_engines_than_groups_and_empty():
+    assert assign_groups([5, 7], [2, 2], num_engines=4, max_response_tokens=8) == [[1], [0], [], []]
+    assert assign_groups([], [], num_engines=2, max_response_tokens=8) == [[], []]
+
+
+def test_assign_groups_balances_random_loads():
+    rng = random.Random(5)
+    prompts = [rng.randint(20, 600) for _ in range(64)]
+    sizes = [rng.choice([4, 8, 16]) for _ in range(64)]
+    plan = assign_groups(prompts, sizes, num_engines=4, max_response_tokens=256)
+    loads = [sum(prompts[i] + sizes[i] * 256 for i in e) for e in plan]
+    assert max(loads) / min(loads) <= 1.05
+    assert all(e == sorted(e, key=lambda i: (-(prompts[i] + sizes[i] * 256), i)) for e in plan)  # heaviest first
+
+
+@pytest.mark.parametrize("args, message", [
+    (([1, 2], [1], 2, 8), "2 prompt lengths and 1 group sizes"),
+    (([1], [0], 2, 8), r"group_sizes\[0\]: expected >= 1, got 0"),
+    (([0], [1], 2, 8), r"prompt_lengths\[0\]: expected >= 1, got 0"),
+    (([1], [1], 0, 8), "num_engines: expected >= 1, got 0"),
+    (([1], [1], 1, 0), "max_response_tokens: expected >= 1, got 0"),
+])
+def test_assign_groups_validation(args, message):
+    with pytest.raises(ValueError, match=message):
+        assign_groups(*args)

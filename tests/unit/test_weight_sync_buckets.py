@@ -205,7 +205,7 @@ def test_checksums_detect_a_single_flipped_bit():
 def test_sync_group_rejects_bad_arguments():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         SyncGroup("127.0.0.1", free_port(), 2, 2, 5.0)
-    with pytest.raises(ValueError, match="sync backend must be 'gloo' or 'nccl', got 'mpi'"):
+    with pytest.raises(ValueError, match=r"sync backend must be one of \('gloo', 'nccl', 'store'\), got 'mpi'"):
         SyncGroup("127.0.0.1", free_port(), 0, 1, 5.0, backend="mpi")
 
 

@@ -1,0 +1,136 @@
+"""The train worker's speed-ups change no result, and a non-finite step is skipped on every rank.
+
+1. Equal results (issue 8): two gloo ranks take two GRPO steps (the second with a nonzero KL to the reference policy)
+   once with the current code — fused chunked LM head + log-softmax, reference policy replicated and run under
+   inference_mode, policy kept unsharded with gradients accumulated locally until the last micro-batch — and once
+   the way the worker computed before: FSDP2 defaults (sharded reference, reshard after forward, a reduce-scatter
+   per micro-batch) and the unfused head (full [M, V] logits, ``logprobs_from_logits``, ``entropy_from_logits``).
+   Loss, KL, entropy, grad norm, the clipped gradients of both steps and the parameters after them must agree
+   within float32 tolerance.
+2. NaN/Inf skip (issue 7): after a normal step, a NaN loss forced on rank 1 only, then an Inf gradient forced on
+   rank 0 only, each skip the update on both ranks: parameters, AdamW state and policy version unchanged,
+   ``actor/update_skipped`` 1.0 with the offending metric named; the next normal step updates again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.multiprocessing as mp
+
+from tests.dist.test_fsdp_parity import (
+    MAX_RESPONSE_TOKENS, N, TEMPERATURE, _capture_grads, _full_params, assert_same_grads, assert_same_params,
+    make_batch, pack,
+)
+from weight_sync.group import free_port
+
+MICROBATCHES = [[[0, 1], [2]], [[3, 4, 5], []]]  # rank 0: two micro-batches; rank 1: one + the placeholder
+
+
+def _unfused_forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
+    """``ResponseLogprobModel.forward`` as it was before the fused head: full logits, then log-softmax."""
+    from grpo.logprobs import entropy_from_logits, logprobs_from_logits
+
+    backbone = self.model.get_decoder()
+    head = self.model.get_output_embeddings()
+    hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    logits = head(hidden[0, logit_positions]).float()
+    logprobs = logprobs_from_logits(logits, targets, self.temperature).clone()
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits.detach(), self.temperature, chunk_size=self.logit_chunk_size)
+    return logprobs, entropy
+
+
+def _adam_state(worker) -> dict[str, torch.Tensor]:
+    from train_workers.fsdp_worker import _full
+
+    out = {}
+    for i, p in enumerate(worker.optimizer.param_groups[0]["params"]):
+        for key, value in worker.optimizer.state.get(p, {}).items():
+            out[f"{i}.{key}"] = _full(value).detach().clone() if value.dim() else value.detach().clone()
+    return out
+
+
+def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0.04):
+    from cluster.spec import AlgorithmSpec, TrainSpec
+    from train_workers.fsdp_worker import FSDPTrainWorker
+
+    train = TrainSpec(world_size=2, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120)
+    worker = FSDPTrainWorker(rank, 2, model_dir, train, AlgorithmSpec(kl_coef=kl_coef), TEMPERATURE,
+                             MAX_RESPONSE_TOKENS, dtype="float32", seed=0)
+    worker._cpu_fast_paths = fast
+    worker.init_distributed("127.0.0.1", port)
+    return worker
+
+
+def _step(worker, rank: int) -> dict:
+    _, responses, _ = make_batch()
+    return worker.train_step([pack(idx) for idx in MICROBATCHES[rank]], sum(len(r) for r in responses), N)
+
+
+def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
+    from train_workers import policy
+
+    torch.set_num_threads(1)
+    fused_forward = policy.ResponseLogprobModel.forward
+    for name, fast, port in (("fast", True, ports[0]), ("before", False, ports[1])):
+        policy.ResponseLogprobModel.forward = fused_forward if fast else _unfused_forward
+        worker = _worker(rank, port, model_dir, fast)
+        grads1, grads2 = {}, {}
+        plain_step = worker.optimizer.step
+        _capture_grads(worker, grads1)
+        m1 = _step(worker, rank)
+        worker.optimizer.step = plain_step
+        _capture_grads(worker, grads2)
+        m2 = _step(worker, rank)
+        params = _full_params(worker)
+        if rank == 0:
+            torch.save({"m1": m1, "m2": m2, "grads1": grads1, "grads2": grads2, "params": params},
+                       f"{out_dir}/{name}.pt")
+        worker.shutdown()
+    policy.ResponseLogprobModel.forward = fused_forward
+
+    worker = _worker(rank, ports[2], model_dir, fast=True)
+    runs = {"normal": _step(worker, rank)}
+    for key, poisoned_rank, metric in (("nan_loss", 1, "loss"), ("inf_grad", 0, "grad_norm")):
+        before, adam = _full_params(worker), _adam_state(worker)
+        if rank == poisoned_rank:
+            worker.inject_nan_next_step(metric)
+        runs[key] = _step(worker, rank)
+        runs[key + "_params_same"] = all(torch.equal(before[n], p) for n, p in _full_params(worker).items())
+        runs[key + "_adam_same"] = all(torch.equal(adam[k], v) for k, v in _adam_state(worker).items())
+    runs["after"] = _step(worker, rank)
+    runs["version"] = worker.policy_version
+    torch.save(runs, f"{out_dir}/nan_rank{rank}.pt")
+    worker.shutdown()
+
+
+def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(tiny_model_dir, tmp_path):
+    ports = [free_port() for _ in range(3)]
+    mp.spawn(_ranks_main, args=(tiny_model_dir, ports, str(tmp_path)), nprocs=2, join=True)
+
+    fast, before = torch.load(tmp_path / "fast.pt"), torch.load(tmp_path / "before.pt")
+    assert fast["m2"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
+    for step in ("m1", "m2"):
+        for key in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio_mean",
+                    "actor/clip_fraction", "rollout/logprob_diff"):
+            a, b = fast[step][key], before[step][key]
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{step} {key}: fast {a} vs before {b}"
+        assert fast[step]["actor/update_skipped"] == 0.0 and fast[step]["actor/update_skipped_reason"] == ""
+    assert fast["m2"]["policy_version"] == before["m2"]["policy_version"] == 2
+    assert_same_grads(fast["grads1"], before["grads1"], "step 1: fast vs before")
+    assert_same_grads(fast["grads2"], before["grads2"], "step 2: fast vs before")
+    assert_same_params(fast["params"], before["params"], "after 2 steps: fast vs before")
+
+    for rank in (0, 1):
+        runs = torch.load(tmp_path / f"nan_rank{rank}.pt")
+        assert runs["normal"]["actor/update_skipped"] == 0.0 and runs["normal"]["policy_version"] == 1
+        for key, metric in (("nan_loss", "actor/loss"), ("inf_grad", "actor/grad_norm")):
+            m = runs[key]
+            assert m["actor/update_skipped"] == 1.0, (rank, key, m["actor/update_skipped"])
+            assert m["actor/update_skipped_reason"] == metric, (rank, key, m["actor/update_skipped_reason"])
+            assert m["policy_version"] == 1, (rank, key)
+            assert runs[key + "_params_same"] and runs[key + "_adam_same"], (rank, key)
+        assert runs["after"]["actor/update_skipped"] == 0.0 and runs["after"]["policy_version"] == 2
+        assert runs["version"] == 2

