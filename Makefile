@@ -9,6 +9,7 @@ demo: setup
 	.venv/bin/grpo-cluster run examples/gsm8k_smollm2_cpu.yaml
 
 test: setup
+	bash scripts/install_test_tools.sh
 	.venv/bin/python -m pytest tests -q -rs --durations=15
 
 test-fast: setup

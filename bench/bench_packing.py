@@ -14,7 +14,10 @@ Token ids are random (they do not change the cost). Layouts compared, each over 
 
 - ``packed``: :func:`cluster.scheduler.plan_microbatches` (Karmarkar–Karp over ranks, first-fit-decreasing under
   ``max_tokens_per_microbatch``, ``oversize="own"``), each micro-batch one row with restarting position ids
-  (:func:`train_workers.packing.pack_microbatch`), scored by :class:`train_workers.policy.ResponseLogprobModel`.
+  (:func:`train_workers.packing.pack_microbatch`), scored by :class:`train_workers.policy.ResponseLogprobModel` with
+  transformers' ``sdpa`` attention (a dense block-diagonal [L, L] mask: O(L²) attention per row).
+- ``packed-varlen``: the same micro-batches with :data:`train_workers.packing.VARLEN_SDPA` attention (causal SDPA per
+  sequence slice: Σ l_i², no mask).
 - ``sorted-pad``: sequence i on rank i mod W (a distributed sampler), each rank's sequences sorted by length,
   micro-batches of S sequences padded on the right to the micro-batch's longest, with ``attention_mask``.
 - ``naive-pad``: as ``sorted-pad`` but in rollout order (what a fixed per-device batch size with dynamic padding does).
@@ -29,8 +32,8 @@ process with ``--threads`` torch threads, after one untimed warm-up micro-batch 
 
 - padding %: pad tokens / computed tokens (computed = Σ over micro-batches of what the forward pass runs: packed rows
   L, padded S × longest; the 1-token placeholders of empty packed micro-batches count as padding).
-- attn waste %: 1 − Σ l_i² / Σ attention-score entries computed (packed rows attend over L² with a block-diagonal
-  mask on CPU, padded batches over S × width²): the O(L²) cost packing does not remove without varlen attention.
+- attn waste %: 1 − Σ l_i² / Σ attention-score entries computed (``packed`` rows attend over L² with a
+  block-diagonal mask, padded batches over S × width², ``packed-varlen`` over Σ l_i²).
 - useful tok/s: real (non-pad) tokens / Σ micro-batch seconds (one process doing all ranks' work).
 - 2-rank step s: max over ranks of the rank's summed micro-batch seconds (ranks simulated from the measured
   per-micro-batch times, as if each rank had this process's cores), and useful tok/s at that step time.
@@ -123,13 +126,18 @@ class Layout:
     name: str
     ranks: list[list[list[int]]]
     padded: bool
+    attn: str = "sdpa"
 
 
-def packed_layout(lengths: list[int], world_size: int, budget: int) -> Layout:
+def packed_layout(lengths: list[int], world_size: int, budget: int, varlen: bool = False) -> Layout:
     from cluster.scheduler import plan_microbatches
+    from train_workers.packing import register_varlen_sdpa
 
     plan = plan_microbatches(lengths, world_size, budget, oversize="own")
-    return Layout("packed", [[list(mb) for mb in rank] for rank in plan.ranks], padded=False)
+    ranks = [[list(mb) for mb in rank] for rank in plan.ranks]
+    if varlen:
+        return Layout("packed-varlen", ranks, padded=False, attn=register_varlen_sdpa())
+    return Layout("packed", ranks, padded=False)
 
 
 def padded_layout(lengths: list[int], world_size: int, per_mb: int, sort: bool) -> Layout:
@@ -155,6 +163,8 @@ def attention_entries(layout: Layout, lengths: list[int], mb: list[int]) -> int:
         return 1
     if layout.padded:
         return len(mb) * max(lengths[i] for i in mb) ** 2
+    if layout.attn != "sdpa":
+        return sum(lengths[i] ** 2 for i in mb)
     return sum(lengths[i] for i in mb) ** 2
 
 
@@ -239,6 +249,7 @@ def step_microbatch(model, batch: dict, mb: list[int], padded: bool, num_respons
 def time_layout(model, batch: dict, layout: Layout) -> list[list[float]]:
     """Seconds of every micro-batch, ``[rank][m]``, after one untimed warm-up micro-batch."""
     num_response = sum(map(len, batch["response_ids"]))
+    model.config._attn_implementation = layout.attn
     first = next(mb for rank in layout.ranks for mb in rank if mb)
     step_microbatch(model, batch, first, layout.padded, num_response)
     model.zero_grad(set_to_none=True)
@@ -261,8 +272,8 @@ def run_distribution(model, name: str, pairs: list[tuple[int, int]], world_size:
     per_mb = max(1, round(budget / statistics.mean(lengths)))
     batch = make_batch(pairs, model.config.vocab_size, seed)
     rows = []
-    for layout in (packed_layout(lengths, world_size, budget), padded_layout(lengths, world_size, per_mb, True),
-                   padded_layout(lengths, world_size, per_mb, False)):
+    for layout in (packed_layout(lengths, world_size, budget, varlen=True), packed_layout(lengths, world_size, budget),
+                   padded_layout(lengths, world_size, per_mb, True), padded_layout(lengths, world_size, per_mb, False)):
         times = time_layout(model, batch, layout)
         computed_per_rank = [sum(computed_tokens(layout, lengths, mb) for mb in rank) for rank in layout.ranks]
         computed = sum(computed_per_rank)
@@ -280,7 +291,7 @@ def run_distribution(model, name: str, pairs: list[tuple[int, int]], world_size:
             "rank_imbalance": max(computed_per_rank) / max(1, min(computed_per_rank)),
             "max_microbatch_tokens": max(computed_tokens(layout, lengths, mb) for r in layout.ranks for mb in r),
         })
-        print(f"  {name:8s} {layout.name:10s} {seconds:7.1f}s", flush=True)
+        print(f"  {name:8s} {layout.name:13s} {seconds:7.1f}s", flush=True)
     naive = rows[-1]["useful_tokens_per_s"]
     for row in rows:
         row["speedup_vs_naive"] = row["useful_tokens_per_s"] / naive
@@ -344,7 +355,7 @@ def main() -> None:
     print_table(
         ["dist", "layout", "N", "budget", "S", "mb/rank", "real tok", "computed", "padding %", "attn waste %",
          "s (1 proc)", "useful tok/s", "vs naive", f"{args.world_size}-rank step s", "tok/s", "imbalance"],
-        [[r["dist"], r["layout"], r["sequences"], r["budget"], r["seqs_per_padded_mb"] if r["layout"] != "packed"
+        [[r["dist"], r["layout"], r["sequences"], r["budget"], r["seqs_per_padded_mb"] if "pad" in r["layout"]
           else "-", "/".join(map(str, r["microbatches_per_rank"])), r["real_tokens"], r["computed_tokens"],
           100 * r["padding_fraction"], 100 * r["attention_waste"], r["seconds"], r["useful_tokens_per_s"],
           r["speedup_vs_naive"], r["step_s_2rank"], r["useful_tokens_per_s_2rank"], r["rank_imbalance"]]

@@ -1,28 +1,32 @@
-"""Weight-sync throughput: bucketed broadcasts (``weight_sync.buckets`` + ``weight_sync.group.SyncGroup``, gloo)
-against one raw single-buffer broadcast of the same bytes; optionally the real path into a vLLM engine.
+"""Weight-sync throughput: the production sender (``weight_sync.sender.stream_buckets``) over the bucketed
+broadcast (gloo) and the shared-memory IPC transport (``weight_sync.transport``), against one raw single-buffer
+broadcast of the same bytes on the same backend; optionally the real path into a vLLM engine.
 
 Transport mode (default). Payloads: (a) SmolLM2-135M-Instruct's parameters as the trainer streams them (HF names,
 tied embedding once, float32, ~538 MB, read from the model's safetensors file) and (b) a synthetic set of
 ``--synthetic-tensors`` tensors of ``--synthetic-numel`` float32 each (default 64 x 4M = 1 GiB). The sender is this
 process (rank 0, hosting the TCPStore); 1 and 2 receiver processes (``torch.multiprocessing``, spawn) join one
-``SyncGroup`` per receiver count. Both sides build the same bucket plan (``plan_buckets``) from the tensor list.
+``SyncGroup`` per receiver count. They are bare receivers, not vLLM engines (a vLLM engine per receiver for a 1 GB
+model does not fit beside the rest on a 24 GiB machine): each receives every bucket into a buffer it owns and
+unpacks it into per-tensor views, as the engine's worker extension does before ``load_weights``. Both sides build
+the same bucket plan (``plan_buckets``) from the tensor list.
 
-* bucketed (1, 16, 64, 256, 512 MB buckets): the sender does what ``FSDPTrainWorker.broadcast_weights`` does on CPU:
-  ``pack_bucket`` each bucket into a fresh buffer, (with ``--verify``) CRC-32 it, then an async broadcast while the
-  next bucket is packed (double buffering). Each receiver allocates the bucket's buffer, receives it and
-  ``unpack_bucket``s it into per-tensor views, as the engine's worker extension does; ``--verify`` adds the per-tensor
-  CRC-32s (compared with the sender's), ``--copy`` copies every view into a preallocated destination tensor
-  (standing in for ``model.load_weights``).
+* broadcast (``--bucket-mb`` sizes, default 1, 16, 64, 256, 512 MB): ``stream_buckets`` with a
+  ``BroadcastSender`` — each tensor copied into its bucket buffer as it is "gathered", (with ``--verify``) CRC-32s,
+  an async broadcast while the next bucket is packed (double buffering) — and ``BroadcastReceiver`` on the other side.
+* shm (same bucket sizes): ``stream_buckets`` with a ``ShmSender`` (two ``/dev/shm`` slots, ready/ack keys in the
+  group's TCPStore); each ``ShmReceiver`` copies the slot into its own buffer and acknowledges.
 * raw: one broadcast of a preallocated, already-filled buffer of the payload's bytes into a preallocated buffer on
-  every receiver: the transport's ceiling on the same backend (no packing, unpacking or allocation).
+  every receiver: the broadcast transport's ceiling on the same backend (no packing, unpacking or allocation).
 
 Timed, per repetition (median of ``--repeats``): from the sender's first pack until every receiver has reported
 completion through the TCPStore, so the time includes the receivers' unpacking/checksums. GB/s = payload bytes
-(sum of tensor bytes, 1 GB = 1e9 B) / seconds; "x raw" = bucketed GB/s / raw GB/s for the same payload and receivers.
-"sender s" is when the sender's last broadcast returned; "pack-only s" is one extra, separately timed pass of
-``pack_bucket`` over the whole payload without sending (it shows how much of a sync is packing). A 64 MB broadcast
-warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s
-is per receiver, not aggregate.
+(sum of tensor bytes, 1 GB = 1e9 B) / seconds; "x raw" = GB/s / raw GB/s for the same payload and receivers.
+"sender s" is when the sender's loop returned. "peak MB (acct/RSS)" is the sender's extra memory during the sync:
+accounted (its two bucket buffers + one tensor and a cast copy) / measured (resident-set high-water above the level
+at the start, sampled every 2 ms; glibc keeps freed buffers in its heap, so the RSS figure is an upper bound). A
+64 MB broadcast warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s is
+per receiver, not aggregate.
 
 Engine mode (``--engine``): a :class:`rollout_workers.engine.RolloutEngine` (vLLM, in-process; its worker runs in a
 process vLLM spawns) and SmolLM2's parameters at ``--engine-bucket-mb`` (64) MB buckets. The sender's ``SyncGroup``
@@ -36,7 +40,7 @@ compared.
 Usage (from the repo root)::
 
     .venv/bin/python -m bench.bench_sync                  # both payloads, 1 and 2 receivers, 5 bucket sizes + raw
-    .venv/bin/python -m bench.bench_sync --quick --verify --copy
+    .venv/bin/python -m bench.bench_sync --quick --verify
     .venv/bin/python -m bench.bench_sync --engine --verify
 """
 
@@ -117,24 +121,28 @@ def digest(checksums: dict[str, int]) -> int:
 
 # ---------------------------------------------------------------------------------------------------- sender side
 def send_buckets(group, buckets, tensors: dict, verify: bool) -> dict[str, int]:
-    """``FSDPTrainWorker.broadcast_weights`` on CPU for an unsharded model: pack, checksum, double-buffered send."""
-    from weight_sync.buckets import bucket_checksums, pack_bucket
+    """The production sender loop over a broadcast (``stream_buckets`` + ``BroadcastSender``); returns checksums."""
+    import torch
 
-    checksums: dict[str, int] = {}
-    pending = None
-    for bucket in buckets:
-        buf = pack_bucket(bucket, [tensors[s.name] for s in bucket.slots])
-        if verify:
-            checksums.update(bucket_checksums(bucket, buf))
-        if pending is not None:
-            pending.wait()
-        pending = group.broadcast(buf, async_op=True)
-    if pending is not None:
-        pending.wait()
-    return checksums
+    from weight_sync.sender import stream_buckets
+    from weight_sync.transport import BroadcastSender
+
+    check = list(tensors) if verify else []
+    return stream_buckets(buckets, tensors.__getitem__, BroadcastSender(group, torch.device("cpu")),
+                          check)["checksums"]
 
 
 # ---------------------------------------------------------------------------------------------------- receiver side
+class _StoreView:
+    """A receiver-side view of the bench's gloo group exposing only what the shm transport uses (store, rank)."""
+
+    def __init__(self, group):
+        self.store, self.rank, self.world_size = group.store, group.rank, group.world_size
+
+    def close(self) -> None:
+        pass
+
+
 def _receiver_main(rank: int, world: int, port: int, schedule: list[dict], verify: bool, copy: bool,
                    timeout_s: float) -> None:
     """One receiver process: join the group, then follow the schedule; report each repetition via the store."""
@@ -142,6 +150,7 @@ def _receiver_main(rank: int, world: int, port: int, schedule: list[dict], verif
 
     from weight_sync.buckets import bucket_checksums, unpack_bucket
     from weight_sync.group import SyncGroup
+    from weight_sync.transport import BroadcastReceiver, ShmReceiver
 
     torch.set_num_threads(1)
     group = SyncGroup(HOST, port, rank, world, timeout_s)
@@ -151,7 +160,7 @@ def _receiver_main(rank: int, world: int, port: int, schedule: list[dict], verif
     for e, exp in enumerate(schedule):
         specs = exp["specs"]
         dest = None
-        if copy and exp["mode"] == "bucketed":
+        if copy and exp["mode"] != "raw":
             from weight_sync.buckets import to_dtype
 
             dest = {n: torch.empty(s, dtype=to_dtype(d)) for n, s, d in specs}
@@ -159,24 +168,30 @@ def _receiver_main(rank: int, world: int, port: int, schedule: list[dict], verif
             raw = torch.empty(payload_bytes(specs), dtype=torch.uint8)
         else:
             buckets = plan_of(specs, exp["bucket_bytes"])
+        if exp["mode"] == "shm":
+            group.store.wait([f"desc/{e}"])
+            rx = ShmReceiver(_StoreView(group), json.loads(group.store.get(f"desc/{e}")))
+        elif exp["mode"] == "broadcast":
+            rx = BroadcastReceiver(group, torch.device("cpu"))
         for rep in range(exp["repeats"]):
             checksums: dict[str, int] = {}
             if exp["mode"] == "raw":
                 group.broadcast(raw)
             else:
+                rx.begin()
                 for bucket in buckets:
-                    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-                    group.broadcast(buf)
+                    buf = rx.receive(bucket)
                     views = unpack_bucket(bucket, buf)
                     if verify:
                         checksums.update(bucket_checksums(bucket, buf))
                     if dest is not None:
                         for name, view in views:
                             dest[name].copy_(view)
+                    del buf, views
             group.store.set(f"done/{e}/{rep}/{rank}", str(digest(checksums) if verify else 0))
         if exp["mode"] == "raw":
             del raw
-        dest = None
+        rx = dest = None
         gc.collect()
 
 
@@ -187,6 +202,8 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
     import torch.multiprocessing as mp
 
     from weight_sync.group import SyncGroup, free_port
+    from weight_sync.sender import stream_buckets
+    from weight_sync.transport import BroadcastSender, ShmSender
 
     world = 1 + receivers
     port = free_port(HOST)
@@ -202,6 +219,7 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
         for e, exp in enumerate(schedule):
             tensors = payloads[exp["payload"]]
             nbytes = payload_bytes(exp["specs"])
+            sender = buckets = None
             if exp["mode"] == "raw":
                 raw = torch.empty(nbytes, dtype=torch.uint8)
                 offset = 0
@@ -209,43 +227,47 @@ def run_transport(receivers: int, schedule: list[dict], payloads: dict, verify: 
                     flat = t.reshape(-1).view(torch.uint8)
                     raw[offset:offset + flat.numel()].copy_(flat)
                     offset += flat.numel()
-                buckets = None
             else:
                 buckets = plan_of(exp["specs"], exp["bucket_bytes"])
-            pack_s = None
-            if buckets is not None:  # packing alone (no sending), once, untimed by the receivers
-                from weight_sync.buckets import pack_bucket
-
-                t0 = time.perf_counter()
-                for bucket in buckets:
-                    pack_bucket(bucket, [tensors[s.name] for s in bucket.slots])
-                pack_s = time.perf_counter() - t0
-            times, sender_times, ok = [], [], True
+                if exp["mode"] == "shm":
+                    sender = ShmSender(group, max(b.nbytes for b in buckets))
+                    group.store.set(f"desc/{e}", json.dumps(sender.descriptor()))
+                else:
+                    sender = BroadcastSender(group, torch.device("cpu"))
+            check = list(tensors) if verify else []
+            times, sender_times, peaks, ok = [], [], [], True
             for rep in range(exp["repeats"]):
                 t0 = time.perf_counter()
-                if raw_mode := exp["mode"] == "raw":
+                if exp["mode"] == "raw":
                     group.broadcast(raw)
                     sent = {}
                 else:
-                    sent = send_buckets(group, buckets, tensors, verify)
+                    report = stream_buckets(buckets, tensors.__getitem__, sender, check)
+                    sent = report["checksums"]
+                    peaks.append((report["peak_extra_bytes_accounted"], report["peak_extra_bytes"]))
                 sender_times.append(time.perf_counter() - t0)
                 keys = [f"done/{e}/{rep}/{r}" for r in range(1, world)]
                 group.store.wait(keys)
                 times.append(time.perf_counter() - t0)
-                if verify and not raw_mode:
+                if verify and exp["mode"] != "raw":
                     ok = ok and all(int(group.store.get(k)) == digest(sent) for k in keys)
             if exp["mode"] == "raw":
                 del raw
-                gc.collect()
+            if exp["mode"] == "shm":
+                sender._finalizer()  # unlink the slots (their pages go once the receivers drop them)
+            sender = None
+            gc.collect()
             seconds = statistics.median(times)
             rows.append({"payload": exp["payload"], "receivers": receivers, "mode": exp["mode"],
                          "bucket_mb": exp["bucket_bytes"] // MB if exp["bucket_bytes"] else None,
                          "buckets": len(buckets) if buckets else 1, "bytes": nbytes, "seconds": seconds,
                          "all_seconds": times, "sender_seconds": statistics.median(sender_times),
-                         "pack_only_seconds": pack_s, "gb_per_s": nbytes / seconds / 1e9,
-                         "verified": (ok if verify and exp["mode"] == "bucketed" else None)})
+                         "peak_accounted": max((p[0] for p in peaks), default=None),
+                         "peak_rss": max((p[1] for p in peaks), default=None),
+                         "gb_per_s": nbytes / seconds / 1e9,
+                         "verified": (ok if verify and exp["mode"] != "raw" else None)})
             r = rows[-1]
-            print(f"  {r['payload']:>9} recv={receivers} {r['mode']:>8} "
+            print(f"  {r['payload']:>9} recv={receivers} {r['mode']:>9} "
                   f"{(str(r['bucket_mb']) + 'MB') if r['bucket_mb'] else '':>6}: {seconds:.3f}s "
                   f"{r['gb_per_s']:.2f} GB/s", flush=True)
     finally:
@@ -268,14 +290,15 @@ def transport_main(args, model_path: str) -> None:
     schedule = []
     for name, tensors in payloads.items():
         specs = specs_of(tensors)
-        for mb in args.bucket_mb:
-            schedule.append({"payload": name, "specs": specs, "mode": "bucketed", "bucket_bytes": int(mb * MB),
-                             "repeats": args.repeats})
+        for mode in args.modes:
+            for mb in args.bucket_mb:
+                schedule.append({"payload": name, "specs": specs, "mode": mode, "bucket_bytes": int(mb * MB),
+                                 "repeats": args.repeats})
         schedule.append({"payload": name, "specs": specs, "mode": "raw", "bucket_bytes": None,
                          "repeats": args.repeats})
         print(f"payload {name}: {len(specs)} tensors, {payload_bytes(specs) / 1e6:.1f} MB", flush=True)
-    print(f"gloo on {HOST}; bucket sizes {args.bucket_mb} MB + raw; median of {args.repeats}; "
-          f"verify={args.verify} copy={args.copy}", flush=True)
+    print(f"gloo on {HOST}; transports {args.modes}, bucket sizes {args.bucket_mb} MB + raw broadcast; median of "
+          f"{args.repeats}; verify={args.verify} copy={args.copy}", flush=True)
     rows = []
     for n in args.receivers:
         rows += run_transport(n, schedule, payloads, args.verify, args.copy, args.timeout_s)
@@ -284,12 +307,27 @@ def transport_main(args, model_path: str) -> None:
     for r in rows:
         r["x_raw"] = r["gb_per_s"] / raw[(r["payload"], r["receivers"])]
     print()
-    print_table(["payload", "recv", "bucket", "buckets", "MB", "seconds", "GB/s", "x raw", "sender s", "pack-only s",
-                 "checksums"],
-                [[r["payload"], r["receivers"], f"{r['bucket_mb']}MB" if r["bucket_mb"] else "raw", r["buckets"],
-                  r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"], r["sender_seconds"],
-                  "-" if r["pack_only_seconds"] is None else r["pack_only_seconds"],
-                  {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
+
+    def peak(r) -> str:
+        if r["peak_accounted"] is None:
+            return "-"
+        return f"{r['peak_accounted'] / 1e6:.0f}/{r['peak_rss'] / 1e6:.0f}"
+
+    print_table(["payload", "recv", "transport", "bucket", "buckets", "MB", "seconds", "GB/s", "x raw", "sender s",
+                 "peak MB (acct/RSS)", "checksums"],
+                [[r["payload"], r["receivers"], r["mode"], f"{r['bucket_mb']}MB" if r["bucket_mb"] else "-",
+                  r["buckets"], r["bytes"] / 1e6, r["seconds"], r["gb_per_s"], r["x_raw"], r["sender_seconds"],
+                  peak(r), {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
+    best = {}
+    for r in rows:
+        if r["mode"] != "raw":
+            key = (r["payload"], r["receivers"], r["mode"])
+            if key not in best or r["gb_per_s"] > best[key]["gb_per_s"]:
+                best[key] = r
+    print("\nbest bucket size per payload/receivers/transport:")
+    for (payload, recv, mode), r in sorted(best.items()):
+        print(f"  {payload:>9} recv={recv} {mode:>9}: {r['bucket_mb']} MB, {r['seconds']:.3f} s, "
+              f"{r['gb_per_s']:.2f} GB/s = {r['x_raw']:.2f}x raw")
     machine = machine_line(args)
     print_json("sync", {"machine": machine, "mode": "transport", "backend": "gloo", "verify": args.verify,
                         "copy": args.copy,
@@ -393,6 +431,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[1, 16, 64, 256, 512])
     parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--modes", nargs="+", default=["broadcast", "shm"], choices=["broadcast", "shm"],
+                        help="bucketed transports to measure (raw broadcast always runs)")
     parser.add_argument("--payloads", nargs="+", default=["smollm2", "synthetic"], choices=["smollm2", "synthetic"])
     parser.add_argument("--synthetic-tensors", type=int, default=64)
     parser.add_argument("--synthetic-numel", type=int, default=4 * 2**20, help="float32 elements per tensor")

@@ -67,13 +67,14 @@ def _cmd_run(args) -> int:
         ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, dashboard_host=spec.ray.dashboard_host,
                  log_to_driver=True)
     from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
+    from weight_sync.coordinator import SyncMemberError
 
     try:
         job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job)
     except InsufficientResources as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
-    except (TrainWorkerFailure, EngineFailure, WorkerTimeout, NumericsError, StaleSamplesError,
+    except (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, NumericsError, StaleSamplesError,
             SyncVerificationError, ray.exceptions.RayError) as exc:
         print(f"grpo-cluster: job failed: {type(exc).__name__}: {exc}\n"
               f"grpo-cluster: checkpoints written so far are kept; continue with `grpo-cluster run {args.spec} "

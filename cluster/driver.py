@@ -38,10 +38,11 @@ from cluster.pools import (EngineFailure, RolloutPool, TrainPool, TrainWorkerFai
 from cluster.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.scheduler import plan_microbatches
 from cluster.spec import JobSpec, spec_to_yaml
+from weight_sync.coordinator import SyncMemberError
 from grpo.advantages import compute_multi_reward_advantages
 from grpo.eos import eos_token_ids, response_valid_lengths
 from grpo.kl import AdaptiveKLController, FixedKLController
-from grpo.rewards import combine_rewards, overlong_penalty
+from grpo.rewards import CombinedRewards, combine_rewards, overlong_penalty
 from rollout_workers.engine import GroupRequest, GroupResult
 from train_workers.packing import pack_rank_microbatches
 
@@ -233,7 +234,7 @@ class GRPOJob:
         """
         try:
             return self.sync.sync(self.policy_version)
-        except (ray.exceptions.RayError, WorkerTimeout) as exc:
+        except (ray.exceptions.RayError, WorkerTimeout, SyncMemberError) as exc:
             dead = self.rollout.dead_engines()
             if not dead:
                 raise
@@ -254,7 +255,7 @@ class GRPOJob:
                              "rollout_replicas": len(self.rollout.engines), "total_steps": self.spec.total_steps,
                              "engine_restarts": self.rollout.restarts})
 
-    def _generate(self, requests: list[GroupRequest]):
+    def _generate(self, requests: list[GroupRequest], on_groups=None):
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
         an engine at a version within ``rollout.max_staleness`` of the trainer's.
 
@@ -265,8 +266,8 @@ class GRPOJob:
         r = self.spec.rollout
         for attempt in range(r.max_engine_restarts + 3):
             try:
-                groups, stats = self.rollout.generate(requests)
-            except (ray.exceptions.RayError, WorkerTimeout) as exc:
+                groups, stats = self.rollout.generate(requests, on_groups)
+            except (ray.exceptions.RayError, WorkerTimeout, SyncMemberError) as exc:
                 dead = self.rollout.dead_engines()
                 if not dead:
                     raise
@@ -302,13 +303,24 @@ class GRPOJob:
             phase("generate")
             examples, requests = self._next_requests(num_prompts, group_size)
             t0 = time.perf_counter()
-            groups, gen_stats = self._generate(requests)
+            by_group = {q.group_id: ex.reference for q, ex in zip(requests, examples)}
+            early: dict[int, CombinedRewards] = {}
+
+            def score_finished(results: list[GroupResult]) -> None:
+                """Score each engine's groups as soon as that engine finishes, while the others still sample."""
+                t = time.perf_counter()
+                for g in results:
+                    early[g.group_id] = combine_rewards(g.texts, [by_group[g.group_id]] * len(g.texts), alg.rewards,
+                                                        on_error=alg.reward_on_error)
+                timings["score_s"] += time.perf_counter() - t
+
+            groups, gen_stats = self._generate(requests, score_finished)
             timings["engine_idle"].append(gen_stats.get("engine_idle_fraction", 0.0))
             timings["generate_s"] += time.perf_counter() - t0
             timings["tokens"] += gen_stats["tokens"]
             phase("score")
             t0 = time.perf_counter()
-            batch = self._score(groups, [e.reference for e in examples])
+            batch = self._score(groups, [e.reference for e in examples], [early[g.group_id] for g in groups])
             timings["score_s"] += time.perf_counter() - t0
             return batch
 
@@ -391,13 +403,23 @@ class GRPOJob:
         }
         return metrics
 
-    def _score(self, groups: list[GroupResult], references: list[str]) -> RolloutBatch:
-        """Rewards (weighted functions + DAPO overlong penalty), EOS and truncation masks, and advantages."""
+    def _score(self, groups: list[GroupResult], references: list[str],
+               scored_groups: list[CombinedRewards] | None = None) -> RolloutBatch:
+        """Rewards (weighted functions + DAPO overlong penalty), EOS and truncation masks, and advantages.
+
+        ``scored_groups`` are the groups' reward-function results when they were already computed as the groups
+        arrived (one per group, in ``groups`` order); rewards are per completion, so joining them is exact."""
         alg = self.spec.algorithm
         max_tokens = self.spec.rollout.max_response_tokens
         rows = _flatten(groups, references)
         valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids)
-        scored = combine_rewards(rows["texts"], rows["references"], alg.rewards, on_error=alg.reward_on_error)
+        if scored_groups is None:
+            scored = combine_rewards(rows["texts"], rows["references"], alg.rewards, on_error=alg.reward_on_error)
+        else:
+            scored = CombinedRewards(
+                torch.cat([c.total for c in scored_groups]),
+                {k: torch.cat([c.per_function[k] for c in scored_groups]) for k in scored_groups[0].per_function},
+                {k: sum(c.num_failed[k] for c in scored_groups) for k in scored_groups[0].num_failed})
         per_function, weights, total = dict(scored.per_function), dict(alg.rewards), scored.total
         if alg.overlong_buffer_tokens is not None:
             penalty = overlong_penalty(valid_lengths, max_tokens, alg.overlong_buffer_tokens,
@@ -521,7 +543,7 @@ class GRPOJob:
             self.sampler.load_state_dict(state["sampler"])
             by_index = {ex.index: ex for ex in self.sampler.examples}
             self._pending = deque(by_index[i] for i in state.get("pending_prompts", []))
-            self.kl_controller.value = float(state["kl_coef"])
+            self.kl_controller.load_state_dict({"kl_coef": state["kl_coef"]})
             self.group_size.load_state_dict(state["group_size"])
             self.skipped_updates = int(state.get("skipped_updates", 0))
             self.skipped_updates_total = int(state.get("skipped_updates_total", 0))
@@ -535,7 +557,7 @@ class GRPOJob:
         """Count an update skipped for NaN/Inf; too many in a row stop the job naming the step and the metric."""
         self.skipped_updates += 1
         self.skipped_updates_total += 1
-        metric = train_metrics.get("actor/nonfinite_metric") or "loss or grad_norm"
+        metric = train_metrics.get("actor/update_skipped_reason") or "loss or grad_norm"
         limit = self.spec.train.max_skipped_updates
         self._status(f"step {self.step}: non-finite {metric}; update skipped, weights not broadcast "
                      f"({self.skipped_updates} in a row, limit {limit})")
@@ -661,7 +683,7 @@ def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False
             job.run()
             history.update(job.completed)
             return job, [history[k] for k in sorted(history)]
-        except (TrainWorkerFailure, EngineFailure, WorkerTimeout, ray.exceptions.RayError) as exc:
+        except (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError) as exc:
             history.update(job.completed)
             if attempt >= spec.restart_on_failure:
                 raise

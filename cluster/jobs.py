@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import secrets
@@ -77,8 +78,11 @@ def connect(address: str | None, timeout_s: float = 5.0):
     """A JobSubmissionClient for the dashboard at ``address`` (``http://HOST:8265``; no scheme means http).
 
     A TCP connection to HOST:PORT must open within ``timeout_s`` first, so a wrong address fails in seconds.
-    Raises JobsError when the address cannot be reached or does not serve the Jobs API.
+    Token authentication: as ``ray start`` and ``ray.init(address="auto")`` do, when ``$RAY_AUTH_MODE`` is unset and
+    a Ray token is available (``~/.ray/auth_token``, ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``) it is sent.
+    Raises JobsError when the address cannot be reached, refuses the token, or does not serve the Jobs API.
     """
+    from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
     address = address or default_address()
@@ -91,10 +95,30 @@ def connect(address: str | None, timeout_s: float = 5.0):
         except OSError as exc:
             raise JobsError(f"cannot reach the Ray dashboard at {address} ({exc}); expected the Jobs API address "
                             f"http://HOST:8265 of a running cluster (--address or $RAY_ADDRESS)") from None
+    _use_token_if_available()
     try:
         return JobSubmissionClient(url)
+    except AuthenticationError as exc:
+        raise JobsError(f"the Ray cluster at {address} requires token authentication: {exc}") from None
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise JobsError(f"no Ray Jobs API at {address}: {exc}") from None
+
+
+def _use_token_if_available() -> None:
+    """Ray's own rule (``maybe_enable_token_auth_if_token_available``), without its log warning."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    try:
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return
+    log = logging.getLogger(setup.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
 
 
 # ----------------------------------------------------------------------------------------------------- submit

@@ -176,6 +176,16 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """No-op (kept so both controllers are interchangeable)."""
 
+    def state_dict(self) -> dict[str, float]:
+        return {"kl_coef": self._value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore β from :meth:`state_dict` (checkpoint resume); raises ValueError if it is not finite and >= 0."""
+        value = float(state["kl_coef"])
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {value!r}")
+        self._value = value
+
 
 class AdaptiveKLController:
     """Proportional controller steering the measured KL towards a target.
@@ -216,3 +226,6 @@ class AdaptiveKLController:
             raise ValueError(f"n_steps must be >= 0, got {n_steps!r}")
         error = min(max(kl / self.target_kl - 1.0, -0.2), 0.2)
         self._value *= 1.0 + error * n_steps / self.horizon
+
+    state_dict = FixedKLController.state_dict
+    load_state_dict = FixedKLController.load_state_dict

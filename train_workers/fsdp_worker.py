@@ -16,6 +16,7 @@ sum of the per-rank sums.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -485,15 +486,20 @@ class FSDPTrainWorker:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict:
-        """Write the policy as an HF folder (rank 0: safetensors + config) and the sharded optimizer state (all
-        ranks, torch.distributed.checkpoint) under ``path/optimizer``."""
-        import torch.distributed.checkpoint as dcp
+        """Write the policy as an HF folder (rank 0: ``model.safetensors`` + config) and the AdamW state as
+        ``optimizer.safetensors`` (per parameter ``<name>::<exp_avg|exp_avg_sq|step>``) plus
+        ``optimizer_param_groups.json`` — tensors and JSON only, so loading a checkpoint unpickles nothing.
+
+        Both are gathered to full tensors on CPU (one parameter at a time for the model); returns ``{"seconds"}``.
+        """
+        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
         )
 
         t0 = time.perf_counter()
-        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.policy, options=options)
         if self.rank == 0:
             hf = self.policy.model
             # Tied weights (SmolLM2's LM head = input embedding) are written once, as transformers does.
@@ -503,27 +509,44 @@ class FSDPTrainWorker:
             state = {k: v for k, v in state.items() if k not in aliases}
             self.policy.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         del full
-        optim = get_optimizer_state_dict(self.policy, self.optimizer)
-        dcp.save({"optimizer": optim}, checkpoint_id=os.path.join(path, "optimizer"))
+        optim = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
+        if self.rank == 0:
+            tensors = {f"{name}::{key}": torch.as_tensor(value).contiguous()
+                       for name, per_param in optim["state"].items() for key, value in per_param.items()}
+            save_file(tensors, os.path.join(path, "optimizer.safetensors"))
+            with open(os.path.join(path, "optimizer_param_groups.json"), "w") as f:
+                json.dump(optim["param_groups"], f, indent=1)
+        del optim
         dist.barrier()
         return {"seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str, policy_version: int) -> None:
-        """Restore the optimizer state saved by :meth:`save_checkpoint` under ``path/optimizer`` (the policy weights
-        were loaded by ``init_distributed(policy_path=path)``) and continue at ``policy_version``.
+        """Restore the AdamW state written by :meth:`save_checkpoint` (the policy weights were loaded by
+        ``init_distributed(policy_path=path)``) and continue at ``policy_version``. Every rank reads the full state
+        and keeps its own shards.
 
         Raises:
-            FileNotFoundError: ``path/optimizer`` is missing (not a complete checkpoint).
+            FileNotFoundError: ``optimizer.safetensors`` or ``optimizer_param_groups.json`` is missing.
+            ValueError: the saved state names parameters this policy does not have.
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        optim_dir = os.path.join(path, "optimizer")
-        if not os.path.isdir(optim_dir):
-            raise FileNotFoundError(f"{optim_dir}: no optimizer state (incomplete checkpoint)")
-        state = {"optimizer": get_optimizer_state_dict(self.policy, self.optimizer)}
-        dcp.load(state, checkpoint_id=optim_dir)
-        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
+        tensors = load_file(os.path.join(path, "optimizer.safetensors"))
+        with open(os.path.join(path, "optimizer_param_groups.json")) as f:
+            param_groups = json.load(f)
+        state: dict[str, dict] = {}
+        for key, value in tensors.items():
+            name, _, field = key.rpartition("::")
+            state.setdefault(name, {})[field] = value
+        known = {n for g in param_groups for n in g["params"]}
+        if set(state) - known:
+            raise ValueError(f"{path}/optimizer.safetensors: state for unknown parameters {sorted(set(state) - known)[:3]}")
+        for group in param_groups:
+            if "betas" in group:
+                group["betas"] = tuple(group["betas"])
+        set_optimizer_state_dict(self.policy, self.optimizer, {"state": state, "param_groups": param_groups},
+                                 options=StateDictOptions(full_state_dict=True))
         self.policy_version = int(policy_version)
 
     def shutdown(self) -> None:

@@ -6,6 +6,11 @@ attention mask and no KV cache) into a block-diagonal causal mask, so attention 
 
 Token t of response i sits at packed position ``s_i + P_i + t`` (s_i = start of sequence i) and is predicted by the
 logits at position ``s_i + P_i + t − 1``.
+
+With transformers' ``sdpa`` attention the block-diagonal mask is a dense [L, L] mask, so attention costs O(L²) per
+packed row whatever its sequences. :data:`VARLEN_SDPA` (``attn_implementation`` of a model loaded after
+:func:`register_varlen_sdpa`) instead runs causal SDPA on each sequence's slice of the row: Σ l_i² work, no mask
+built — the CPU counterpart of flash-attention's varlen kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+VARLEN_SDPA = "packed_varlen_sdpa"
 
 
 @dataclass
@@ -184,3 +192,54 @@ def pack_rank_microbatches(
                 group_ids=None if gids is None else [gids[i] for i in idx]))
         out.append(mbs)
     return out
+
+
+def varlen_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence (transformers attention-interface signature).
+
+    query: [1, H, L, D]; key, value: [1, H_kv, L, D] (H a multiple of H_kv, grouped-query attention); the packed
+    row's ``position_ids`` [1, L] come in ``kwargs``; a sequence starts wherever its position id is 0. Returns
+    ``([1, L, H, D], None)`` like transformers' ``sdpa_attention_forward``. Cost Σ l_i² per head instead of L².
+
+    Raises:
+        ValueError: an attention mask, a batch of more than one row, no ``position_ids``, or a KV cache
+            (query and key lengths differ): this path only serves padding-free packed rows in training.
+    """
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or query.shape[0] != 1 or position_ids is None or key.shape[2] != query.shape[2]:
+        raise ValueError(f"{VARLEN_SDPA}: expected one packed row with position_ids, no attention mask and no KV "
+                         f"cache; got query {tuple(query.shape)}, key {tuple(key.shape)}, attention_mask "
+                         f"{None if attention_mask is None else tuple(attention_mask.shape)}, position_ids "
+                         f"{None if position_ids is None else tuple(position_ids.shape)}")
+    length = query.shape[2]
+    starts = (position_ids.reshape(-1)[:length] == 0).nonzero().flatten().tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    bounds = starts + [length]
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.cat([
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                       is_causal=b - a > 1, scale=scaling, enable_gqa=gqa)
+        for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """Mask builder for :data:`VARLEN_SDPA`: no mask (sequences come from position ids); refuses padding."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"{VARLEN_SDPA}: padded inputs (attention_mask with zeros) are not supported; "
+                         f"pack the sequences into one row instead")
+    return None
+
+
+def register_varlen_sdpa() -> str:
+    """Register :data:`VARLEN_SDPA` with transformers (idempotent); returns the name to pass as
+    ``attn_implementation`` (or to set as ``model.config._attn_implementation``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_mask)
+    return VARLEN_SDPA

@@ -7,8 +7,9 @@ checksums and the receivers' loading are identical whichever is used.
   sender packs bucket i+1 into the other of two buffers while bucket i is in flight.
 * ``shm`` (CPU ``ipc``): two shared-memory slots (files in ``/dev/shm`` mapped with ``torch.from_file``) of the
   largest bucket's size. The sender packs bucket i into slot i mod 2 and announces it through the group's TCPStore
-  (key ``<sync>/ready/<i>``); each receiver copies the slot into its own buffer and acknowledges
-  (``<sync>/ack/<i>/<rank>``); the sender reuses a slot once every receiver acknowledged the bucket in it. The slots
+  (key ``<tag>/<sync>/ready/<i>``); each receiver copies the slot into its own buffer and acknowledges
+  (``<tag>/<sync>/ack/<i>/<rank>``; ``tag`` is unique per sender, so senders can share one store); the sender
+  reuses a slot once every receiver acknowledged the bucket in it. The slots
   are unlinked from ``/dev/shm`` as soon as every receiver has mapped them, so nothing leaks if a process dies.
 * ``cuda_ipc`` (GPU ``ipc``): the same protocol with two CUDA buffers on the sender's GPU shared through CUDA IPC
   handles (``torch.multiprocessing.reductions.reduce_tensor``), for a trainer and engine sharing one GPU, where
@@ -95,6 +96,7 @@ class _StoreSlotSender:
     def __init__(self, group: SyncGroup, slot_bytes: int):
         self.group, self.slot_bytes = group, slot_bytes
         self.receivers = list(range(1, group.world_size))
+        self.tag = uuid.uuid4().hex[:12]  # namespaces this sender's store keys
         self._sync = 0
         self._sent: list[int] = []
         self._slots: list[torch.Tensor] = []
@@ -110,7 +112,7 @@ class _StoreSlotSender:
         self._sent = []
 
     def _wait_acks(self, index: int) -> None:
-        self.group.store.wait([f"{self._sync}/ack/{index}/{r}" for r in self.receivers])
+        self.group.store.wait([f"{self.tag}/{self._sync}/ack/{index}/{r}" for r in self.receivers])
 
     def buffer(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index >= 2:
@@ -122,7 +124,7 @@ class _StoreSlotSender:
 
     def send(self, bucket: Bucket, buf: torch.Tensor) -> None:
         self._ready()
-        self.group.store.set(f"{self._sync}/ready/{bucket.index}", "1")
+        self.group.store.set(f"{self.tag}/{self._sync}/ready/{bucket.index}", "1")
         self._sent.append(bucket.index)
 
     def finish(self) -> None:
@@ -145,19 +147,18 @@ class ShmSender(_StoreSlotSender):
 
     def __init__(self, group: SyncGroup, slot_bytes: int, directory: str = SHM_DIR):
         super().__init__(group, slot_bytes)
-        tag = uuid.uuid4().hex[:12]
-        self.paths = [os.path.join(directory, f"grpo-sync-{os.getpid()}-{tag}-{i}") for i in range(2)]
+        self.paths = [os.path.join(directory, f"grpo-sync-{os.getpid()}-{self.tag}-{i}") for i in range(2)]
         self._slots = [torch.from_file(p, shared=True, size=max(slot_bytes, 1), dtype=torch.uint8)
                        for p in self.paths]
         self._unlinked = False
         self._finalizer = weakref.finalize(self, _unlink, list(self.paths))
 
     def descriptor(self) -> dict:
-        return {"kind": self.kind, "paths": list(self.paths), "slot_bytes": self.slot_bytes}
+        return {"kind": self.kind, "paths": list(self.paths), "slot_bytes": self.slot_bytes, "tag": self.tag}
 
     def begin(self, buckets: Sequence[Bucket]) -> None:
         if not self._unlinked:  # every receiver has mapped the slots: their names are no longer needed
-            self.group.store.wait([f"mapped/{r}" for r in self.receivers])
+            self.group.store.wait([f"{self.tag}/mapped/{r}" for r in self.receivers])
             self._finalizer()
             self._unlinked = True
         super().begin(buckets)
@@ -181,7 +182,7 @@ class CudaIpcSender(_StoreSlotSender):
 
         # pickled: vLLM's collective_rpc serialiser carries bytes, not the rebuild function inside a handle
         handles = [pickle.dumps(reduce_tensor(s)) for s in self._slots]
-        return {"kind": self.kind, "handles": handles, "slot_bytes": self.slot_bytes}
+        return {"kind": self.kind, "handles": handles, "slot_bytes": self.slot_bytes, "tag": self.tag}
 
     def _ready(self) -> None:
         torch.cuda.current_stream().synchronize()
@@ -226,19 +227,19 @@ class BroadcastReceiver:
 
 
 class _StoreSlotReceiver:
-    def __init__(self, group: SyncGroup, slots: list[torch.Tensor]):
-        self.group, self._slots = group, slots
+    def __init__(self, group: SyncGroup, slots: list[torch.Tensor], tag: str):
+        self.group, self._slots, self.tag = group, slots, tag
         self._sync = 0
 
     def begin(self) -> None:
         self._sync += 1
 
     def receive(self, bucket: Bucket) -> torch.Tensor:
-        self.group.store.wait([f"{self._sync}/ready/{bucket.index}"])
+        self.group.store.wait([f"{self.tag}/{self._sync}/ready/{bucket.index}"])
         buf = self._slots[bucket.index % 2][: bucket.nbytes].clone()
         if buf.is_cuda:
             torch.cuda.current_stream().synchronize()
-        self.group.store.set(f"{self._sync}/ack/{bucket.index}/{self.group.rank}", "1")
+        self.group.store.set(f"{self.tag}/{self._sync}/ack/{bucket.index}/{self.group.rank}", "1")
         return buf
 
     def close(self) -> None:
@@ -256,8 +257,8 @@ class ShmReceiver(_StoreSlotReceiver):
         except (RuntimeError, OSError) as exc:
             raise RuntimeError(f"cannot map the sender's shared-memory slots {descriptor['paths']} (is this engine "
                                f"on the trainer's host? use sync.mode 'broadcast' otherwise): {exc}") from exc
-        super().__init__(group, slots)
-        group.store.set(f"mapped/{group.rank}", "1")
+        super().__init__(group, slots, descriptor["tag"])
+        group.store.set(f"{self.tag}/mapped/{group.rank}", "1")
 
 
 class CudaIpcReceiver(_StoreSlotReceiver):
@@ -270,7 +271,7 @@ class CudaIpcReceiver(_StoreSlotReceiver):
             args = list(args)
             args[6] = torch.cuda.current_device()  # the device index as this process numbers it (vLLM RLHF recipe)
             slots.append(rebuild(*args))
-        super().__init__(group, slots)
+        super().__init__(group, slots, descriptor["tag"])
 
 
 def make_receiver(descriptor: dict, group: SyncGroup, device: torch.device):

@@ -32,7 +32,8 @@ def run_sync(kind: str, tensors: dict, bucket_bytes: int, receivers: int = 2, ti
     """One sender + ``receivers`` receiver threads over transport ``kind``; ``syncs`` syncs of the same tensors
     (``keep``: receivers keep copies of what they received, else drop each bucket after checksumming it).
 
-    Returns (per receiver: name → received tensor of the last sync, the sender's last report, per receiver: checksums).
+    Returns (per receiver: name → received tensor of the last sync, the sender's last report, per receiver:
+    checksums).
     """
     plan = plan_buckets([(n, t.shape, t.dtype) for n, t in tensors.items()], bucket_bytes)
     names = [s.name for b in plan for s in b.slots]

@@ -244,3 +244,35 @@ def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
     resumed = GRPOJob(spec, progress=False, resume=True)
     assert resumed.step == 3 and resumed.resume_from == root / "step_000003"
     resumed.close()
+
+
+def test_nan_updates_skipped_then_stop(make_spec, local_ray):
+    """A NaN loss skips the update (weights and version unchanged, nothing broadcast); K in a row stop the job."""
+    import ray
+
+    from cluster.driver import GRPOJob, NumericsError
+
+    spec = make_spec("nan", "train.max_skipped_updates=2", "total_steps=3")
+    job = GRPOJob(spec, progress=False)
+    original = GRPOJob.run_step
+
+    def run_step(self, bar=None):
+        if self.step >= 2:  # poison rank 1's loss at steps 2 and 3
+            ray.get(self.train.workers[1].inject_nan_next_step.remote("loss"))
+        return original(self, bar)
+
+    try:
+        job.start()
+        job.run_step = run_step.__get__(job)
+        with pytest.raises(NumericsError, match=r"step 3: 2 updates in a row skipped for a non-finite actor/loss"):
+            job.run()
+        engine_version = ray.get(job.rollout.engines[0].ready.remote())["policy_version"]
+    finally:
+        job.close()
+        job.shutdown()
+    rows = _metrics(spec)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["actor/update_skipped"] == 0.0 and rows[0]["policy_version"] == 1
+    assert rows[1]["actor/update_skipped"] == 1.0 and rows[1]["policy_version"] == 1
+    assert rows[1]["sync/skipped"] == 1.0 and rows[1]["actor/updates_skipped_total"] == 1
+    assert engine_version == 1 and job.policy_version == 1

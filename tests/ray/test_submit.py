@@ -49,9 +49,9 @@ def head():
 
 @pytest.fixture(scope="module")
 def client(head):
-    from ray.job_submission import JobSubmissionClient
+    from cluster.jobs import connect
 
-    return JobSubmissionClient(head.dashboard)
+    return connect(head.dashboard)  # sends the Ray token when the head uses token authentication
 
 
 def test_submit_follow_and_scrape(head, client, tiny_model_dir, gsm8k_train_path, tmp_path):

@@ -133,3 +133,20 @@ def test_trainer_logprobs_use_the_sampling_temperature():
     untempered, _ = ResponseLogprobModel(_LM(), temperature=1.0)(*args)
     assert untempered.item() == pytest.approx(-0.40761, abs=1e-5)
     assert not math.isclose(logprobs.item(), untempered.item(), abs_tol=0.1)
+
+
+def test_groups_scored_as_they_arrive_equal_batch_scoring():
+    """Rewards computed per group as each engine finishes, joined in request order, give the same batch."""
+    from grpo.rewards import combine_rewards
+
+    j = job("algorithm.rewards={accuracy: 1.0, format: 0.5}")
+    alg = j.spec.algorithm
+    early = [combine_rewards(g.texts, [ref] * len(g.texts), alg.rewards, on_error=alg.reward_on_error)
+             for g, ref in zip(GROUPS, REFS)]
+    whole, joined = j._score(GROUPS, REFS), j._score(GROUPS, REFS, early)
+    torch.testing.assert_close(joined.rewards, whole.rewards)
+    torch.testing.assert_close(joined.advantages, whole.advantages)
+    assert joined.per_function.keys() == whole.per_function.keys()
+    for name in whole.per_function:
+        torch.testing.assert_close(joined.per_function[name], whole.per_function[name])
+    assert joined.num_failed == whole.num_failed

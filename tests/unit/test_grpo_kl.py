@@ -139,3 +139,18 @@ def test_kl_in_reward_is_the_return_to_go_of_the_per_token_penalty():
         kl_reward_advantages(torch.zeros(3), kl, mask, 0.1)
     with pytest.raises(ValueError, match="kl_coef must be finite"):
         kl_reward_advantages(adv, kl, mask, math.inf)
+
+
+def test_kl_controllers_state_round_trip():
+    from grpo.kl import AdaptiveKLController, FixedKLController
+
+    adaptive = AdaptiveKLController(0.1, target_kl=0.05, horizon=100)
+    adaptive.update(0.5, 10)
+    restored = AdaptiveKLController(0.1, target_kl=0.05, horizon=100)
+    restored.load_state_dict(adaptive.state_dict())
+    assert restored.value == adaptive.value != 0.1
+    fixed = FixedKLController(0.2)
+    fixed.load_state_dict({"kl_coef": 0.3})
+    assert fixed.value == 0.3
+    with pytest.raises(ValueError, match="kl_coef"):
+        fixed.load_state_dict({"kl_coef": float("nan")})

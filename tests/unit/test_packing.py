@@ -13,7 +13,14 @@ import torch
 from cluster.scheduler import plan_microbatches
 from grpo.advantages import compute_advantages
 from grpo.logprobs import logprobs_from_logits
-from train_workers.packing import PackedMicroBatch, empty_microbatch, pack_microbatch, pack_rank_microbatches
+from train_workers.packing import (
+    VARLEN_SDPA,
+    PackedMicroBatch,
+    empty_microbatch,
+    pack_microbatch,
+    pack_rank_microbatches,
+    register_varlen_sdpa,
+)
 from train_workers.policy import ResponseLogprobModel
 
 ATOL = 1e-5
@@ -94,6 +101,43 @@ def test_neighbours_do_not_leak_into_a_packed_sequence(hf_model):
     pos = torch.arange(start + len(p) - 1, start + len(p) + len(r) - 1)
     leaked = logprobs_from_logits(logits[pos], torch.tensor(r))
     assert (leaked - a).abs().max() > 1e-4
+
+
+def test_varlen_attention_packed_equals_alone_equals_left_padded(hf_model):
+    model = ResponseLogprobModel(hf_model, temperature=1.0)
+    sdpa_packed = _packed_logprobs(model, PROMPTS, RESPONSES)
+    padded = _left_padded_logprobs(hf_model, PROMPTS, RESPONSES)  # plain sdpa with an attention mask
+    before = hf_model.config._attn_implementation
+    hf_model.config._attn_implementation = register_varlen_sdpa()
+    try:
+        assert register_varlen_sdpa() == VARLEN_SDPA  # idempotent
+        packed = _packed_logprobs(model, PROMPTS, RESPONSES)
+        neighbours = _packed_logprobs(model, [[5, 6, 7]] + PROMPTS[::-1], [[8, 9]] + RESPONSES[::-1])
+        with pytest.raises(ValueError, match="padded inputs .* are not supported"):
+            _left_padded_logprobs(hf_model, PROMPTS, RESPONSES)
+    finally:
+        hf_model.config._attn_implementation = before
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        torch.testing.assert_close(packed[i, : len(r)], sdpa_packed[i, : len(r)], rtol=0, atol=ATOL)
+        torch.testing.assert_close(packed[i, : len(r)], padded[i], rtol=0, atol=ATOL)
+        torch.testing.assert_close(neighbours[3 - i, : len(r)], packed[i, : len(r)], rtol=0, atol=ATOL)
+
+
+def test_varlen_attention_gradients_match_sdpa(hf_model):
+    model = ResponseLogprobModel(hf_model, temperature=1.0)
+    mb = pack_microbatch(PROMPTS, RESPONSES, [1.0, -1.0, 0.5], _behaviour(RESPONSES), [0, 1, 2])
+    grads = []
+    before = hf_model.config._attn_implementation
+    for impl in (before, register_varlen_sdpa()):
+        hf_model.config._attn_implementation = impl
+        hf_model.zero_grad(set_to_none=True)
+        lp, _ = model(mb.input_ids, mb.position_ids, mb.logit_positions, mb.targets)
+        (mb.to_padded(lp) * mb.advantages[:, None]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in hf_model.named_parameters()})
+    hf_model.config._attn_implementation = before
+    hf_model.zero_grad(set_to_none=True)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_temperature_logprobs_are_log_softmax_of_scaled_logits(hf_model):
@@ -253,7 +297,10 @@ def test_packed_equals_alone_equals_left_padded_smollm2(gsm8k_train_path, dtype,
     model = ResponseLogprobModel(hf, temperature=1.0)
     packed = _packed_logprobs(model, prompts, responses)
     padded = _left_padded_logprobs(hf, prompts, responses, pad_id=tokenizer.pad_token_id or 0)
+    hf.config._attn_implementation = register_varlen_sdpa()
+    varlen = _packed_logprobs(model, prompts, responses)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         alone = _packed_logprobs(model, [p], [r])[0]
         torch.testing.assert_close(packed[i, : len(r)], alone, rtol=0, atol=min(ATOL, atol_padded))
+        torch.testing.assert_close(varlen[i, : len(r)], alone, rtol=0, atol=min(ATOL, atol_padded))
         torch.testing.assert_close(packed[i, : len(r)], padded[i], rtol=0, atol=atol_padded)
