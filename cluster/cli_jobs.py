@@ -97,11 +97,11 @@ def _cmd_status(args) -> int:
           f"entrypoint: {details.entrypoint}\nstarted:    {when(details.start_time)}\nended:      "
           f"{when(details.end_time)}")
     if spec is not None:
-        port = spec.metrics.port
-        metrics = f"http://{spec.metrics.host}:{port}/metrics" if port else "no fixed port"
-        print(f"spec:       {spec.name} ({(details.metadata or {}).get('grpo_cluster_spec_source') or '?'}), "
-              f"{spec.total_steps} steps, {spec.rollout.replicas} rollout replica(s) at start, output_dir "
-              f"{spec.output_dir}, metrics {metrics} on the driver's node")
+        host, port = spec["metrics"]["host"], spec["metrics"]["port"]
+        metrics = f"http://{host}:{port}/metrics" if port else "no fixed port"
+        print(f"spec:       {spec['name']} ({(details.metadata or {}).get('grpo_cluster_spec_source') or '?'}), "
+              f"{spec['total_steps']} steps, {spec['rollout']['replicas']} rollout replica(s) at start, output_dir "
+              f"{spec['output_dir']}, metrics {metrics} on the driver's node")
     return 0
 
 
@@ -166,8 +166,9 @@ def _cmd_scale(args) -> int:
         return _fail("scale", str(exc))
     status = result.get("status") or {}
     if status:
+        engines = status.get("rollout_replicas", status.get("engines", "?"))
         seen = (f"the driver last reported step {status.get('step', '?')}, policy version "
-                f"{status.get('policy_version', '?')}, {status.get('engines', '?')} engine(s) serving "
+                f"{status.get('policy_version', '?')}, {engines} engine(s) serving "
                 f"({result.get('reported_s_ago')} s ago)")
     else:
         seen = "the driver has not reported yet"

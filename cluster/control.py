@@ -5,7 +5,7 @@ resize the rollout pool, and the driver publishes where it is.
     control = start_control(current_job_id(spec.name), spec.rollout.replicas)
     ...  # between steps:
     n = control.desired_rollout_replicas()         # the driver resizes the pool when n != engines
-    control.report({"step": s, "policy_version": v, "engines": n_engines})
+    control.report({"step": s, "policy_version": v, "rollout_replicas": n_engines})
     control.close()                                # at the end
 
     # on the cluster (what `grpo-cluster scale` submits as a tiny Ray job; see cluster/jobs.py):
@@ -89,8 +89,9 @@ class JobControlState:
         job_id: the id the job is addressed by.
         rollout_replicas: the pool size the job started with (the initial desired value).
 
-    The driver may put ``max_rollout_replicas`` in its report; scale requests above it are then rejected (otherwise
-    the bound is MAX_ROLLOUT_REPLICAS).
+    Report keys ``scale`` shows: ``step``, ``policy_version``, ``rollout_replicas`` (engines serving now). The driver
+    may add ``max_rollout_replicas``; scale requests above it are then rejected (otherwise the bound is
+    MAX_ROLLOUT_REPLICAS).
     """
 
     def __init__(self, job_id: str, rollout_replicas: int):
@@ -113,7 +114,7 @@ class JobControlState:
         return {**self.summary(), "previous_desired": previous}
 
     def report(self, status: dict) -> None:
-        """Replace the published status (step, policy_version, engines, ...) with ``status``."""
+        """Replace the published status (step, policy_version, rollout_replicas, ...) with ``status``."""
         self.status = dict(status)
         self.reported_at = time.time()
 

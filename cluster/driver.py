@@ -472,9 +472,10 @@ class GRPOJob:
     def _microbatches(self, batch: RolloutBatch):
         """Balance sequences over train ranks and pack each rank's micro-batches under the token budget."""
         lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-        plan = plan_microbatches(lengths, self.spec.train.world_size, self.spec.train.max_tokens_per_microbatch)
+        t = self.spec.train
+        plan = plan_microbatches(lengths, t.world_size, t.max_tokens_per_microbatch, oversize=t.oversize_sequences)
         per_rank = pack_rank_microbatches(plan.ranks, batch.prompt_ids, batch.response_ids, batch.advantages,
-                                          batch.behaviour_logprobs, batch.valid_lengths)
+                                          batch.behaviour_logprobs, batch.valid_lengths, group_ids=batch.group_ids)
         return per_rank, plan.stats(lengths)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------

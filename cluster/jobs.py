@@ -205,12 +205,12 @@ def job_details(client, job_id: str):
         raise JobsError(f"cannot get job {job_id!r}: {exc}") from None
 
 
-def submitted_spec(details):
-    """The JobSpec a job was submitted with by :func:`submit_spec`, or None for a job submitted otherwise."""
-    from cluster.spec import JobSpec
-
+def submitted_spec(details) -> dict | None:
+    """The spec a job was submitted with by :func:`submit_spec`, as the plain dict of ``JobSpec.model_dump(mode=
+    "json")``, or None for a job submitted otherwise. Not validated again: it may name reward functions that only
+    the job's ``--import`` modules register."""
     text = (details.metadata or {}).get(METADATA_SPEC)
-    return JobSpec.model_validate_json(text) if text else None
+    return json.loads(text) if text else None
 
 
 def job_logs(client, job_id: str) -> str:
@@ -260,7 +260,8 @@ def stop_job(client, job_id: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------------ scale
 def live_spec_changes(old, new) -> tuple[list[str], list[str]]:
-    """Compare two JobSpecs field by field (dotted names); returns (changed live fields, changed other fields).
+    """Compare two specs (JobSpecs or their ``model_dump(mode="json")`` dicts) field by field (dotted names);
+    returns (changed live fields, changed other fields).
 
     Only LIVE_FIELDS can be applied to a running job; the ``ray`` section (how to reach the cluster) is ignored.
     """
@@ -271,7 +272,7 @@ def live_spec_changes(old, new) -> tuple[list[str], list[str]]:
             out.update(flat(v, key + ".") if isinstance(v, Mapping) and v else {key: v})
         return out
 
-    a, b = flat(old.model_dump(mode="json")), flat(new.model_dump(mode="json"))
+    a, b = (flat(x if isinstance(x, Mapping) else x.model_dump(mode="json")) for x in (old, new))
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not k.startswith("ray."))
     return [k for k in changed if k in LIVE_FIELDS], [k for k in changed if k not in LIVE_FIELDS]
 

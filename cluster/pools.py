@@ -126,9 +126,10 @@ def _dead_actor_index(actors: list, exc: BaseException) -> int | None:
 class RolloutPool:
     """``rollout.replicas`` vLLM engine actors.
 
-    Groups are dispatched by load: each prompt's whole group goes to the engine with the fewest assigned tokens
-    (prompt + G × max_response_tokens), largest prompts first, so engines finish together and a group's G samples share
-    one engine's prefix cache.
+    Groups are dispatched by load (:func:`cluster.scheduler.assign_groups`): each prompt's whole group goes to the
+    engine with the fewest tokens in flight (prompt + G × max_response_tokens), heaviest first, so engines finish
+    together and a group's G samples share one engine's prefix cache. Each engine lives in its own STRICT_PACK
+    placement group; ``add``/``remove``/``replace`` change membership between steps.
     """
 
     def __init__(self, spec, model_path: str, max_model_len: int, policy_version: int = 0):

@@ -168,6 +168,9 @@ class TrainSpec(BaseModel):
     max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
         "Token budget of one forward/backward pass."))
     timeout_s: float = Field(900, gt=0, description="Seconds to wait for one train step before failing.")
+    oversize_sequences: Literal["own", "error"] = Field("own", description=(
+        "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
+        "stops the step naming it."))
     strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
         "Data-parallel training strategy; 'megatron' is reserved and rejected until its workers exist."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(

@@ -76,6 +76,19 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _packed_attention(cuda: bool) -> str:
+    """Attention for padding-free packed rows: flash-attention's varlen kernel on CUDA when installed (transformers
+    derives the sequence boundaries from the restarting position ids), else per-sequence SDPA
+    (:data:`train_workers.packing.VARLEN_SDPA`: Σ l_i² work instead of the dense block-diagonal mask's L²)."""
+    if cuda:
+        import importlib.util
+
+        return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    from train_workers.packing import register_varlen_sdpa
+
+    return register_varlen_sdpa()
+
+
 def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Sum a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via ``device``)."""
     on_device = t.to(device)
@@ -159,9 +172,11 @@ class FSDPTrainWorker:
         )
         torch.manual_seed(self.seed + self.rank)
 
+        attention = _packed_attention(self._use_cuda())
+
         def load(trainable: bool) -> ResponseLogprobModel:
             path = (policy_path or self.model_path) if trainable else self.model_path
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attention)
             hf.to(self.device)
             hf.config.use_cache = False
             model = ResponseLogprobModel(hf, self.temperature)
@@ -487,8 +502,9 @@ class FSDPTrainWorker:
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict:
         """Write the policy as an HF folder (rank 0: ``model.safetensors`` + config) and the AdamW state as
-        ``optimizer.safetensors`` (per parameter ``<name>::<exp_avg|exp_avg_sq|step>``) plus
-        ``optimizer_param_groups.json`` — tensors and JSON only, so loading a checkpoint unpickles nothing.
+        ``optimizer/state.safetensors`` (per parameter ``<name>::<exp_avg|exp_avg_sq|step>``) plus
+        ``optimizer/param_groups.json`` — tensors and JSON only, so loading a checkpoint unpickles nothing. (A
+        subfolder, because vLLM loads every top-level ``*.safetensors`` of a model folder as weights.)
 
         Both are gathered to full tensors on CPU (one parameter at a time for the model); returns ``{"seconds"}``.
         """
@@ -513,8 +529,9 @@ class FSDPTrainWorker:
         if self.rank == 0:
             tensors = {f"{name}::{key}": torch.as_tensor(value).contiguous()
                        for name, per_param in optim["state"].items() for key, value in per_param.items()}
-            save_file(tensors, os.path.join(path, "optimizer.safetensors"))
-            with open(os.path.join(path, "optimizer_param_groups.json"), "w") as f:
+            os.makedirs(os.path.join(path, "optimizer"), exist_ok=True)
+            save_file(tensors, os.path.join(path, "optimizer", "state.safetensors"))
+            with open(os.path.join(path, "optimizer", "param_groups.json"), "w") as f:
                 json.dump(optim["param_groups"], f, indent=1)
         del optim
         dist.barrier()
@@ -526,14 +543,14 @@ class FSDPTrainWorker:
         and keeps its own shards.
 
         Raises:
-            FileNotFoundError: ``optimizer.safetensors`` or ``optimizer_param_groups.json`` is missing.
+            FileNotFoundError: ``optimizer/state.safetensors`` or ``optimizer/param_groups.json`` is missing.
             ValueError: the saved state names parameters this policy does not have.
         """
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-        with open(os.path.join(path, "optimizer_param_groups.json")) as f:
+        tensors = load_file(os.path.join(path, "optimizer", "state.safetensors"))
+        with open(os.path.join(path, "optimizer", "param_groups.json")) as f:
             param_groups = json.load(f)
         state: dict[str, dict] = {}
         for key, value in tensors.items():
@@ -541,7 +558,7 @@ class FSDPTrainWorker:
             state.setdefault(name, {})[field] = value
         known = {n for g in param_groups for n in g["params"]}
         if set(state) - known:
-            raise ValueError(f"{path}/optimizer.safetensors: state for unknown parameters {sorted(set(state) - known)[:3]}")
+            raise ValueError(f"{path}/optimizer/state.safetensors: state for unknown parameters {sorted(set(state) - known)[:3]}")
         for group in param_groups:
             if "betas" in group:
                 group["betas"] = tuple(group["betas"])

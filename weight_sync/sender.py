@@ -90,7 +90,8 @@ def stream_buckets(
     Returns:
         ``{"bytes", "checksums": {name: crc32}, "peak_extra_bytes", "peak_extra_bytes_accounted", "seconds"}``:
         ``peak_extra_bytes`` measured by :class:`PeakMemory` over the whole sync, ``peak_extra_bytes_accounted`` the
-        largest sum of live send buffers + one gathered tensor (and its cast copy) that the loop itself holds.
+        largest sum of live send buffers + one gathered tensor that the loop itself holds (a cast to another engine
+        dtype, or a sharded gather's internal buffers, add about one more tensor).
 
     Raises:
         ValueError: a gathered tensor's shape or dtype differs from its slot.
@@ -106,17 +107,20 @@ def stream_buckets(
         try:
             for bucket in buckets:
                 buf = sender.buffer(bucket) if sender is not None else None
+                direct = sender is not None and buf is None  # the sender takes this tensor's own bytes
                 for slot in bucket.slots:
                     t = gather(slot.name)
                     if tuple(t.shape) != slot.shape or dtype_name(t.dtype) != slot.dtype:
                         raise ValueError(f"tensor {slot.name}: plan has shape {slot.shape} dtype {slot.dtype}, "
                                          f"gathered {tuple(t.shape)} {t.dtype}")
-                    live = (sender.buffer_bytes if sender is not None else 0) + 2 * slot.nbytes
+                    live = (sender.buffer_bytes if sender is not None else 0) + slot.nbytes
                     accounted = max(accounted, live)
-                    if buf is not None and slot.nbytes:
-                        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                    if direct:
+                        buf = flat
+                    elif buf is not None and slot.nbytes:
                         buf[slot.offset : slot.offset + slot.nbytes].copy_(flat)
-                    del t
+                    del t, flat
                 if sender is None:
                     continue
                 if check and any(s.name in check for s in bucket.slots):

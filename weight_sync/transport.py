@@ -4,7 +4,8 @@ Every transport moves the same flat ``uint8`` bucket buffers (``weight_sync.buck
 checksums and the receivers' loading are identical whichever is used.
 
 * ``broadcast``: one gloo (CPU) or NCCL (GPU) broadcast per bucket over a :class:`SyncGroup`, double-buffered: the
-  sender packs bucket i+1 into the other of two buffers while bucket i is in flight.
+  sender packs bucket i+1 into the other of two buffers while bucket i is in flight. A tensor larger than the
+  bucket size (alone in its bucket) is broadcast from its gathered copy without packing.
 * ``shm`` (CPU ``ipc``): two shared-memory slots (files in ``/dev/shm`` mapped with ``torch.from_file``) of the
   largest bucket's size. The sender packs bucket i into slot i mod 2 and announces it through the group's TCPStore
   (key ``<tag>/<sync>/ready/<i>``); each receiver copies the slot into its own buffer and acknowledges
@@ -59,11 +60,15 @@ class BroadcastSender:
         return sum(s.numel() for s in self._slots) if self._slots else 0
 
     def begin(self, buckets: Sequence[Bucket]) -> None:
-        largest = max((b.nbytes for b in buckets), default=0)
-        self._slots = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self._pending = None
+        # Buffers for the buckets that need packing; a one-tensor bucket larger than those (a tensor above
+        # ``bucket_bytes``, e.g. an embedding) is broadcast straight from the gathered tensor (``buffer`` → None).
+        self._capacity = max((b.nbytes for b in buckets if len(b.slots) > 1), default=0)
+        self._slots = [torch.empty(self._capacity, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        self._pending = self._in_flight = None
 
-    def buffer(self, bucket: Bucket) -> torch.Tensor:
+    def buffer(self, bucket: Bucket) -> torch.Tensor | None:
+        if len(bucket.slots) == 1 and bucket.nbytes > self._capacity:
+            return None
         # Slot i mod 2 last carried bucket i − 2, whose broadcast finished before bucket i − 1's began (``send``).
         return self._slots[bucket.index % 2][: bucket.nbytes]
 
@@ -71,17 +76,18 @@ class BroadcastSender:
         if self._pending is not None:
             self._pending.wait()
         self._pending = self.group.broadcast(buf, async_op=True)
+        self._in_flight = buf  # a directly sent tensor must outlive its broadcast
 
     def finish(self) -> None:
         try:
             if self._pending is not None:
                 self._pending.wait()
         finally:
-            self._pending, self._slots = None, None
+            self._pending = self._slots = self._in_flight = None
 
     def abort(self) -> None:
         """Forget a failed sync's buffers without waiting for its last broadcast."""
-        self._slots = self._pending = None
+        self._slots = self._pending = self._in_flight = None
 
     def close(self) -> None:
         self.abort()

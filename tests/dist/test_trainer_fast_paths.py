@@ -18,8 +18,15 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.dist.test_fsdp_parity import (
-    MAX_RESPONSE_TOKENS, N, TEMPERATURE, _capture_grads, _full_params, assert_same_grads, assert_same_params,
-    make_batch, pack,
+    MAX_RESPONSE_TOKENS,
+    TEMPERATURE,
+    N,
+    _capture_grads,
+    _full_params,
+    assert_same_grads,
+    assert_same_params,
+    make_batch,
+    pack,
 )
 from weight_sync.group import free_port
 

@@ -30,6 +30,9 @@ def fake_engine_class():
         def __init__(self, name: str, delay_s: float):
             self.name, self.delay_s = name, delay_s
 
+        def ready(self) -> bool:
+            return True
+
         def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
             time.sleep(self.delay_s)
             results = []
@@ -60,6 +63,7 @@ def make_pool(ray, delays: list[float], timeout_s: float = 60.0) -> RolloutPool:
                                                         timeout_s=timeout_s))
     actor = ray.remote(num_cpus=0)(fake_engine_class())
     pool.engines = [actor.remote(f"engine{k}", d) for k, d in enumerate(delays)]
+    ray.get([e.ready.remote() for e in pool.engines], timeout=60)  # started: timings below exclude actor start-up
     return pool
 
 

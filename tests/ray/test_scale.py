@@ -35,7 +35,8 @@ FAKE_DRIVER = textwrap.dedent("""
         if not seen or seen[-1] != n:
             seen.append(n)
             print("DESIRED", n, flush=True)
-        control.report({"step": len(seen), "policy_version": len(seen), "engines": n, "max_rollout_replicas": 2})
+        control.report({"step": len(seen), "policy_version": len(seen), "rollout_replicas": n,
+                        "max_rollout_replicas": 2})
         time.sleep(0.2)
     control.close()
     assert seen == [1, 2, 1], seen
@@ -112,10 +113,11 @@ def _trained_lines(path: Path) -> list[dict]:
 def test_scale_rollout_mid_job(head, client, tiny_model_dir, gsm8k_train_path, tmp_path):
     from cluster import jobs
     from cluster.driver import GRPOJob
+    from cluster.scheduler import assign_groups
 
     if not hasattr(GRPOJob, "scale_rollout"):
         pytest.skip("GRPOJob.scale_rollout is not in cluster/driver.py yet")
-    out, steps, prompts_per_step = tmp_path / "out", 24, 2
+    out, steps, prompts_per_step = tmp_path / "out", 16, 2
     submitted = cli("submit", EXAMPLE, "--set", f"model.path={tiny_model_dir}", "--set", f"output_dir={out}",
                     "--set", PARITY, "--set", "metrics.port=0", "--set", f"total_steps={steps}",
                     "--set", f"rollout.prompts_per_step={prompts_per_step}", "--import", "tests.parity_reward",
@@ -152,11 +154,14 @@ def test_scale_rollout_mid_job(head, client, tiny_model_dir, gsm8k_train_path, t
     prompts = [p for r in lines for p in r["prompts"]]
     assert all(len(r["prompts"]) == prompts_per_step for r in lines), [len(r["prompts"]) for r in lines]
     assert len(set(prompts)) == len(prompts) == steps * prompts_per_step
-    # Both engines serve the current policy: every group of a step was sampled by the policy of the step before,
-    # with logprobs matching the trainer's (an engine left on older weights would differ by ~1e-3), weights verified.
+    # Both engines serve the current policy: with B = 2 groups and 2 engines the dispatcher gives each engine a group;
+    # every group of a step was sampled by the policy of the step before (staleness 0), with logprobs matching the
+    # trainer's (an engine left on older weights would differ by ~1e-3), and every sync was verified.
+    assert all(assign_groups([120, 60], [4, 4], 2, 16))
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     for line in lines:
         record = records[line["step"]]
-        assert line["policy_version"] == record["policy_version"]
+        assert line["policy_version"] == record["policy_version"] and line["engines"] == record["rollout/engines"]
         assert record["rollout/sample_policy_version_min"] == record["policy_version"] - 1, record
+        assert record["rollout/staleness_max"] == 0, record
         assert record["sync/verified"] is True and record["rollout/logprob_diff"] < 2e-5, record

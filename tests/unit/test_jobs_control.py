@@ -22,8 +22,8 @@ def test_control_state_scale_requests_and_reports():
     answer = state.set_desired_rollout_replicas(2)
     assert answer["previous_desired"] == 1 and answer["desired_rollout_replicas"] == 2
     assert state.desired_rollout_replicas() == 2
-    state.report({"step": 3, "policy_version": 3, "engines": 1, "max_rollout_replicas": 2})
-    assert state.summary()["status"]["engines"] == 1 and state.summary()["reported_s_ago"] >= 0
+    state.report({"step": 3, "policy_version": 3, "rollout_replicas": 1, "max_rollout_replicas": 2})
+    assert state.summary()["status"]["rollout_replicas"] == 1 and state.summary()["reported_s_ago"] >= 0
     with pytest.raises(ValueError, match=r"expected an integer in \[1, 2\], got 3"):
         state.set_desired_rollout_replicas(3)  # above the driver's reported bound
     assert state.desired_rollout_replicas() == 2  # a refused request changes nothing
@@ -103,6 +103,7 @@ def test_live_spec_changes_allow_only_rollout_replicas():
     assert jobs.live_spec_changes(base, base) == ([], [])
     more = load_spec(EXAMPLE, ["ray.address=auto", "rollout.replicas=3", "ray.num_cpus=1"])
     assert jobs.live_spec_changes(base, more) == (["rollout.replicas"], [])  # the ray section is ignored
+    assert jobs.live_spec_changes(base.model_dump(mode="json"), more) == (["rollout.replicas"], [])  # as submitted
     other = load_spec(EXAMPLE, ["ray.address=auto", "rollout.replicas=2", "train.lr=0.001",
                                 "algorithm.rewards={accuracy: 1.0}"])
     assert jobs.live_spec_changes(base, other) == (
