@@ -31,8 +31,8 @@ import time
 from typing import Any
 
 __all__ = [
-    "ACTOR_PREFIX", "JOB_ID_ENV", "MAX_ROLLOUT_REPLICAS", "NAMESPACE", "RESULT_MARKER", "ERROR_MARKER",
-    "ControlError", "ControlHandle", "JobControlState", "actor_name", "current_job_id", "start_control",
+    "ACTOR_PREFIX", "ERROR_MARKER", "JOB_ID_ENV", "MAX_ROLLOUT_REPLICAS", "NAMESPACE", "RESULT_MARKER", "ControlError",
+    "ControlHandle", "JobControlState", "actor_name", "check_replicas", "current_job_id", "start_control",
 ]
 
 logger = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ raised as :class:`JobsError`; the CLI prints them and exits 2.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -151,6 +152,21 @@ def stage_working_dir(root: Path, dest: Path, files: Mapping[str, str] = {}) -> 
     return dest
 
 
+@contextlib.contextmanager
+def _quiet_upload():
+    """Ray logs every working-dir upload step at INFO on stderr; keep warnings and errors only."""
+    loggers = [logging.getLogger(n) for n in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
+                                               "ray.dashboard.modules.job.sdk")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
 def _job_id_for(name: str) -> str:
     """``<spec name>-<8 hex>``; characters other than letters, digits, ``_.-`` become ``-``."""
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)[:40]}-{secrets.token_hex(4)}"
@@ -188,8 +204,9 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
     with tempfile.TemporaryDirectory(prefix="grpo-submit-") as tmp:
         runtime_env["working_dir"] = str(stage_working_dir(root, Path(tmp) / "job", {SPEC_FILE: spec_to_yaml(spec)}))
         try:
-            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata,
-                                     submission_id=submission_id)
+            with _quiet_upload():
+                return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata,
+                                         submission_id=submission_id)
         except (RuntimeError, ConnectionError) as exc:
             raise JobsError(f"the cluster refused the job: {exc}") from None
 
@@ -307,10 +324,11 @@ def _control_call(client, args: Iterable[str], *, python: str, timeout_s: float)
         (pkg / "__init__.py").write_text("")
         shutil.copy2(here / "control.py", pkg / "control.py")
         try:
-            control_id = client.submit_job(
-                entrypoint=entrypoint, runtime_env={"working_dir": tmp},
-                submission_id=f"{args[1][:60]}-{args[0]}-{secrets.token_hex(3)}",
-                metadata={"job_name": f"grpo-cluster-control {' '.join(args)}"})
+            with _quiet_upload():
+                control_id = client.submit_job(
+                    entrypoint=entrypoint, runtime_env={"working_dir": tmp},
+                    submission_id=f"{args[1][:60]}-{args[0]}-{secrets.token_hex(3)}",
+                    metadata={"job_name": f"grpo-cluster-control {' '.join(args)}"})
         except (RuntimeError, ConnectionError) as exc:
             raise JobsError(f"cannot submit the control job: {exc}") from None
     details = wait_for_job(client, control_id, timeout_s)

@@ -49,7 +49,7 @@ class RayHead:
                "--num-cpus", str(num_cpus), "--object-store-memory", str(object_store_bytes),
                "--temp-dir", self.temp_dir, "--disable-usage-stats", "--include-dashboard", "true",
                *(x for kv in ports.items() for x in kv)]
-        result = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(cmd, check=False, env=self.env, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             self.stop()
             raise RuntimeError(f"ray start failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")

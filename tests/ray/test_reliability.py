@@ -189,10 +189,10 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
         job.start()
         original = job.rollout.generate
 
-        def generate(requests):
+        def generate(requests, on_groups=None):
             if job.step == 2 and job.rollout.restarts == 0:
                 ray.kill(job.rollout.engines[0], no_restart=True)
-            return original(requests)
+            return original(requests, on_groups)
 
         job.rollout.generate = generate
         job.run()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.prometheus_scrape import scrape
 from tests.ray_head import RayHead, free_port
 
@@ -26,8 +27,8 @@ PARITY = 'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'
 
 def cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
     """``grpo-cluster ARGS`` in a subprocess (from the repository root), output captured."""
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout_s)
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *map(str, args)], check=False, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def driver_value(samples: dict[str, float], name: str) -> float | None:
@@ -60,8 +61,9 @@ def test_submit_follow_and_scrape(head, client, tiny_model_dir, gsm8k_train_path
                     "--set", PARITY, "--set", f"metrics.port={port}", "--set", f"total_steps={steps}",
                     "--import", "tests.parity_reward", "--address", head.dashboard)
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.strip().splitlines()[-1]
-    assert job_id.startswith("tiny_cpu-")
+    assert "INFO" not in submitted.stderr, submitted.stderr  # Ray's upload chatter is silenced
+    job_id = submitted.stdout.strip()
+    assert job_id.startswith("tiny_cpu-") and "\n" not in job_id  # stdout is the job id alone
 
     follow = subprocess.Popen([sys.executable, "-m", "cluster.cli", "logs", job_id, "--follow", "--address",
                                head.dashboard], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
