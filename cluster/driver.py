@@ -114,6 +114,8 @@ class GRPOJob:
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         self._pending: deque = deque()  # prompts drawn from the sampler, not yet sampled
         self._group_counter = 0  # next group id within the step (unique across sampling rounds)
+        self._step_prompts: dict[int, int] = {}  # group id -> example index, this step
+        self.stale_refused = 0
         self.eos_ids = _model_eos_ids(self.model_path, self.tokenizer)
         alg = spec.algorithm
         self.group_size = GroupSizeController(spec.rollout.group_size, alg.group_size_schedule, alg.group_size_max,
@@ -131,7 +133,7 @@ class GRPOJob:
             self._load_driver_state(self.resume_from)
         elif resume or spec.resume == "auto":
             self._status(f"resume: no complete checkpoint under {self.checkpoint_root()}; starting from step 0")
-        for name in ("metrics.jsonl", "trained_prompts.jsonl"):  # rows past the resumed step are redone
+        for name in ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl"):  # rows past the resumed step are redone
             _truncate_jsonl(self.output_dir / name, self.step)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
@@ -294,7 +296,8 @@ class GRPOJob:
         phase = (lambda s: bar.set_postfix_str(s)) if bar is not None else (lambda s: None)
         alg = self.spec.algorithm
         group_size = self.group_size.group_size(self.step)
-        timings = {"generate_s": 0.0, "score_s": 0.0, "tokens": 0, "engine_idle": []}
+        timings = {"generate_s": 0.0, "score_s": 0.0, "tokens": 0, "engine_idle": [], "per_engine": {}}
+        self._per_engine = timings["per_engine"]
         self._group_counter = 0  # group ids restart every step
         self._step_prompts: dict[int, int] = {}  # group id -> example index, this step
         self.stale_refused = 0
@@ -316,6 +319,10 @@ class GRPOJob:
 
             groups, gen_stats = self._generate(requests, score_finished)
             timings["engine_idle"].append(gen_stats.get("engine_idle_fraction", 0.0))
+            for k, e in enumerate(gen_stats.get("per_engine", [])):
+                acc = timings["per_engine"].setdefault(k, {"groups": 0, "tokens": 0, "seconds": 0.0})
+                acc.update(groups=acc["groups"] + e["groups"], tokens=acc["tokens"] + e["tokens"],
+                           seconds=acc["seconds"] + e["seconds"])
             timings["generate_s"] += time.perf_counter() - t0
             timings["tokens"] += gen_stats["tokens"]
             phase("score")
@@ -584,9 +591,27 @@ class GRPOJob:
         log_worker = getattr(self.metrics, "log_worker", None)
         if log_worker is None or self.rollout is None:
             return
+        per_engine = getattr(self, "_per_engine", {})
         for i, info in enumerate(self.rollout.infos):
-            log_worker(self.step, "rollout", f"engine-{i}", {"policy_version": float(self.policy_version),
-                                                             "workers/pid": float(info.get("pid") or 0)})
+            e = per_engine.get(i, {"groups": 0, "tokens": 0, "seconds": 0.0})
+            log_worker(self.step, "rollout", f"engine-{i}", {
+                "policy_version": float(self.policy_version),
+                "perf/rollout_tokens_per_s": e["tokens"] / e["seconds"] if e["seconds"] > 0 else 0.0,
+                "rollout/queue_depth": float(e["groups"]),  # groups dispatched to this engine this step
+                "rollout/engine_busy_s": e["seconds"],
+                "workers/restarts": float(self.rollout.restarts),
+            })
+        self._forget_removed_engines()
+
+    def _forget_removed_engines(self) -> None:
+        """Drop Prometheus series of engines that no longer exist (after a scale-down)."""
+        remove = getattr(self.metrics, "remove_worker", None)
+        known = getattr(self, "_logged_engines", 0)
+        now = len(self.rollout.infos)
+        if remove is not None:
+            for i in range(now, known):
+                remove("rollout", f"engine-{i}")
+        self._logged_engines = now
 
     def _status(self, message: str) -> None:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)

@@ -241,7 +241,8 @@ class RolloutPool:
         Returns:
             (results in request order, stats): ``tokens`` (response tokens sampled), ``engine_seconds`` (each called
             engine's busy seconds, completion order), ``engine_idle_fraction`` = 1 − Σ busy engine-seconds /
-            (num_engines × wall seconds of this call), in [0, 1]; engines that got no group count as idle throughout.
+            (num_engines × wall seconds of this call), in [0, 1]; engines that got no group count as idle throughout;
+            ``per_engine``: per engine index, ``groups`` assigned, response ``tokens`` and busy ``seconds``.
 
         Raises:
             WorkerTimeout: the engines did not all finish within ``rollout.timeout_s``.
@@ -250,8 +251,10 @@ class RolloutPool:
         t0 = time.perf_counter()
         plan = assign_groups([len(q.prompt_ids) for q in requests], [q.group_size or r.group_size for q in requests],
                              len(self.engines), r.max_response_tokens)
-        pending = [e.generate.remote([requests[i] for i in idx], r.group_size)
-                   for e, idx in zip(self.engines, plan) if idx]
+        calls = {e.generate.remote([requests[i] for i in idx], r.group_size): k
+                 for k, (e, idx) in enumerate(zip(self.engines, plan)) if idx}
+        pending = list(calls)
+        per_engine = [{"groups": len(idx), "tokens": 0, "seconds": 0.0} for idx in plan]
         by_id, tokens, busy = {}, 0, []
         while pending:
             left = r.timeout_s - (time.perf_counter() - t0)
@@ -260,6 +263,7 @@ class RolloutPool:
                 raise WorkerTimeout(f"generating {len(requests)} groups did not finish within {r.timeout_s:g} s "
                                     f"({len(pending)} engine call(s) still running)")
             results, stats = ray.get(done[0])
+            per_engine[calls[done[0]]].update(tokens=stats["tokens"], seconds=stats["seconds"])
             by_id.update((res.group_id, res) for res in results)
             tokens += stats["tokens"]
             busy.append(stats["seconds"])
@@ -268,7 +272,7 @@ class RolloutPool:
         wall = time.perf_counter() - t0
         idle = min(1.0, max(0.0, 1.0 - sum(busy) / (len(self.engines) * wall))) if wall > 0 else 0.0
         return [by_id[q.group_id] for q in requests], {"tokens": tokens, "engine_seconds": busy,
-                                                       "engine_idle_fraction": idle}
+                                                       "engine_idle_fraction": idle, "per_engine": per_engine}
 
 
 class TrainPool:
