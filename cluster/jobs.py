@@ -333,6 +333,9 @@ def _control_call(client, args: Iterable[str], *, python: str, timeout_s: float)
             raise JobsError(f"cannot submit the control job: {exc}") from None
     details = wait_for_job(client, control_id, timeout_s)
     logs = client.get_job_logs(control_id)
+    if str(details.status) in TERMINAL:
+        with contextlib.suppress(RuntimeError):
+            client.delete_job(control_id)  # keep `ray job list` to the real jobs
     for line in reversed(logs.splitlines()):
         if line.startswith(control.RESULT_MARKER):
             return json.loads(line[len(control.RESULT_MARKER):])

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import time
 from pathlib import Path
@@ -90,8 +91,9 @@ def test_scale_through_the_control_actor(head, client, tmp_path):
     over = cli("scale", job_id, "--rollout-replicas", "3", *address)
     assert over.returncode == 2 and "expected an integer in [1, 2], got 3" in over.stderr, over.stderr
 
-    changed = tmp_path / "changed.yaml"
-    changed.write_text(EXAMPLE.read_text().replace("lr: 1.0e-5", "lr: 3.0e-5").replace(
+    changed = tmp_path / "changed.yaml"  # elsewhere than the example: its data paths made absolute, as submit has them
+    shared = os.path.normpath(EXAMPLE.parent / "../../shared")
+    changed.write_text(EXAMPLE.read_text().replace("../../shared", shared).replace("lr: 1.0e-5", "lr: 3.0e-5").replace(
         "max_response_tokens: 16", "max_response_tokens: 32"))
     fixed = cli("scale", job_id, changed, *address)
     assert fixed.returncode == 2

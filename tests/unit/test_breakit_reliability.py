@@ -1,0 +1,106 @@
+"""Regression tests from a hostile-user pass over the reliability features (issue #7) and the job commands (#6).
+
+Each test pins one bug found by hand: a spec, resume or CLI input that must end in a clear error (exit 2, naming the
+file) or in correct behaviour, never a traceback or silently lost data. No Ray is started; GRPOJob(...) only reads
+files in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+from cluster.driver import TRAINER_STATE, GRPOJob, SetupError, latest_checkpoint
+from cluster.spec import SpecError, load_spec_text
+
+BASE = "output_dir: /tmp/x\ntotal_steps: 2\ndata: {train_path: t.jsonl}\n"
+
+
+# ---------------------------------------------------------------------------------------------------- spec loading
+def test_recursive_yaml_alias_is_a_spec_error_not_a_recursion_error(tmp_path):
+    """``rollout: &a {replicas: *a}`` made _collect_lines recurse until RecursionError (traceback, exit 1)."""
+    text = BASE + "rollout: &a\n  replicas: *a\n"
+    with pytest.raises(SpecError, match="rollout"):
+        load_spec_text(text, source="alias.yaml")
+
+
+def test_cli_run_recursive_alias_exits_2(tmp_path, capsys):
+    spec = tmp_path / "alias.yaml"
+    spec.write_text(BASE + "rollout: &a\n  replicas: *a\n")
+    assert main(["run", str(spec), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert str(spec) in err and "Traceback" not in err
+
+
+def test_cli_submit_malformed_address_exits_2(capsys):
+    """``--address 'http://[::1'`` raised ValueError('Invalid IPv6 URL') out of urllib (traceback, exit 1)."""
+    assert main(["submit", "examples/tiny_cpu.yaml", "--address", "http://[::1"]) == 2
+    assert "http://[::1" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------- resume
+def _state(step: int, num_examples: int = 5) -> dict:
+    return {"step": step, "policy_version": step, "pending_prompts": [], "kl_coef": 0.04, "group_size": {"raised": 0},
+            "sampler": {"epoch": 0, "offset": 0, "seed": 0, "shuffle": True, "num_examples": num_examples}}
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    path = root / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    (path / TRAINER_STATE).write_text(json.dumps(_state(step)))
+    return path
+
+
+def test_latest_checkpoint_orders_by_step_number_not_by_name(tmp_path):
+    """total_steps allows 10,000,000, but ``step_1000000`` sorts before ``step_999999`` as a string, so resume took
+    the older checkpoint (and keep_last pruning deleted the newer one)."""
+    _checkpoint(tmp_path, 999_999)
+    newest = _checkpoint(tmp_path, 1_000_000)
+    assert latest_checkpoint(tmp_path) == newest
+
+
+def _spec(tmp_path: Path, model: str, *overrides: str):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(5)))
+    text = (f"output_dir: {tmp_path / 'out'}\ntotal_steps: 10\nmodel: {{path: {model}}}\n"
+            f"data: {{train_path: {data}}}\nmetrics: {{port: null}}\n")
+    return load_spec_text(text, overrides=overrides)
+
+
+def test_resume_with_torn_metrics_line_is_not_a_traceback(tmp_path, tiny_model_dir):
+    """A crash while appending to metrics.jsonl leaves a torn last line; ``--resume`` then died in _truncate_jsonl
+    with a bare JSONDecodeError (not caught by the CLI: traceback). Expected: the torn row is dropped (it is past
+    the checkpoint anyway), or a SetupError naming the file."""
+    spec = _spec(tmp_path, tiny_model_dir)
+    _checkpoint(tmp_path / "out" / "checkpoints", 2)
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "loss"')
+    try:
+        job = GRPOJob(spec, progress=False, resume=True)
+    except SetupError as exc:
+        assert "metrics.jsonl" in str(exc)
+    else:
+        assert job.step == 2
+        rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_fresh_run_in_reused_output_dir_does_not_prune_its_own_checkpoint(tmp_path, tiny_model_dir):
+    """A run without --resume in an output_dir holding an older run's step_000010: with keep_last=1 the new run's
+    step_000001 is pruned right after it is written (step_000010 sorts newer), and a later --resume silently
+    continues the *old* run. Expected: refuse at set-up (SetupError naming checkpoint.dir) or keep the new one."""
+    spec = _spec(tmp_path, tiny_model_dir, "checkpoint.keep_last=1")
+    root = tmp_path / "out" / "checkpoints"
+    _checkpoint(root, 10)  # left by an earlier run
+    try:
+        job = GRPOJob(spec, progress=False, resume=False)
+    except SetupError as exc:
+        assert "checkpoint" in str(exc)
+        return
+    new = _checkpoint(root, 1)  # what save_checkpoint writes at step 1 (before it prunes)
+    job.step = 1
+    job._prune_checkpoints(root)
+    assert new.is_dir(), "the checkpoint this run just wrote was pruned"
