@@ -271,6 +271,12 @@ class GRPOJob:
                 groups, stats = self.rollout.generate(requests, on_groups)
             except (ray.exceptions.RayError, WorkerTimeout, SyncMemberError) as exc:
                 dead = self.rollout.dead_engines()
+                if not dead and self.sync.stale_engines(self.policy_version):
+                    # alive, but holding no complete policy (a sync failed part-way): sync again, then re-sample
+                    self._status(f"engine(s) {self.sync.stale_engines(self.policy_version)} hold no complete policy "
+                                 f"({type(exc).__name__}); syncing them and re-sampling")
+                    self.sync.ensure_current(self.policy_version)
+                    continue
                 if not dead:
                     raise
                 cause = f"{type(exc).__name__}: {_first_line(exc)}"

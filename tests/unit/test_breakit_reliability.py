@@ -104,3 +104,28 @@ def test_fresh_run_in_reused_output_dir_does_not_prune_its_own_checkpoint(tmp_pa
     job.step = 1
     job._prune_checkpoints(root)
     assert new.is_dir(), "the checkpoint this run just wrote was pruned"
+
+
+@pytest.mark.parametrize("field", ["rollout.timeout_s", "train.timeout_s", "sync.timeout_s"])
+def test_absurd_timeouts_are_spec_errors(field):
+    """Timeouts had no upper bound: ``train.timeout_s=1e300`` passed the spec and then overflowed
+    ``timedelta(seconds=...)`` inside the train worker at start-up (OverflowError, after Ray had started)."""
+    with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+        load_spec_text(BASE, overrides=[f"{field}=1e300"])
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_run_with_a_jobs_api_http_address_exits_2(tmp_path, tiny_model_dir, monkeypatch, capsys, how):
+    """``run --address http://HOST:8265`` (or ``RAY_ADDRESS=http://HOST:8265`` exported for ``submit``, as the README
+    suggests) ended in ray.init's ValueError traceback (exit 1) instead of exit 2 pointing at ``submit`` / a GCS
+    address. ray.init rejects the address before starting anything, so this test starts no cluster."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    args = ["run", "examples/tiny_cpu.yaml", "--no-progress", "--set", f"model.path={tiny_model_dir}",
+            "--set", f"output_dir={tmp_path / 'out'}", "--set", f"data.train_path={data}", "--set", "metrics.port=null"]
+    if how == "flag":
+        args += ["--address", "http://127.0.0.1:1"]
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:1")
+    assert main(args) == 2
+    assert "http://127.0.0.1:1" in capsys.readouterr().err

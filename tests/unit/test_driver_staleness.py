@@ -1,0 +1,91 @@
+"""The driver's version checks on sampled groups (``GRPOJob._generate``) with stand-in pools: no Ray, no engine.
+
+Each group carries the policy version that sampled it; groups older than ``rollout.max_staleness`` are refused, the
+engines are synced again, and the same requests are sampled again (same seeds, so the same groups)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cluster.driver import GRPOJob, StaleSamplesError, request_seed
+from cluster.spec import load_spec_text
+from rollout_workers.engine import GroupRequest, GroupResult
+
+SPEC = """\
+output_dir: runs/test
+total_steps: 1
+data:
+  train_path: train.jsonl
+"""
+
+
+class FakeRollout:
+    """Returns groups stamped with the versions in ``versions`` (one list per call)."""
+
+    def __init__(self, versions: list[int]):
+        self.versions, self.calls, self.engines, self.restarts = list(versions), 0, ["e0"], 0
+
+    def generate(self, requests, on_groups=None):
+        version = self.versions[min(self.calls, len(self.versions) - 1)]
+        self.calls += 1
+        groups = [GroupResult(q.group_id, q.prompt_ids, [[1]], [torch.zeros(1)], ["stop"], ["x"], version)
+                  for q in requests]
+        return groups, {"tokens": len(groups)}
+
+
+class FakeSync:
+    def __init__(self):
+        self.rebuilds = self.syncs = 0
+
+    def rebuild(self, engines):
+        self.rebuilds += 1
+
+    def sync(self, version):
+        self.syncs += 1
+        return {"sync/verified": True}
+
+    def stale_engines(self, version):
+        return []
+
+
+def job(versions: list[int], policy_version: int, *overrides: str) -> GRPOJob:
+    j = GRPOJob.__new__(GRPOJob)
+    j.spec = load_spec_text(SPEC, overrides=overrides)
+    j.rollout, j.sync, j.policy_version, j.stale_refused = FakeRollout(versions), FakeSync(), policy_version, 0
+    j._status = lambda message: None
+    return j
+
+
+REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]
+
+
+def test_current_samples_are_accepted_without_resync():
+    j = job([3], 3)
+    groups, _ = j._generate(REQUESTS)
+    assert [g.policy_version for g in groups] == [3, 3] and j.sync.syncs == 0 and j.stale_refused == 0
+
+
+def test_stale_samples_are_refused_resynced_and_sampled_again():
+    j = job([2, 3], 3)  # the first call comes from an engine one version behind
+    groups, _ = j._generate(REQUESTS)
+    assert [g.policy_version for g in groups] == [3, 3]
+    assert j.rollout.calls == 2 and j.stale_refused == 2 and j.sync.rebuilds == 1 and j.sync.syncs == 1
+
+
+def test_max_staleness_allows_older_samples():
+    j = job([2], 3, "rollout.max_staleness=1")
+    groups, _ = j._generate(REQUESTS)
+    assert [g.policy_version for g in groups] == [2, 2] and j.sync.syncs == 0
+
+
+def test_engines_that_stay_stale_stop_the_job():
+    j = job([0], 3, "rollout.max_engine_restarts=0")
+    with pytest.raises(StaleSamplesError, match="stale"):
+        j._generate(REQUESTS)
+
+
+def test_request_seeds_depend_on_seed_step_and_group_only():
+    assert request_seed(0, 1, 2) == request_seed(0, 1, 2)
+    assert len({request_seed(0, 1, 2), request_seed(1, 1, 2), request_seed(0, 2, 2), request_seed(0, 1, 3)}) == 4
+    assert all(0 <= request_seed(s, 5, 7) < 2**31 for s in range(100))
