@@ -35,10 +35,13 @@ def test_cli_run_recursive_alias_exits_2(tmp_path, capsys):
     assert str(spec) in err and "Traceback" not in err
 
 
-def test_cli_submit_malformed_address_exits_2(capsys):
-    """``--address 'http://[::1'`` raised ValueError('Invalid IPv6 URL') out of urllib (traceback, exit 1)."""
-    assert main(["submit", "examples/tiny_cpu.yaml", "--address", "http://[::1"]) == 2
-    assert "http://[::1" in capsys.readouterr().err
+@pytest.mark.parametrize("address", ["http://[::1", "http://127.0.0.1:99999", "http://127.0.0.1:abc"])
+@pytest.mark.parametrize("command", [["submit", "examples/tiny_cpu.yaml"], ["status", "j"], ["logs", "j"], ["stop", "j"]])
+def test_cli_job_commands_malformed_address_exit_2(command, address, capsys):
+    """A malformed ``--address`` raised ValueError out of urllib/ray ('Invalid IPv6 URL', 'Port out of range
+    0-65535', 'Port could not be cast to integer') — a traceback with exit 1 (``scale`` already gave exit 2)."""
+    assert main([*command, "--address", address]) == 2
+    assert address in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------- resume
@@ -129,3 +132,22 @@ def test_run_with_a_jobs_api_http_address_exits_2(tmp_path, tiny_model_dir, monk
         monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:1")
     assert main(args) == 2
     assert "http://127.0.0.1:1" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize("on_bad_row", ["error", "skip"])
+def test_lone_surrogate_question_is_a_bad_row(tmp_path, on_bad_row):
+    """``"\\ud800"`` is valid JSON but not encodable text: the row passed load_jsonl_examples and then crashed the
+    tokenizer in GRPOJob.__init__ (TypeError: TextEncodeInput must be ..., a traceback without file or line), even
+    with on_bad_row: skip. Expected: a bad row like invalid UTF-8 — DataError with file:line, or skipped."""
+    from cluster.data import DataError, load_jsonl_examples
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "What is 1 + 1? \\ud800", "answer": "#### 2"}\n'
+                    '{"question": "What is 2 + 2?", "answer": "#### 4"}\n')
+    if on_bad_row == "error":
+        with pytest.raises(DataError, match=rf"{path}:1"):
+            load_jsonl_examples(path, on_bad_row="error")
+    else:
+        examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
+        assert skipped == 1 and [ex.question for ex in examples] == ["What is 2 + 2?"]
