@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -51,6 +52,13 @@ def _cmd_run(args) -> int:
     from cluster.pools import InsufficientResources
 
     address = args.address or spec.ray.address
+    if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
+        address = os.environ["RAY_ADDRESS"]  # ray.init would read it: say what is wrong before it does
+    if address and address.startswith(("http://", "https://")):
+        print(f"grpo-cluster: {address} is a Ray Jobs API (dashboard) address; `run` needs the cluster's GCS "
+              f"address (HOST:6379 or auto) — or send the job there with `grpo-cluster submit SPEC --address "
+              f"{address}`. (Unset $RAY_ADDRESS for a local run.)", file=sys.stderr)
+        return 2
     if address and not _reachable(address):
         print(f"grpo-cluster: cannot reach a Ray cluster at {address} (ray.address / --address)", file=sys.stderr)
         return 2

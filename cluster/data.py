@@ -83,6 +83,11 @@ def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -
             raise ValueError(f"missing field {field!r}; the row has {sorted(row) or 'no fields'}")
         if not isinstance(row[field], str):
             raise ValueError(f"field {field!r}: expected a string, got {type(row[field]).__name__}")
+        try:  # JSON escapes can spell lone surrogates ("\ud800"): valid JSON, but no text a tokenizer can encode
+            row[field].encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"field {field!r}: not valid Unicode text (a lone surrogate at character "
+                             f"{exc.start})") from None
         values.append(row[field])
     question, answer = values
     if not question.strip():

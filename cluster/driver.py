@@ -77,14 +77,21 @@ def request_seed(seed: int, step: int, group_id: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder under ``root`` (``step_NNNNNN`` holding ``trainer_state.json``), or
-    None. Temporary folders of an interrupted save (``*.partial``) are never returned."""
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint folders under ``root`` (``step_<N>`` holding ``trainer_state.json``), oldest first by
+    step number (not by name: ``step_1000000`` is newer than ``step_999999``). Temporary folders of an interrupted
+    save (``*.partial``) are never returned."""
     root = Path(root)
     if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial")
-                  and (p / TRAINER_STATE).is_file())
+        return []
+    done = [p for p in root.glob("step_*") if p.is_dir() and p.name[len("step_"):].isdigit()
+            and (p / TRAINER_STATE).is_file()]
+    return sorted(done, key=lambda p: int(p.name[len("step_"):]))
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint folder under ``root`` (see :func:`complete_checkpoints`), or None."""
+    done = complete_checkpoints(root)
     return done[-1] if done else None
 
 
@@ -128,13 +135,23 @@ class GRPOJob:
         self.skipped_updates_total = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
-        self.resume_from = latest_checkpoint(self.checkpoint_root()) if resume or spec.resume == "auto" else None
+        resuming = resume or spec.resume == "auto"
+        existing = latest_checkpoint(self.checkpoint_root())
+        self.resume_from = existing if resuming else None
+        if existing is not None and not resuming:
+            raise SetupError(
+                f"checkpoint.dir: {self.checkpoint_root()} already holds checkpoints of an earlier run (latest "
+                f"{existing.name}); continue it with `grpo-cluster run --resume` (or resume: auto), or choose another "
+                f"output_dir / checkpoint.dir — nothing was deleted")
         if self.resume_from is not None:
             self._load_driver_state(self.resume_from)
-        elif resume or spec.resume == "auto":
+        elif resuming:
             self._status(f"resume: no complete checkpoint under {self.checkpoint_root()}; starting from step 0")
-        for name in ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl"):  # rows past the resumed step are redone
-            _truncate_jsonl(self.output_dir / name, self.step)
+        for name in ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl"):
+            if self.resume_from is not None:  # rows past the resumed step are redone
+                _truncate_jsonl(self.output_dir / name, self.step)
+            else:  # a fresh start keeps an earlier run's rows aside instead of appending to or deleting them
+                _set_aside(self.output_dir / name)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
         self.rollout = self.train = self.sync = self.control = None
@@ -538,9 +555,7 @@ class GRPOJob:
         keep = self.spec.checkpoint.keep_last
         if keep is None:
             return
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / TRAINER_STATE).is_file()
-                      and not p.name.endswith(".partial"))
-        for old in done[:-keep]:
+        for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def _load_driver_state(self, path: Path) -> None:
@@ -684,13 +699,28 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop rows whose ``step`` is above ``max_step`` (a resumed run redoes those steps); other rows are kept."""
+    """Drop rows whose ``step`` is above ``max_step`` (a resumed run redoes those steps); other rows are kept.
+
+    A row that is not a JSON object with an integer step (e.g. the torn last line of a crash mid-write) is dropped
+    too; it is past the checkpoint, since rows are appended only after their step completes."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    kept = [ln for ln in lines if not ln.strip() or json.loads(ln).get("step", 0) <= max_step]
-    if len(kept) != len(lines):
+    kept, lines = [], path.read_text(errors="replace").splitlines(keepends=True)
+    for ln in lines:
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= max_step:
+            kept.append(ln if ln.endswith("\n") else ln + "\n")
+    if kept != lines:
         _write_atomic(path, "".join(kept))
+
+
+def _set_aside(path: Path) -> None:
+    """Rename a non-empty ``path`` to ``<name>.prev-<UTC time>`` (a fresh run starts its own file, loses nothing)."""
+    if path.is_file() and path.stat().st_size > 0:
+        os.replace(path, path.with_name(f"{path.name}.prev-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
 
 
 def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False,

@@ -88,9 +88,13 @@ def connect(address: str | None, timeout_s: float = 5.0):
 
     address = address or default_address()
     url = address if "://" in address else f"http://{address}"
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+        port = parsed.port  # raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise JobsError(f"malformed address {address}: {exc}; expected http://HOST:8265") from None
     if parsed.scheme in ("http", "https") and parsed.hostname:
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        port = port or (443 if parsed.scheme == "https" else 80)
         try:
             socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
         except OSError as exc:
@@ -327,7 +331,8 @@ def _control_call(client, args: Iterable[str], *, python: str, timeout_s: float)
             with _quiet_upload():
                 control_id = client.submit_job(
                     entrypoint=entrypoint, runtime_env={"working_dir": tmp},
-                    submission_id=f"{args[1][:60]}-{args[0]}-{secrets.token_hex(3)}",
+                    submission_id=f"grpo-control-{re.sub(r'[^A-Za-z0-9_-]', '_', args[1])[:60]}-{args[0]}-"
+                                  f"{secrets.token_hex(3)}",  # the raw id may hold '/' or '..' (log file names)
                     metadata={"job_name": f"grpo-cluster-control {' '.join(args)}"})
         except (RuntimeError, ConnectionError) as exc:
             raise JobsError(f"cannot submit the control job: {exc}") from None
@@ -345,5 +350,7 @@ def _control_call(client, args: Iterable[str], *, python: str, timeout_s: float)
         client.stop_job(control_id)
         raise JobsError(f"the control job {control_id} did not finish in {timeout_s:.0f} s")
     tail = "\n".join(logs.splitlines()[-20:])
+    hint = (f"\n(the interpreter {python!r} on the cluster has no Ray: pass --python with the cluster's Python)"
+            if "No module named 'ray'" in logs else "")
     raise JobsError(f"the control job {control_id} ended {details.status} without an answer "
-                    f"({details.message}); its last log lines:\n{tail}")
+                    f"({details.message}); its last log lines:\n{tail}{hint}")

@@ -53,6 +53,8 @@ _CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 # typos (an extra digit) before any resource is reserved.
 MAX_SEQUENCE_TOKENS = 1_048_576
 MAX_SEED = 2**31 - 1
+#: Upper bound of every timeout (7 days): larger values overflow datetime.timedelta in torch.distributed.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class SpecError(ValueError):
@@ -137,7 +139,8 @@ class RolloutSpec(BaseModel):
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
     max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Engine context length in tokens; null lets the engine use the model's own."))
-    timeout_s: float = Field(900, gt=0, description="Seconds to wait for one step's rollouts before failing.")
+    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds to wait for one step's rollouts before failing."))
     max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
         "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
         "refused and sampled again."))
@@ -167,7 +170,8 @@ class TrainSpec(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
         "Token budget of one forward/backward pass."))
-    timeout_s: float = Field(900, gt=0, description="Seconds to wait for one train step before failing.")
+    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds to wait for one train step before failing."))
     oversize_sequences: Literal["own", "error"] = Field("own", description=(
         "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
         "stops the step naming it."))
@@ -215,7 +219,7 @@ class SyncSpec(BaseModel):
     verify_full_every: int = Field(10, ge=1, strict=True, description=(
         "With verify 'sample': policy versions between full checks (K); sampled checks cover every tensor once "
         "per K consecutive versions."))
-    timeout_s: float = Field(300, gt=0, description=(
+    timeout_s: float = Field(300, gt=0, le=MAX_TIMEOUT_S, description=(
         "Seconds one weight sync (and forming the sync group) may take; an engine that dies or stalls becomes an "
         "error naming it within this limit."))
     mode: Literal["broadcast", "ipc", "auto"] = Field("broadcast", description=(
@@ -323,12 +327,15 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
     """Like :func:`load_spec` for YAML text; ``source`` names it in errors, ``base_dir`` anchors data paths."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(_yaml_error_message(exc, source)) from None
     lines: dict[Loc, int] = {}
     if root is not None:
-        _collect_lines(root, (), lines, source)
+        _collect_lines(root, (), lines, source)  # first: refuses aliases before anything is built from them
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(_yaml_error_message(exc, source)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -361,8 +368,21 @@ def _yaml_error_message(exc: yaml.YAMLError, source: str) -> str:
     return f"{where}: invalid YAML: {problem}"
 
 
-def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: str) -> None:
-    """Map dotted paths to 1-based line numbers (a key's line, or a list item's); duplicate keys are errors."""
+def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: str,
+                   seen: set[int] | None = None) -> None:
+    """Map dotted paths to 1-based line numbers (a key's line, or a list item's); duplicate keys are errors.
+
+    Raises:
+        SpecError: a duplicate key, or a YAML alias (``*name``): a node met twice. Specs need no aliases, and
+            refusing them stops recursive aliases and exponential "billion laughs" documents at once.
+    """
+    seen = set() if seen is None else seen
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        if id(node) in seen:
+            where = ".".join(prefix) or "the top level"
+            raise SpecError(f"{source}:{node.start_mark.line + 1}: {where}: YAML aliases (*name) are not supported "
+                            f"in job specs; write the value out")
+        seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             loc = (*prefix, str(key_node.value))
@@ -371,12 +391,12 @@ def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: 
                 raise SpecError(f"{source}:{line}: {'.'.join(loc)}: duplicate key "
                                 f"{key_node.value!r} (first at line {lines[loc]})")
             lines[loc] = line
-            _collect_lines(value_node, loc, lines, source)
+            _collect_lines(value_node, loc, lines, source, seen)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             loc = (*prefix, str(index))
             lines[loc] = item.start_mark.line + 1
-            _collect_lines(item, loc, lines, source)
+            _collect_lines(item, loc, lines, source, seen)
 
 
 def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
