@@ -179,7 +179,10 @@ class GRPOJob:
                      f"{self.train.num_parameters / 1e6:.1f}M parameters, {self.sync.num_buckets} sync bucket(s)")
 
     def run(self) -> list[dict]:
-        """Run ``total_steps`` steps; returns every step's metrics."""
+        """Run ``total_steps`` steps; returns every step's metrics (none when a resumed job is already done)."""
+        if self.step >= self.spec.total_steps:
+            self._status(f"nothing to do: step {self.step} of total_steps={self.spec.total_steps} is done")
+            return []
         if self.rollout is None:
             self.start()
         history = []

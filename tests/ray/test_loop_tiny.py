@@ -24,36 +24,6 @@ CONTRACT_KEYS = [
 ]
 
 
-def parity_reward(completions: list[str], references: list[str]) -> list[float]:
-    """1.0 for a completion with an even number of characters, else 0.0."""
-    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
-
-
-@pytest.fixture(scope="module")
-def parity_registered():
-    """Register ``parity`` in the reward registry unless it is there (the registry refuses duplicates); removed
-    again after this module, so the rest of the session sees the builtin registry."""
-    from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-
-    added = "parity" not in REWARD_FUNCTIONS
-    if added:
-        register_reward_function("parity")(parity_reward)
-    yield "parity"
-    if added:
-        REWARD_FUNCTIONS.pop("parity")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
     """Run the 2-step job once; the tests below check what it left behind."""

@@ -23,33 +23,6 @@ COMPARED = ["policy_version", "reward/mean", "response_length/mean", "actor/kl",
             "actor/clip_fraction", "data/epoch"]
 
 
-def parity_reward(completions: list[str], references: list[str]) -> list[float]:
-    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
-
-
-@pytest.fixture(scope="module")
-def parity_registered():
-    from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-
-    added = "parity" not in REWARD_FUNCTIONS
-    if added:
-        register_reward_function("parity")(parity_reward)
-    yield
-    if added:
-        REWARD_FUNCTIONS.pop("parity")
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
 def four_prompts(gsm8k_train_path, tmp_path_factory) -> Path:
     """The first 4 GSM8K rows: with 2 prompts per step, every second step ends an epoch."""
@@ -71,6 +44,15 @@ def make_spec(tiny_model_dir, four_prompts, parity_registered, tmp_path_factory)
             "metrics.port=null", "total_steps=4", "checkpoint.every_steps=2", *overrides,
         ])
     return make
+
+
+def _run_to_end(job) -> None:
+    """Run ``job`` to ``total_steps``, then stop its workers whatever happens."""
+    try:
+        job.run()
+    finally:
+        job.close()
+        job.shutdown()
 
 
 def _trained_prompts(spec) -> list[list[int]]:
@@ -101,12 +83,7 @@ def reference_run(make_spec, local_ray):
     from cluster.driver import GRPOJob
 
     spec = make_spec("reference")
-    job = GRPOJob(spec, progress=False)
-    try:
-        job.run()
-    finally:
-        job.close()
-        job.shutdown()
+    _run_to_end(GRPOJob(spec, progress=False))
     prompts = _trained_prompts(spec)
     assert sorted(prompts[0] + prompts[1]) == [0, 1, 2, 3] == sorted(prompts[2] + prompts[3])  # two whole epochs
     return spec
@@ -228,12 +205,7 @@ def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
     from cluster.driver import GRPOJob, latest_checkpoint
 
     spec = make_spec("ckpt", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "total_steps=3")
-    job = GRPOJob(spec, progress=False)
-    try:
-        job.run()
-    finally:
-        job.close()
-        job.shutdown()
+    _run_to_end(GRPOJob(spec, progress=False))
     root = Path(spec.output_dir) / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
     # A crash while writing step 4: the temporary folder has weights but no trainer_state.json.

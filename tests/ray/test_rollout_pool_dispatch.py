@@ -45,17 +45,6 @@ def fake_engine_class():
     return FakeEngine
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def make_pool(ray, delays: list[float], timeout_s: float = 60.0) -> RolloutPool:
     """A RolloutPool whose engines are fake actors (``__init__`` would start vLLM engines)."""
     pool = RolloutPool.__new__(RolloutPool)

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from tests.ray.test_submit import EXAMPLE, PARITY, cli
-from tests.ray_head import RayHead
 
 FAKE_DRIVER = textwrap.dedent("""
     import time
@@ -46,19 +45,8 @@ FAKE_DRIVER = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=4)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(head):
-    from cluster.jobs import connect
-
-    return connect(head.dashboard)  # sends the Ray token when the head uses token authentication
+def head(ray_head):
+    return ray_head
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):

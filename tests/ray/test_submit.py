@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.prometheus_scrape import scrape
-from tests.ray_head import RayHead, free_port
+from tests.ray_head import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
@@ -40,19 +40,8 @@ def driver_value(samples: dict[str, float], name: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def head():
-    cluster = RayHead(num_cpus=4)
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def client(head):
-    from cluster.jobs import connect
-
-    return connect(head.dashboard)  # sends the Ray token when the head uses token authentication
+def head(ray_head):
+    return ray_head
 
 
 def test_submit_follow_and_scrape(head, client, tiny_model_dir, gsm8k_train_path, tmp_path):

@@ -17,17 +17,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 TIMEOUT_S = 30.0
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def make_spec(tiny_model_dir, tmp_path, *overrides):
     from cluster.spec import load_spec
 

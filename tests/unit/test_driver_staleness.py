@@ -3,7 +3,6 @@
 Each group carries the policy version that sampled it; groups older than ``rollout.max_staleness`` are refused, the
 engines are synced again, and the same requests are sampled again (same seeds, so the same groups)."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
