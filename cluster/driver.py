@@ -348,7 +348,8 @@ class GRPOJob:
             for k, e in enumerate(gen_stats.get("per_engine", [])):
                 acc = timings["per_engine"].setdefault(k, {"groups": 0, "tokens": 0, "seconds": 0.0})
                 acc.update(groups=acc["groups"] + e["groups"], tokens=acc["tokens"] + e["tokens"],
-                           seconds=acc["seconds"] + e["seconds"])
+                           seconds=acc["seconds"] + e["seconds"],
+                           kv_cache_usage=max(acc.get("kv_cache_usage") or 0.0, e.get("kv_cache_usage") or 0.0))
             timings["generate_s"] += time.perf_counter() - t0
             timings["tokens"] += gen_stats["tokens"]
             phase("score")
@@ -623,6 +624,7 @@ class GRPOJob:
                 "perf/rollout_tokens_per_s": e["tokens"] / e["seconds"] if e["seconds"] > 0 else 0.0,
                 "rollout/queue_depth": float(e["groups"]),  # groups dispatched to this engine this step
                 "rollout/engine_busy_s": e["seconds"],
+                "rollout/kv_cache_usage": float(e.get("kv_cache_usage") or 0.0),  # estimated peak this step
                 "workers/restarts": float(self.rollout.restarts),
             })
         self._forget_removed_engines()

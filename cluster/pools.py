@@ -242,7 +242,8 @@ class RolloutPool:
             (results in request order, stats): ``tokens`` (response tokens sampled), ``engine_seconds`` (each called
             engine's busy seconds, completion order), ``engine_idle_fraction`` = 1 − Σ busy engine-seconds /
             (num_engines × wall seconds of this call), in [0, 1]; engines that got no group count as idle throughout;
-            ``per_engine``: per engine index, ``groups`` assigned, response ``tokens`` and busy ``seconds``.
+            ``per_engine``: per engine index, ``groups`` assigned, response ``tokens``, busy ``seconds`` and the
+            estimated peak ``kv_cache_usage`` (fraction, or None).
 
         Raises:
             WorkerTimeout: the engines did not all finish within ``rollout.timeout_s``.
@@ -263,7 +264,8 @@ class RolloutPool:
                 raise WorkerTimeout(f"generating {len(requests)} groups did not finish within {r.timeout_s:g} s "
                                     f"({len(pending)} engine call(s) still running)")
             results, stats = ray.get(done[0])
-            per_engine[calls[done[0]]].update(tokens=stats["tokens"], seconds=stats["seconds"])
+            per_engine[calls[done[0]]].update(tokens=stats["tokens"], seconds=stats["seconds"],
+                                              kv_cache_usage=stats.get("kv_cache_usage"))
             by_id.update((res.group_id, res) for res in results)
             tokens += stats["tokens"]
             busy.append(stats["seconds"])

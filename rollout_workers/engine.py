@@ -95,6 +95,11 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
         )
+        try:  # KV-cache capacity in tokens, as the engine core sized it at start-up
+            cache = self.llm.llm_engine.vllm_config.cache_config
+            self.kv_capacity_tokens = int(cache.num_gpu_blocks) * int(cache.block_size)
+        except (AttributeError, TypeError, ValueError):
+            self.kv_capacity_tokens = None
 
     def ready(self) -> dict:
         """Cheap liveness probe: the engine's policy version, process id, and where it really runs (Ray node id and
@@ -114,7 +119,9 @@ class RolloutEngine:
         """Sample ``group_size`` completions for each request (``request.group_size`` when set).
 
         Returns:
-            (results in request order, stats ``{"seconds", "tokens"}``).
+            (results in request order, stats ``{"seconds", "tokens", "kv_cache_usage"}``): busy seconds, response
+            tokens, and the estimated peak fraction of the KV cache the call used (prompt + completion tokens of all
+            its requests over the cache's token capacity; absent when the capacity is unknown).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -135,7 +142,7 @@ class RolloutEngine:
             [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params, use_tqdm=False
         )
         seconds = time.perf_counter() - t0
-        results, tokens = [], 0
+        results, tokens, kv_tokens = [], 0, 0
         for req, out in zip(requests, outputs):
             ids, lps, reasons, texts = [], [], [], []
             for comp in out.outputs:
@@ -147,7 +154,11 @@ class RolloutEngine:
                 tokens += len(tok)
             results.append(GroupResult(req.group_id, list(req.prompt_ids), ids, lps, reasons, texts,
                                        self.policy_version))
-        return results, {"seconds": seconds, "tokens": tokens}
+            kv_tokens += len(req.prompt_ids) + sum(map(len, ids))  # the prompt's KV is shared (prefix cache)
+        stats = {"seconds": seconds, "tokens": tokens}
+        if self.kv_capacity_tokens:  # every request of the call is in flight at once: this bounds the peak
+            stats["kv_cache_usage"] = min(1.0, kv_tokens / self.kv_capacity_tokens)
+        return results, stats
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
                          channel=None) -> list[int]:

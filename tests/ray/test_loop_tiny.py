@@ -119,3 +119,14 @@ def test_final_checkpoint_loads_and_differs_from_the_initial_model(tiny_run, tin
     assert max(changed.values()) > 1e-6, changed
     # Tied embeddings survive the round trip: the head is the (trained) embedding.
     assert torch.equal(trained.get_output_embeddings().weight, trained.get_input_embeddings().weight)
+
+
+def test_per_engine_figures_in_workers_jsonl(tiny_run):
+    """Each step logs engine 0's own figures: groups dispatched, tokens/s, busy seconds, estimated KV-cache peak."""
+    rows = [json.loads(line) for line in (tiny_run["out"] / "workers.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["pool"], r["worker"]) for r in rows] == [(1, "rollout", "engine-0"),
+                                                                   (2, "rollout", "engine-0")]
+    for r in rows:
+        assert r["rollout/queue_depth"] == 2.0  # B = 2 groups, one engine
+        assert r["perf/rollout_tokens_per_s"] > 0 and r["rollout/engine_busy_s"] > 0
+        assert 0.0 < r["rollout/kv_cache_usage"] <= 1.0
