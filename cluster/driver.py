@@ -30,6 +30,9 @@ import ray
 import torch
 from tqdm import tqdm
 
+from cluster.checkpoints import (  # noqa: F401 - TRAINER_STATE, latest_checkpoint are re-exported
+    TRAINER_STATE, complete_checkpoints, latest_checkpoint, set_aside, truncate_jsonl, write_atomic,
+)
 from cluster.data import DataError, PromptSampler, build_chat_prompt, load_jsonl_examples
 from cluster.metrics import MetricsLogger, format_console_line
 from cluster.models import ModelError, resolve_model_path
@@ -53,10 +56,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-#: Files of a checkpoint folder written by the driver; ``trainer_state.json`` is written last.
-TRAINER_STATE = "trainer_state.json"
-
-
 class SetupError(RuntimeError):
     """The job cannot start here (an output folder that cannot be written, missing cluster resources)."""
 
@@ -75,24 +74,6 @@ def request_seed(seed: int, step: int, group_id: int) -> int:
     Each group's completions then depend only on the policy weights, its prompt and this seed — not on the engine,
     the batch it shares, or what ran before — so re-sampled groups (engine replaced, job resumed) are identical."""
     return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint folders under ``root`` (``step_<N>`` holding ``trainer_state.json``), oldest first by
-    step number (not by name: ``step_1000000`` is newer than ``step_999999``). Temporary folders of an interrupted
-    save (``*.partial``) are never returned."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.glob("step_*") if p.is_dir() and p.name[len("step_"):].isdigit()
-            and (p / TRAINER_STATE).is_file()]
-    return sorted(done, key=lambda p: int(p.name[len("step_"):]))
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint folder under ``root`` (see :func:`complete_checkpoints`), or None."""
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
 
 
 class GRPOJob:
@@ -149,9 +130,9 @@ class GRPOJob:
             self._status(f"resume: no complete checkpoint under {self.checkpoint_root()}; starting from step 0")
         for name in ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl"):
             if self.resume_from is not None:  # rows past the resumed step are redone
-                _truncate_jsonl(self.output_dir / name, self.step)
+                truncate_jsonl(self.output_dir / name, self.step)
             else:  # a fresh start keeps an earlier run's rows aside instead of appending to or deleting them
-                _set_aside(self.output_dir / name)
+                set_aside(self.output_dir / name)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
         self.rollout = self.train = self.sync = self.control = None
@@ -548,9 +529,9 @@ class GRPOJob:
                  "group_size": self.group_size.state_dict(), "skipped_updates": self.skipped_updates,
                  "skipped_updates_total": self.skipped_updates_total,
                  "engine_restarts": self.rollout.restarts if self.rollout is not None else 0}
-        _write_atomic(tmp / TRAINER_STATE, json.dumps(state, indent=2))
+        write_atomic(tmp / TRAINER_STATE, json.dumps(state, indent=2))
         os.replace(tmp, path)
-        _write_atomic(root / "latest", path.name)
+        write_atomic(root / "latest", path.name)
         self._prune_checkpoints(root)
         self._status(f"checkpoint saved: {path}")
         return path
@@ -691,41 +672,6 @@ def _model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
     path = Path(model_path) / "generation_config.json"
     config_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
     return eos_token_ids(config_eos, tokenizer.eos_token_id)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and ``os.replace`` (readers never see half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _truncate_jsonl(path: Path, max_step: int) -> None:
-    """Drop rows whose ``step`` is above ``max_step`` (a resumed run redoes those steps); other rows are kept.
-
-    A row that is not a JSON object with an integer step (e.g. the torn last line of a crash mid-write) is dropped
-    too; it is past the checkpoint, since rows are appended only after their step completes."""
-    if not path.is_file():
-        return
-    kept, lines = [], path.read_text(errors="replace").splitlines(keepends=True)
-    for ln in lines:
-        try:
-            row = json.loads(ln)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= max_step:
-            kept.append(ln if ln.endswith("\n") else ln + "\n")
-    if kept != lines:
-        _write_atomic(path, "".join(kept))
-
-
-def _set_aside(path: Path) -> None:
-    """Rename a non-empty ``path`` to ``<name>.prev-<UTC time>`` (a fresh run starts its own file, loses nothing)."""
-    if path.is_file() and path.stat().st_size > 0:
-        os.replace(path, path.with_name(f"{path.name}.prev-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"))
 
 
 def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False,
