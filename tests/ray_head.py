@@ -17,9 +17,20 @@ import psutil
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1: all sockets stay bound until every port is chosen (ports picked one at
+    a time can repeat, and Ray refuses two components on one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class RayHead:
@@ -35,15 +46,15 @@ class RayHead:
 
     def __init__(self, num_cpus: int = 4, object_store_bytes: int = 200_000_000):
         self.temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
-        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        names = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                 "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")
+        self.gcs_port, self.dashboard_port, *others = free_ports(2 + len(names))
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                     "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
         ray_bin = str(Path(sys.executable).parent / "ray")
-        ports = {f"--{name}": str(free_port()) for name in (
-            "node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-            "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")}
+        ports = {f"--{name}": str(port) for name, port in zip(names, others)}
         cmd = [ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.gcs_port),
                "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                "--num-cpus", str(num_cpus), "--object-store-memory", str(object_store_bytes),
