@@ -103,6 +103,8 @@ class GRPOJob:
         self._pending: deque = deque()  # prompts drawn from the sampler, not yet sampled
         self._group_counter = 0  # next group id within the step (unique across sampling rounds)
         self._step_prompts: dict[int, int] = {}  # group id -> example index, this step
+        self._per_engine: dict[int, dict] = {}  # engine index -> groups, tokens, busy seconds, KV use, this step
+        self._logged_engines = 0  # engines with Prometheus series
         self.stale_refused = 0
         self.eos_ids = _model_eos_ids(self.model_path, self.tokenizer)
         alg = spec.algorithm
@@ -177,7 +179,7 @@ class GRPOJob:
                 history.append(metrics)
                 self.completed[self.step] = metrics
                 self.metrics.log(self.step, metrics)
-                self._log_workers(metrics)
+                self._log_workers()
                 if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
                     tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
                 bar.update(1)
@@ -592,15 +594,13 @@ class GRPOJob:
         with open(self.output_dir / "trained_prompts.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def _log_workers(self, metrics: dict) -> None:
-        """Per-engine figures for Prometheus (worker label)."""
-        log_worker = getattr(self.metrics, "log_worker", None)
-        if log_worker is None or self.rollout is None:
-            return
-        per_engine = getattr(self, "_per_engine", {})
-        for i, info in enumerate(self.rollout.infos):
-            e = per_engine.get(i, {"groups": 0, "tokens": 0, "seconds": 0.0})
-            log_worker(self.step, "rollout", f"engine-{i}", {
+    def _log_workers(self) -> None:
+        """Per-engine figures of the step for Prometheus (worker label) and ``workers.jsonl``; series of engines
+        removed by a scale-down are dropped."""
+        idle = {"groups": 0, "tokens": 0, "seconds": 0.0}
+        for i in range(len(self.rollout.infos)):
+            e = self._per_engine.get(i, idle)
+            self.metrics.log_worker(self.step, "rollout", f"engine-{i}", {
                 "policy_version": float(self.policy_version),
                 "perf/rollout_tokens_per_s": e["tokens"] / e["seconds"] if e["seconds"] > 0 else 0.0,
                 "rollout/queue_depth": float(e["groups"]),  # groups dispatched to this engine this step
@@ -608,17 +608,9 @@ class GRPOJob:
                 "rollout/kv_cache_usage": float(e.get("kv_cache_usage") or 0.0),  # estimated peak this step
                 "workers/restarts": float(self.rollout.restarts),
             })
-        self._forget_removed_engines()
-
-    def _forget_removed_engines(self) -> None:
-        """Drop Prometheus series of engines that no longer exist (after a scale-down)."""
-        remove = getattr(self.metrics, "remove_worker", None)
-        known = getattr(self, "_logged_engines", 0)
-        now = len(self.rollout.infos)
-        if remove is not None:
-            for i in range(now, known):
-                remove("rollout", f"engine-{i}")
-        self._logged_engines = now
+        for i in range(len(self.rollout.infos), self._logged_engines):
+            self.metrics.remove_worker("rollout", f"engine-{i}")
+        self._logged_engines = len(self.rollout.infos)
 
     def _status(self, message: str) -> None:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
