@@ -2,7 +2,7 @@
 clipped-surrogate + k3 KL loss with global counts → backward gives the same per-sequence logprobs, the same loss and
 the same gradients, and every sequence keeps its group id and advantage.
 
-``tests/dist/test_fsdp_parity.py`` checks the FSDP2 worker on hand-made splits (2 ranks vs 1, 3 micro-batches vs 1);
+``tests/distributed/test_fsdp_parity.py`` checks the FSDP2 worker on hand-made splits (2 ranks vs 1, 3 micro-batches vs 1);
 this file checks what the planner produces from permuted batches and budgets from "one sequence per micro-batch"
 (oversize sequences alone) to "everything in one row", in one process with the tiny random Llama (fp32). Ranks are
 simulated the way the worker reduces them: each rank backpropagates its micro-batch losses (times W) and the

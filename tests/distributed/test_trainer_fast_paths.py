@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from tests.dist.test_fsdp_parity import (
+from tests.distributed.test_fsdp_parity import (
     MAX_RESPONSE_TOKENS,
     TEMPERATURE,
     N,

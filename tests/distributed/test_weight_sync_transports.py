@@ -129,7 +129,7 @@ def test_shm_slots_are_unlinked_once_mapped(tmp_path):
 
 _PEAK_SCRIPT = """
 import json, torch
-from tests.dist.test_weight_sync_transports import run_sync
+from tests.distributed.test_weight_sync_transports import run_sync
 g = torch.Generator().manual_seed(1)
 tensors = {f"w{i}": torch.randn(1 << 20, generator=g) for i in range(48)}  # 48 x 4 MiB = 192 MiB
 _, report, _ = run_sync("broadcast", tensors, 16 << 20, receivers=1, syncs=1, keep=False)
