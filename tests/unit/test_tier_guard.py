@@ -1,0 +1,99 @@
+"""The tier guard (tests/tier_guard.py): a pytest run over a whole tests tree fails, naming the tier, when a tier
+collects nothing; pytest runs in a subprocess on a temporary tree wired like this repository's tests/conftest.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+CONFTEST = textwrap.dedent("""
+    from pathlib import Path
+
+    import pytest
+
+    from tests.tier_guard import check_tiers
+
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(config, items):
+        check_tiers(config, items, Path(__file__).parent)
+""")
+PASSING = "def test_ok():\n    pass\n"
+
+
+def make_tree(root: Path, tiers: dict[str, dict[str, str]]) -> Path:
+    """``root/suite`` with a conftest like tests/conftest.py and ``{tier: {file name: text}}`` below it."""
+    suite = root / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(CONFTEST)
+    (suite / "data").mkdir()  # a folder without Python files is no tier
+    (suite / "data" / "table.json").write_text("{}")
+    for tier, files in tiers.items():
+        (suite / tier).mkdir()
+        for name, text in files.items():
+            (suite / tier / name).write_text(text)
+    return suite
+
+
+def run_pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(cwd),
+                           *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_tier_collected_passes(tmp_path):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "distributed": {"test_b.py": PASSING}})
+    result = run_pytest(tmp_path, "suite")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["dist", "build", "venv"])
+def test_tier_skipped_by_norecursedirs_fails_the_run(tmp_path, name):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, name: {"test_b.py": PASSING}})
+    result = run_pytest(tmp_path, "suite")
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert f"test tier {tmp_path / 'suite' / name} collected no tests" in result.stderr
+    assert f"norecursedirs skips folders named '{name}'" in result.stderr
+    assert "passed" not in result.stdout  # stopped at collection: nothing ran
+
+
+def test_tier_without_tests_fails_the_run_naming_each_empty_tier(tmp_path):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "ray": {"helpers.py": "X = 1\n"},
+                         "gpu": {"test_c.py": "def helper():\n    pass\n"}})
+    result = run_pytest(tmp_path, "suite")
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    for tier in ("ray", "gpu"):
+        assert f"test tier {tmp_path / 'suite' / tier} collected no tests: no test was collected" in result.stderr
+    assert "tier " + str(tmp_path / "suite" / "unit") not in result.stderr
+
+
+def test_deselected_and_skipped_tests_count_as_collected(tmp_path):
+    skipped = "import pytest\n\n@pytest.mark.skip(reason='no GPU')\ndef test_gpu():\n    pass\n"
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "gpu": {"test_c.py": skipped}})
+    result = run_pytest(tmp_path, "suite", "-k", "not test_ok")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 skipped, 1 deselected" in result.stdout
+
+
+def test_narrowed_runs_are_not_checked_but_a_named_empty_tier_is(tmp_path):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "dist": {"test_b.py": PASSING},
+                         "e2e": {"conftest.py": "\n"}})
+    assert run_pytest(tmp_path, "suite/unit/test_a.py").returncode == 0
+    assert run_pytest(tmp_path, "suite/unit").returncode == 0
+    named = run_pytest(tmp_path, "suite/e2e")
+    assert named.returncode == pytest.ExitCode.USAGE_ERROR and "tier " + str(tmp_path / "suite" / "e2e") in named.stderr
+
+
+def test_this_repository_tiers_are_discovered():
+    from tests.tier_guard import discover_tiers
+
+    names = [p.name for p in discover_tiers(REPO / "tests")]
+    assert {"unit", "distributed", "ray", "e2e", "gpu"} <= set(names) and "data" not in names
