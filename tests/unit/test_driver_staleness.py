@@ -20,14 +20,17 @@ data:
 
 
 class FakeRollout:
-    """Returns groups stamped with the versions in ``versions`` (one list per call)."""
+    """Returns groups stamped with the versions in ``versions`` (one list per call); records each call's
+    (group id, seed) pairs in ``seen``."""
 
     def __init__(self, versions: list[int]):
         self.versions, self.calls, self.engines, self.restarts = list(versions), 0, ["e0"], 0
+        self.seen: list[list[tuple[int, int]]] = []
 
     def generate(self, requests, on_groups=None):
         version = self.versions[min(self.calls, len(self.versions) - 1)]
         self.calls += 1
+        self.seen.append([(q.group_id, q.seed) for q in requests])
         groups = [GroupResult(q.group_id, q.prompt_ids, [[1]], [torch.zeros(1)], ["stop"], ["x"], version)
                   for q in requests]
         return groups, {"tokens": len(groups)}
@@ -70,6 +73,7 @@ def test_stale_samples_are_refused_resynced_and_sampled_again():
     groups, _ = j._generate(REQUESTS)
     assert [g.policy_version for g in groups] == [3, 3]
     assert j.rollout.calls == 2 and j.stale_refused == 2 and j.sync.rebuilds == 1 and j.sync.syncs == 1
+    assert j.rollout.seen == [[(0, 1), (1, 2)]] * 2  # sampled again with the same seeds, so the same groups
 
 
 def test_max_staleness_allows_older_samples():
@@ -84,7 +88,32 @@ def test_engines_that_stay_stale_stop_the_job():
         j._generate(REQUESTS)
 
 
-def test_request_seeds_depend_on_seed_step_and_group_only():
-    assert request_seed(0, 1, 2) == request_seed(0, 1, 2)
+def test_request_seeds_are_crc32_of_seed_step_group():
+    """The documented mix, computed with binascii (not zlib): stable across processes and Python versions (a
+    ``hash()``-based seed would change with PYTHONHASHSEED and break resumed runs' reproducibility)."""
+    import binascii
+
+    for seed, step, group in [(0, 1, 2), (1, 1, 2), (0, 2, 2), (0, 1, 3), (12345, 99, 0)]:
+        expected = binascii.crc32(f"{seed}:{step}:{group}".encode()) & 0x7FFFFFFF
+        assert request_seed(seed, step, group) == expected
     assert len({request_seed(0, 1, 2), request_seed(1, 1, 2), request_seed(0, 2, 2), request_seed(0, 1, 3)}) == 4
     assert all(0 <= request_seed(s, 5, 7) < 2**31 for s in range(100))
+
+
+def test_next_requests_seed_each_group_from_spec_seed_step_and_group_id():
+    """Requests carry request_seed(spec.seed, step, group id); a second round of the same step continues the group
+    ids, so no two groups of a step share a seed."""
+    from collections import deque
+
+    from cluster.data import Example
+
+    j = job([0], 0, "seed=7")
+    j.step, j._group_counter, j._step_prompts = 4, 0, {}
+    j._pending = deque(Example(index=i, question=f"q{i}", answer="#### 1", reference="1") for i in range(3))
+    j.prompt_ids = {0: [10], 1: [11], 2: [12]}
+    _, first = j._next_requests(2, 4)
+    _, second = j._next_requests(1, 4)
+    assert [(q.group_id, q.prompt_ids, q.group_size) for q in first + second] == [(0, [10], 4), (1, [11], 4),
+                                                                                   (2, [12], 4)]
+    assert [q.seed for q in first + second] == [request_seed(7, 4, g) for g in range(3)]
+    assert len({q.seed for q in first + second}) == 3
