@@ -24,9 +24,23 @@ def test_terminated_only_when_the_response_contains_an_eos_id():
     assert lengths == [3, 2, 4, 1, 0]
 
 
-def test_prompt_eos_does_not_count():
-    # The prompt (e.g. a chat template ending in an EOS-like id) is never passed: only the response is inspected.
-    prompt, response = [1, 2, 3], [4, 5, 6]
-    lengths, terminated = response_valid_lengths([response], {2})
-    assert terminated == [False] and lengths == [3]
-    assert 2 in prompt
+def test_prompt_eos_does_not_count_in_the_driver():
+    """The driver's score stage passes only the response ids to ``response_valid_lengths``: a prompt made of EOS ids
+    (a chat template ending in an EOS-like id) terminates nothing."""
+    import torch
+
+    from cluster.driver import GRPOJob
+    from cluster.spec import load_spec_text
+    from rollout_workers.engine import GroupResult
+
+    job = GRPOJob.__new__(GRPOJob)
+    job.spec = load_spec_text("output_dir: o\ntotal_steps: 1\ndata: {train_path: t.jsonl}\n"
+                              "algorithm: {mask_truncated: false}\n")
+    job.eos_ids = eos_token_ids(2, None)
+    responses = [[4, 5, 6], [4, 2, 6], [7]]
+    group = GroupResult(0, [2, 2, 2], responses, [torch.zeros(len(r)) for r in responses], ["length", "stop", "length"],
+                        ["#### 1", "#### 2", "#### 3"], 0)
+    batch = job._score([group], ["#### 1"])
+    assert batch.terminated == [False, True, False]
+    assert batch.valid_lengths == [3, 2, 1]
+    assert batch.prompt_ids == [[2, 2, 2]] * 3 and batch.response_ids == responses
