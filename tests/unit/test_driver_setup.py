@@ -87,9 +87,19 @@ def test_missing_resources_are_listed(monkeypatch, tmp_path):
     check_cluster_resources(spec)
 
 
+def test_reachable_probes_host_port_addresses():
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert _reachable(f"127.0.0.1:{port}", timeout_s=1)
+    assert not _reachable(f"127.0.0.1:{port}", timeout_s=1)  # the same port once nothing listens on it
+
+
 def test_unreachable_address_fails_fast(tmp_path, capsys):
     assert not _reachable("127.0.0.1:1", timeout_s=1)
-    assert _reachable("auto")
     spec = tmp_path / "spec.yaml"
     spec.write_text(f"output_dir: {tmp_path / 'o'}\ntotal_steps: 1\ndata: {{train_path: {_data(tmp_path)}}}\n")
     assert main(["run", str(spec), "--address", "127.0.0.1:1"]) == 2

@@ -192,8 +192,15 @@ def test_assign_groups_by_tokens_not_count():
     plan = assign_groups([1] * 6, sizes, num_engines=2, max_response_tokens=10)
     assert plan == [[0, 1, 4], [2, 3, 5]]
     assert [sum(1 + sizes[i] * 10 for i in e) for e in plan] == [63, 63]
-    # Dispatching by request count (round-robin in request order) would load the engines 93 vs 33 tokens.
-    assert [sum(1 + sizes[i] * 10 for i in range(k, 6, 2)) for k in (0, 1)] == [93, 33]
+
+
+def test_assign_groups_one_big_group_against_many_small():
+    # T = 10: group 0 (G = 8) loads 1 + 80 = 81, each of groups 1..8 (G = 1) loads 11. Group 0 opens e0; the small
+    # ones fill e1 while it is lighter: after seven e1 = 77 < 81, the eighth still goes to e1 (88). Balancing by
+    # count would give each engine 4 or 5 groups; balancing by tokens gives 1 vs 8.
+    sizes = [8] + [1] * 8
+    plan = assign_groups([1] * 9, sizes, num_engines=2, max_response_tokens=10)
+    assert plan == [[0], [1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def test_assign_groups_longest_prompts_spread_and_groups_whole():
