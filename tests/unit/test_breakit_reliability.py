@@ -76,37 +76,31 @@ def _spec(tmp_path: Path, model: str, *overrides: str):
 
 def test_resume_with_torn_metrics_line_is_not_a_traceback(tmp_path, tiny_model_dir):
     """A crash while appending to metrics.jsonl leaves a torn last line; ``--resume`` then died in _truncate_jsonl
-    with a bare JSONDecodeError (not caught by the CLI: traceback). Expected: the torn row is dropped (it is past
-    the checkpoint anyway), or a SetupError naming the file."""
+    with a bare JSONDecodeError (not caught by the CLI: traceback). Now the torn row is dropped (it is past the
+    checkpoint anyway) and the job resumes at the checkpoint's step."""
     spec = _spec(tmp_path, tiny_model_dir)
     _checkpoint(tmp_path / "out" / "checkpoints", 2)
     (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "loss"')
-    try:
-        job = GRPOJob(spec, progress=False, resume=True)
-    except SetupError as exc:
-        assert "metrics.jsonl" in str(exc)
-    else:
-        assert job.step == 2
-        rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2]
+    job = GRPOJob(spec, progress=False, resume=True)  # the torn row is past the checkpoint: dropped
+    assert job.step == 2
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
 
 
 def test_fresh_run_in_reused_output_dir_does_not_prune_its_own_checkpoint(tmp_path, tiny_model_dir):
     """A run without --resume in an output_dir holding an older run's step_000010: with keep_last=1 the new run's
     step_000001 is pruned right after it is written (step_000010 sorts newer), and a later --resume silently
-    continues the *old* run. Expected: refuse at set-up (SetupError naming checkpoint.dir) or keep the new one."""
+    continues the *old* run. Now refused at set-up, naming checkpoint.dir and the way on, and nothing is deleted."""
     spec = _spec(tmp_path, tiny_model_dir, "checkpoint.keep_last=1")
     root = tmp_path / "out" / "checkpoints"
-    _checkpoint(root, 10)  # left by an earlier run
-    try:
-        job = GRPOJob(spec, progress=False, resume=False)
-    except SetupError as exc:
-        assert "checkpoint" in str(exc)
-        return
-    new = _checkpoint(root, 1)  # what save_checkpoint writes at step 1 (before it prunes)
-    job.step = 1
-    job._prune_checkpoints(root)
-    assert new.is_dir(), "the checkpoint this run just wrote was pruned"
+    old = _checkpoint(root, 10)  # left by an earlier run
+    expected = (f"checkpoint.dir: {root} already holds checkpoints of an earlier run (latest step_000010); continue "
+                f"it with `grpo-cluster run --resume` (or resume: auto), or choose another output_dir / "
+                f"checkpoint.dir — nothing was deleted")
+    with pytest.raises(SetupError) as err:
+        GRPOJob(spec, progress=False, resume=False)
+    assert str(err.value) == expected
+    assert sorted(p.name for p in root.iterdir()) == ["step_000010"] and (old / TRAINER_STATE).is_file()
 
 
 @pytest.mark.parametrize("field", ["rollout.timeout_s", "train.timeout_s", "sync.timeout_s"])
