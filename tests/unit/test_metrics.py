@@ -134,12 +134,21 @@ def test_log_worker_rejects_bad_arguments(tmp_path, pool, worker, metrics, match
 
 
 def test_console_line(tmp_path, capsys):
-    with MetricsLogger(tmp_path, port=None) as metrics:
-        metrics.log(3, {"reward/mean": 0.125, "reward/accuracy": 0.0625, "actor/kl": 0.0012, "timing/step_s": 44.0,
-                        "perf/rollout_tokens_per_s": 152.4, "sync/verified": True, "unlisted": 7})
-    assert capsys.readouterr().out.strip() == (
-        "step 3 | reward 0.125 acc 0.062 | kl 0.0012 | step 44.0s | 152 tok/s | verified")
+    # Keys given in reverse of the layout, plus one that is not in it. Expected, by the layout in CONSOLE_FIELDS
+    # (groups in its order joined by " | ", keys absent from the step left out, unlisted keys never shown):
+    # reward 0.1234 → 3 decimals "0.123"; accuracy 0.0626 → "0.063"; kl 0.00123 → 4 decimals "0.0012";
+    # step 43.96 s → 1 decimal "44.0s"; 152.6 tok/s → 0 decimals "153"; verified True → "verified".
+    metrics = {"sync/verified": True, "perf/rollout_tokens_per_s": 152.6, "timing/step_s": 43.96, "unlisted": 7,
+               "actor/kl": 0.00123, "reward/accuracy": 0.0626, "reward/mean": 0.1234}
+    expected = "step 3 | reward 0.123 acc 0.063 | kl 0.0012 | step 44.0s | 153 tok/s | verified"
+    with MetricsLogger(tmp_path, port=None) as logger:
+        logger.log(3, metrics)
+    assert capsys.readouterr().out.strip() == expected
+    assert format_console_line(3, metrics) == expected
     assert format_console_line(1, {"sync/verified": False}) == "step 1 | NOT VERIFIED"
+    assert format_console_line(2, {}) == "step 2"
+    assert format_console_line(2, {"policy_version": 5.0, "response_length/mean": 95.7}) == "step 2 | v5 | len 96"
+    assert format_console_line(2, {"reward/mean": "n/a"}) == "step 2 | reward/mean n/a"  # not a number: as given
 
 
 def test_stall_timestamp_is_set_before_the_first_step(tmp_path):
