@@ -65,6 +65,14 @@ def test_tier_skipped_by_norecursedirs_fails_the_run(tmp_path, name):
     assert "passed" not in result.stdout  # stopped at collection: nothing ran
 
 
+def test_plain_pytest_through_testpaths_is_a_whole_suite_run(tmp_path):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "dist": {"test_b.py": PASSING}})
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["suite"]\n')
+    result = run_pytest(tmp_path)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert f"test tier {tmp_path / 'suite' / 'dist'} collected no tests" in result.stderr
+
+
 def test_tier_without_tests_fails_the_run_naming_each_empty_tier(tmp_path):
     make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "ray": {"helpers.py": "X = 1\n"},
                          "gpu": {"test_c.py": "def helper():\n    pass\n"}})
