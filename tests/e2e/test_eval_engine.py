@@ -99,7 +99,7 @@ def run_eval(folder: str, data: Path, *extra: str) -> dict:
 
 def test_eval_with_the_real_engine(tiny_model_dir, tmp_path):
     """``grpo-cluster eval --limit 4`` on rows whose references are 7, 3, 7, 7 (and 12 past the limit): the model
-    answers 7 each time, so pass@1 = 3/4 (4/5 would mean --limit was ignored), format 1, 4 tokens each (EOS
+    answers 7 each time, so pass@1 = 3/4 (3/5 would mean --limit was ignored), format 1, 4 tokens each (EOS
     included), none truncated."""
     folder, completion = make_answering_model(tiny_model_dir, tmp_path / "answer7")
     result = run_eval(folder, write_data(tmp_path / "test.jsonl"), "--max-tokens", "8")
