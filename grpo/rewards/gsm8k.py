@@ -51,6 +51,12 @@ _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*+\{")
 _BRACE_RE = re.compile(r"[{}]")
 _FRAC_RE = re.compile(r"\\[dt]?frac\s*+\{([^{}]*+)\}\s*+\{([^{}]*+)\}")
 _FRAC_SHORT_RE = re.compile(r"\\[dt]?frac\s*+(\d)\s*+(\d)")
+# A sign written before a currency sign ("-$5", "+$5"): the sign belongs to the number.
+_SIGNED_CURRENCY_RE = re.compile(r"(?<![\w.])([+-])\$[ \t]*+(?=\.?\d)")
+_INT = r"(?>\d{1,3}(?:,\d{3}(?!\d))+|\d+)"
+# A mixed number "2 1/2" (whole, spaces or tabs, integer fraction). Possessive/atomic parts and the lookbehind (a
+# match starts only at the start of a digit run) keep the scan linear.
+_MIXED_RE = re.compile(rf"(?<![\w.,/])([+-]?)({_INT})[ \t]++(\d++)/(\d++)(?![\d/]|\.\d|[eE][+-]?\d)")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*+\{([^{}]*+)\}")
 _MARKER = "####"
 
@@ -60,8 +66,32 @@ def _clean_text(text: str) -> str:
     text = text.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "").replace("\\,", "")
     text = text.replace("\\$", "$").replace("\\%", "%")
     text = _TEXT_RE.sub(r" \1 ", text)
-    text = _FRAC_RE.sub(lambda m: f"{m.group(1).strip()}/{m.group(2).strip()}", text)
-    return _FRAC_SHORT_RE.sub(r"\1/\2", text)
+    text = _FRAC_RE.sub(lambda m: f"{_digit_gap(m)}{m.group(1).strip()}/{m.group(2).strip()}", text)
+    text = _FRAC_SHORT_RE.sub(lambda m: f"{_digit_gap(m)}{m.group(1)}/{m.group(2)}", text)
+    return _join_signs_and_mixed(text)
+
+
+def _digit_gap(m: re.Match) -> str:
+    """" " when a \\frac follows a digit ("2\\frac{1}{2}" is the mixed number 2 1/2, not 21/2), else ""."""
+    return " " if m.start() > 0 and m.string[m.start() - 1].isdigit() else ""
+
+
+def _mixed_to_fraction(m: re.Match) -> str:
+    """"2 1/2" → "5/2", "-2 1/2" → "-5/2"; the text unchanged unless the fraction is proper (0 < den, num < den)
+    and the result has at most MAX_DIGITS digits."""
+    sign, whole, num, den = m.group(1), m.group(2).replace(",", ""), m.group(3), m.group(4)
+    if max(len(whole), len(num), len(den)) > MAX_DIGITS or not int(num) < int(den):
+        return m.group()
+    numerator = int(whole) * int(den) + int(num)
+    if len(str(numerator)) > MAX_DIGITS:
+        return m.group()
+    return f"{'-' if sign == '-' else ''}{numerator}/{den}"
+
+
+def _join_signs_and_mixed(text: str) -> str:
+    """"−$5" / "-$5" → "-5" (the sign before a currency sign is the number's) and mixed numbers → one fraction."""
+    text = _SIGNED_CURRENCY_RE.sub(r"\1", text.replace("\u2212", "-"))
+    return _MIXED_RE.sub(_mixed_to_fraction, text)
 
 
 def _canonical_decimal(s: str) -> str | None:
@@ -228,7 +258,7 @@ def format_reward(completion: str) -> float:
     _, marker, tail = last_line.rpartition(_MARKER)
     if not marker:
         return 0.0
-    tail = tail.rstrip()
+    tail = _join_signs_and_mixed(tail.replace("\\$", "$")).rstrip()
     if tail.endswith("."):
         tail = tail[:-1].rstrip()
     m = _FORMAT_TAIL_RE.fullmatch(tail)
