@@ -1,6 +1,6 @@
 """GSM8K answer checker vs HF ``math-verify``: agreement with the right value, time per call, thread safety.
 
-    PYTHONPATH=$PWD python -m bench.bench_answer_checker
+    PYTHONPATH=$PWD python -m bench.bench_answer_checker [--ray]
 
 Compares :func:`grpo.rewards.gsm8k.accuracy_reward` ("ours") with ``math_verify.verify(parse(reference),
 parse(completion))`` (defaults: LaTeX + expression extraction, ``parsing_timeout=5``, ``timeout_seconds=5``) on
@@ -9,7 +9,8 @@ parse(completion))`` (defaults: LaTeX + expression extraction, ``parsing_timeout
    ``tests/unit/test_rewards_gsm8k.py`` (each with its right value);
 2. big and pathological inputs (1 MB of digits, of "1 ", of "\\boxed{", nested braces): seconds per call;
 3. one call from a non-main thread, where a Ray actor with ``max_concurrency > 1``, an async actor or a thread pool
-   would run it (math-verify's timeouts use ``signal.alarm``, which works only on the main thread).
+   would run it (math-verify's timeouts use ``signal.alarm``, which works only on the main thread); with ``--ray``
+   also inside a plain and a threaded Ray actor (starts a local Ray cluster: run it under the heavy-run lock).
 
 Prints one markdown table per part. Needs ``pip install math-verify`` (it pulls ``latex2sympy2-extended``, ``sympy``,
 ``antlr4-python3-runtime``).
@@ -128,7 +129,8 @@ def gsm8k_references() -> None:
         return
     rows = [json.loads(line)["answer"] for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
     pairs = [(a, a, 1.0) for a in rows]
-    pairs += [(a, b, 0.0) for a, b in zip(rows, rows[1:]) if a.rsplit("####", 1)[1].strip() != b.rsplit("####", 1)[1].strip()]
+    final = [a.rsplit("####", 1)[1].strip() for a in rows]
+    pairs += [(rows[i], rows[i + 1], 0.0) for i in range(len(rows) - 1) if final[i] != final[i + 1]]
     print("| GSM8K test solutions | pairs | right | seconds |\n|---|---|---|---|")
     for name, fn in (("ours", accuracy_reward), ("math-verify", _math_verify)):
         t0 = time.perf_counter()
@@ -165,7 +167,32 @@ def thread_table() -> None:
     print(f"| ours | {accuracy_reward('#### 5', '5')} |\n")
 
 
+def ray_table() -> None:
+    """math-verify inside Ray actors (local cluster, 1 CPU): a plain actor (methods on the worker's main thread) and
+    a threaded one (``max_concurrency=2``: methods on a thread pool)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Scorer:
+        def score(self) -> str:
+            logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+            out, seconds = _timed(_math_verify, "#### 5", "5")
+            return f"{out} ({threading.current_thread() is threading.main_thread() and 'main' or 'other'} thread)"
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        print("| math-verify in a Ray actor, '#### 5' vs '5' (right 1.0) | result |\n|---|---|")
+        for label, options in (("plain actor", {}), ("max_concurrency=2", {"max_concurrency": 2})):
+            actor = Scorer.options(**options).remote()
+            print(f"| {label} | {ray.get(actor.score.remote(), timeout=120)} |")
+    finally:
+        ray.shutdown()
+    print()
+
+
 if __name__ == "__main__":
+    import sys
+
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
     agreement_table(CASES)
@@ -173,3 +200,5 @@ if __name__ == "__main__":
     gsm8k_references()
     timing_table()
     thread_table()
+    if "--ray" in sys.argv[1:]:
+        ray_table()
