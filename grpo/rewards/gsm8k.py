@@ -77,7 +77,8 @@ _MARKER = "####"
 
 
 def _clean_text(text: str) -> str:
-    """Undo LaTeX and typography that hide numbers: \\frac{a}{b} → a/b, \\text{x} → x, \\$ → $, {,} → ","."""
+    """Undo LaTeX and typography that hide numbers: \\frac{a}{b} → a/b (" a/b" after a digit: a mixed number),
+    \\text{x} → x, \\$ → $, {,} → ",", "−" → "-", "-$5" → "-5" (a sign before a currency sign is the number's)."""
     text = text.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "").replace("\\,", "")
     text = text.replace("\\$", "$").replace("\\%", "%")
     text = _TEXT_RE.sub(r" \1 ", text)
