@@ -12,8 +12,8 @@ parse(completion))`` (defaults: LaTeX + expression extraction, ``parsing_timeout
    would run it (math-verify's timeouts use ``signal.alarm``, which works only on the main thread); with ``--ray``
    also inside a plain and a threaded Ray actor (starts a local Ray cluster: run it under the heavy-run lock).
 
-Prints one markdown table per part. Needs ``pip install math-verify`` (it pulls ``latex2sympy2-extended``, ``sympy``,
-``antlr4-python3-runtime``).
+Prints one markdown table per part. Needs ``pip install math-verify==0.9.0`` (it pulls ``latex2sympy2-extended``,
+``sympy``, ``antlr4-python3-runtime``); not a project dependency, since the project does not use it.
 """
 
 from __future__ import annotations
