@@ -29,13 +29,14 @@ bench.bench_answer_checker`` on this 2-core CPU: on issue #12's cases plus the a
 ``tests/unit/test_rewards_gsm8k.py`` (32 completion/reference pairs with their right value) this checker is right on
 32, math-verify on 24 (it scores "#### 5 ... 7" by its last number, finds "-$5" equal to neither 5 nor -5, does not
 read "2 1/2" as 2.5 nor \\boxed{\\text{9 apples}} as 9, and has no relative tolerance); both are right on all 2,622
-GSM8K test solution pairs (0.2 s here, 3.1–4.9 s there). Its timeouts are ``signal.alarm``: off the main thread (a
-threaded or async Ray actor, a thread pool) the default call raises ValueError, and with timeouts off nothing bounds
-it; on the main thread a 1 MB completion of "1 " or "\\boxed{", 2,000 nested braces or \\boxed{2^{2^{2^{2^{2^{2}}}}}}
-each run into its 5 s timeout (this module: 0.06–0.9 s for 1 MB, ~0 s for the others). It is right where this
-checker is not on LaTeX beyond numbers (\\boxed{10^{3}}, \\sqrt{16}, 3 \\cdot 4), which GSM8K references (integers)
-never need. So GSM8K keeps this linear-time checker; a dataset with symbolic answers would want math-verify behind a
-process-level time limit, not a signal.
+GSM8K test solution pairs (0.2 s here, 3.0–4.9 s there). Its timeouts are ``signal.alarm``: off the main thread (a
+thread pool, or a Ray actor with max_concurrency=2, both measured; a plain actor runs on the main thread and works)
+the default call raises ValueError, and with timeouts off nothing bounds it; on the main thread a 1 MB completion of
+"1 " or "\\boxed{", 2,000 nested braces or \\boxed{2^{2^{2^{2^{2^{2}}}}}} each run into its 5 s timeout (this
+module: 0.04–0.9 s for 1 MB, ~0 s for the others). It is right where this checker is not on LaTeX beyond numbers
+(\\boxed{10^{3}}, \\sqrt{16}, 3 \\cdot 4), which GSM8K references (integers) never need. So GSM8K keeps this
+linear-time checker; a dataset with symbolic answers would want math-verify behind a process-level time limit, not a
+signal.
 """
 
 from __future__ import annotations
