@@ -41,17 +41,13 @@ from bench._common import DEFAULT_GSM8K, DEFAULT_MODEL, load_note, print_json, p
 
 
 def build_prompts(tokenizer, data_path: str, batch: int, offset: int = 0) -> list[list[int]]:
-    """Token ids of ``batch`` chat prompts (rows ``offset..offset+batch`` of the file), built as the driver does."""
-    from cluster.data import build_chat_prompt, load_jsonl_examples
+    """Token ids of ``batch`` chat prompts (rows ``offset..offset+batch`` of the file), built as the driver does
+    (`cluster.data.chat_prompt_ids`)."""
+    from cluster.data import chat_prompt_ids, load_jsonl_examples
     from cluster.spec import DEFAULT_SYSTEM_PROMPT
 
     examples, _ = load_jsonl_examples(data_path)
-    prompts = []
-    for ex in examples[offset:offset + batch]:
-        text = tokenizer.apply_chat_template(build_chat_prompt(ex, DEFAULT_SYSTEM_PROMPT), tokenize=False,
-                                             add_generation_prompt=True)
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return prompts
+    return chat_prompt_ids(tokenizer, examples[offset:offset + batch], DEFAULT_SYSTEM_PROMPT)
 
 
 def run_hf(model_path: str, prompts: list[list[int]], group: int, max_tokens: int, threads: int, seed: int,

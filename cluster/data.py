@@ -1,4 +1,4 @@
-"""Prompt data: GSM8K-style jsonl loading, a deterministic resumable prompt sampler, chat prompts.
+"""Prompt data: GSM8K-style jsonl loading, a deterministic resumable prompt sampler, chat prompts and their token ids.
 
 Row format (one JSON object per line, UTF-8; blank lines ignored)::
 
@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from grpo.rewards.gsm8k import parse_reference
 
-__all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "PromptSampler", "build_chat_prompt"]
+__all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "PromptSampler", "build_chat_prompt",
+           "chat_prompt_ids"]
 
 ANSWER_MARKER = "####"
 
@@ -220,3 +221,29 @@ def build_chat_prompt(example: Example, system_prompt: str | None, prompt_suffix
         messages.append({"role": "system", "content": system_prompt})
     messages.append({"role": "user", "content": example.question + prompt_suffix})
     return messages
+
+
+def chat_prompt_ids(tokenizer, examples: Sequence[Example], system_prompt: str | None,
+                    prompt_suffix: str = "") -> list[list[int]]:
+    """Token ids of each example's chat prompt (`build_chat_prompt` + the tokenizer's chat template with the
+    generation prompt): the one place prompts become token ids, for training (the driver), eval and the engine.
+
+    The chat template writes every special token the prompt needs, BOS included; the text is then tokenized with
+    ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does. Tokenizing it with special tokens
+    (what ``tokenizer(text)`` and vLLM's text prompts do) puts a second BOS in front on tokenizers whose template
+    writes BOS and whose post-processor adds it again (Llama 3). Callers hand these ids to vLLM as token prompts, so
+    the engine adds nothing either.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        examples: the rows to render.
+        system_prompt, prompt_suffix: as in `build_chat_prompt`.
+
+    Returns:
+        one list of int token ids per example, in order.
+    """
+    texts = [tokenizer.apply_chat_template(build_chat_prompt(ex, system_prompt, prompt_suffix), tokenize=False,
+                                           add_generation_prompt=True) for ex in examples]
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

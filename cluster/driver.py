@@ -33,7 +33,7 @@ from tqdm import tqdm
 from cluster.checkpoints import (  # noqa: F401 - TRAINER_STATE, latest_checkpoint are re-exported
     TRAINER_STATE, complete_checkpoints, latest_checkpoint, set_aside, truncate_jsonl, write_atomic,
 )
-from cluster.data import DataError, PromptSampler, build_chat_prompt, load_jsonl_examples
+from cluster.data import DataError, PromptSampler, chat_prompt_ids, load_jsonl_examples
 from cluster.metrics import MetricsLogger, format_console_line
 from cluster.models import ModelError, resolve_model_path
 from cluster.pools import (EngineFailure, RolloutPool, TrainPool, TrainWorkerFailure, WeightSync, WorkerTimeout,
@@ -461,9 +461,7 @@ class GRPOJob:
             DataError: every prompt is too long.
         """
         d = self.spec.data
-        texts = [self.tokenizer.apply_chat_template(build_chat_prompt(ex, d.system_prompt, d.prompt_suffix),
-                                                    tokenize=False, add_generation_prompt=True) for ex in examples]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = chat_prompt_ids(self.tokenizer, examples, d.system_prompt, d.prompt_suffix)
         kept = [(ex, tok) for ex, tok in zip(examples, ids) if len(tok) <= d.max_prompt_tokens]
         if not kept:
             raise DataError(f"{d.train_path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from cluster.data import build_chat_prompt, load_jsonl_examples
+from cluster.data import chat_prompt_ids, load_jsonl_examples
 from cluster.spec import DEFAULT_SYSTEM_PROMPT
 from grpo.rewards.gsm8k import accuracy_reward, format_reward
 
@@ -33,10 +33,13 @@ def engine_max_model_len(prompt_lengths: Sequence[int], max_tokens: int) -> int:
 
 
 def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: int = 256,
-                   system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, kv_cache_gib: int = 2) -> dict:
+                   system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, kv_cache_gib: int = 2,
+                   prompt_suffix: str = "") -> dict:
     """Greedy pass@1 on the first ``limit`` rows of a GSM8K jsonl file (all rows when ``limit`` is None).
 
-    The engine's context length is the longest tokenized prompt plus ``max_tokens``.
+    Prompts are token ids from `cluster.data.chat_prompt_ids` (with the training spec's ``data.system_prompt`` and
+    ``data.prompt_suffix``, the ids training samples from, exactly one BOS), given to vLLM as token prompts. The
+    engine's context length is the longest prompt plus ``max_tokens``.
 
     Returns:
         ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s"}`` (fractions in [0, 1]).
@@ -59,17 +62,16 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
         configure_cpu_env(kv_cache_gib)
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok.apply_chat_template(build_chat_prompt(e, system_prompt), tokenize=False,
-                                       add_generation_prompt=True) for e in examples]
-    # vLLM tokenizes text prompts with the model's special tokens added; count them the same way.
-    prompt_lengths = [len(tok(p)["input_ids"]) for p in prompts]
+    # The same ids training samples from, given to vLLM as token prompts (a text prompt would get BOS again).
+    prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(path), examples, system_prompt, prompt_suffix)
     llm = LLM(model=path, dtype="float32" if not torch.cuda.is_available() else "auto", enforce_eager=True,
-              max_model_len=engine_max_model_len(prompt_lengths, max_tokens),
+              max_model_len=engine_max_model_len([len(ids) for ids in prompt_ids], max_tokens),
               gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.5, seed=0)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     seconds = time.perf_counter() - t0
     texts = [o.outputs[0].text for o in outs]
     n_tokens = [len(o.outputs[0].token_ids) for o in outs]

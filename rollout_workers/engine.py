@@ -25,7 +25,9 @@ class GroupRequest:
     overrides the ``group_size`` argument of ``RolloutEngine.generate`` when set (adaptive group size). ``seed``
     (when set) seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
     and the seed — not on which engine samples it or what else is in the batch's queue. The driver derives it from
-    (spec seed, step, sampling round, group id), which makes resumed runs and re-sampled groups reproducible."""
+    (spec seed, step, sampling round, group id), which makes resumed runs and re-sampled groups reproducible.
+    ``prompt_ids`` come from ``cluster.data.chat_prompt_ids`` (the chat template's own BOS, nothing added) and reach
+    vLLM as a token prompt, which it does not tokenize again: the engine samples from exactly the ids training uses."""
 
     group_id: int
     prompt_ids: list[int]
@@ -118,6 +120,10 @@ class RolloutEngine:
     def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
         """Sample ``group_size`` completions for each request (``request.group_size`` when set).
 
+        Raises:
+            RuntimeError: the weights are inconsistent after a failed sync, or vLLM reports a prompt other than the
+                request's ``prompt_ids`` (training would score completions of a prompt the engine did not see).
+
         Returns:
             (results in request order, stats ``{"seconds", "tokens", "kv_cache_usage"}``): busy seconds, response
             tokens, and the estimated peak fraction of the KV cache the call used (prompt + completion tokens of all
@@ -144,6 +150,9 @@ class RolloutEngine:
         seconds = time.perf_counter() - t0
         results, tokens, kv_tokens = [], 0, 0
         for req, out in zip(requests, outputs):
+            if list(out.prompt_token_ids) != list(req.prompt_ids):
+                raise RuntimeError(f"group {req.group_id}: the engine's prompt ({len(out.prompt_token_ids)} tokens) is "
+                                   f"not the prompt training scores ({len(req.prompt_ids)} tokens)")
             ids, lps, reasons, texts = [], [], [], []
             for comp in out.outputs:
                 tok = list(comp.token_ids)

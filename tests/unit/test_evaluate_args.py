@@ -1,5 +1,6 @@
 """``cluster.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine context
-length sized from the longest tokenized prompt (vLLM and the tokenizer replaced by fakes)."""
+length sized from the longest tokenized prompt, prompts handed to vLLM as token ids (vLLM and the tokenizer replaced
+by fakes)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class FakeTokenizer:
         assert tokenize is False and add_generation_prompt is True
         return " ".join(m["content"] for m in messages) + " <assistant>"
 
-    def __call__(self, text):
-        return {"input_ids": list(range(len(text.split())))}
+    def __call__(self, texts, add_special_tokens):
+        assert add_special_tokens is False  # the chat template already wrote the special tokens
+        return {"input_ids": [list(range(len(text.split()))) for text in texts]}
 
 
 def install_fakes(monkeypatch) -> dict:
@@ -63,7 +65,11 @@ def install_fakes(monkeypatch) -> dict:
     fake_vllm = types.ModuleType("vllm")
     fake_vllm.LLM = LLM
     fake_vllm.SamplingParams = lambda **kwargs: kwargs
+    fake_inputs = types.ModuleType("vllm.inputs")
+    fake_inputs.TokensPrompt = lambda **kwargs: kwargs
+    fake_vllm.inputs = fake_inputs
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
     import transformers
 
     import cluster.models
@@ -87,7 +93,7 @@ def test_limit_and_context_length(tmp_path, monkeypatch):
 
     result = evaluate_gsm8k("fake-model", str(data), limit=2, max_tokens=64, system_prompt="sys")
     assert result["n"] == 2 and result["pass@1"] == 1.0 and result["format"] == 1.0
-    assert len(seen["prompts"]) == 2
+    assert [len(p["prompt_token_ids"]) for p in seen["prompts"]] == [1 + 1 + 1, 1 + 2000 + 1]  # token prompts, no text
     assert seen["max_model_len"] == (1 + 2000 + 1) + 64  # "sys", the question, "<assistant>"; plus max_tokens
 
     result = evaluate_gsm8k("fake-model", str(data), limit=None, max_tokens=64, system_prompt="sys")

@@ -220,6 +220,11 @@ ONE_MB = 1_000_000
     ("text spaces", lambda n: "\\text{" + " " * n),
     ("signs", lambda n: "-" * n),
     ("sci", lambda n: "2.5e3 " * (n // 6)),
+    ("mixed numbers", lambda n: "2 1/2 " * (n // 6)),
+    ("mixed digits", lambda n: "1" * (n // 2) + " " + "1" * (n // 2 - 2) + "/3"),
+    ("whole and spaces", lambda n: "1" + " " * n + "1/"),
+    ("signed currency", lambda n: "-$" * (n // 2) + "5"),
+    ("digit frac", lambda n: "2\\frac12" * (n // 8)),
 ])
 def test_one_megabyte_completion_is_scored_in_under_a_second(name, make):
     assert score(make(ONE_MB)) < 1.0, name
@@ -240,3 +245,41 @@ def test_rewards_never_raise_on_random_text():
             assert answer is not None, text
         if answer is not None and not answer.endswith("/0"):
             assert accuracy_reward(text, answer) == 1.0, text
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("It takes 2 1/2 hours.\n#### 2 1/2", "5/2"),
+    ("\\boxed{2\\frac{1}{2}}", "5/2"),
+    ("\\boxed{2\\frac12}", "5/2"),
+    ("\\boxed{2 \\dfrac{1}{2}}", "5/2"),
+    ("#### -2 1/2", "-5/2"),
+    ("#### 1,000 1/4", "4001/4"),
+    ("She ran 3 3/4 miles", "15/4"),
+    ("#### 3 4/3", "3"),  # an improper fraction after a whole number is no mixed number
+    ("#### 2 1/0", "2"),
+    ("#### 2 1/2.5", "2"),
+    ("1 2", "2"),
+])
+def test_mixed_numbers(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_mixed_number_is_not_its_whole_part():
+    assert accuracy_reward("It takes 2 1/2 hours.\n#### 2 1/2", "#### 2") == 0.0
+    assert accuracy_reward("It takes 2 1/2 hours.\n#### 2 1/2", "2.5") == 1.0
+    assert accuracy_reward("\\boxed{2\\frac{1}{2}}", "2.5") == 1.0
+    assert accuracy_reward("\\boxed{2\\frac{1}{2}}", "21/2") == 0.0
+    assert format_reward("reasoning\n#### 2 1/2") == 1.0
+
+
+@pytest.mark.parametrize("completion", ["#### -$5", "#### \u2212$5", "#### -\\$5", "#### -$ 5", "#### $-5"])
+def test_sign_before_currency_belongs_to_the_number(completion):
+    assert extract_answer(completion) == "-5"
+    assert accuracy_reward(completion, "5") == 0.0
+    assert accuracy_reward(completion, "#### -5") == 1.0
+    assert format_reward("reasoning\n" + completion) == 1.0
+
+
+def test_minus_between_numbers_before_currency_is_subtraction():
+    assert extract_answer("#### 10-$5") == "10"
+    assert accuracy_reward("20 - $5 = $15", "15") == 1.0
