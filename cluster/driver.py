@@ -398,6 +398,7 @@ class GRPOJob:
             "rollout/staleness_max": float(staleness.max()),
             "rollout/staleness_mean": float(staleness.mean()),
             "rollout/stale_groups_refused": self.stale_refused,
+            "rollout/nonfinite_logprobs": batch.num_nonfinite_logprobs(),
             "rollout/engines": len(self.rollout.engines),
             "rollout/engine_idle_fraction": (sum(timings["engine_idle"]) / len(timings["engine_idle"])
                                              if timings["engine_idle"] else 0.0),

@@ -408,8 +408,9 @@ class FSDPTrainWorker:
         if tis is not None:
             out[_SUMS["tis"]] = float(tis.sum())
         if first:
-            out[_SUMS["logprob_diff"]] = float(torch.where(mask, (old - behaviour).abs(), 0.0).sum())
-            out[_SUMS["tokens_first"]] = n_tok
+            known = mask & torch.isfinite(behaviour)  # non-finite engine logprobs: counted by the driver instead
+            out[_SUMS["logprob_diff"]] = float(torch.where(known, (old - behaviour).abs(), 0.0).sum())
+            out[_SUMS["tokens_first"]] = float(known.sum())
         return out
 
     # ---- weight sync --------------------------------------------------------------------------------------------
