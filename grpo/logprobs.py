@@ -4,8 +4,8 @@ Shapes:
     M   flattened leading positions (e.g. N·T), V vocabulary size
 
 log p(y) = z_y − logsumexp(z) with z = logits / temperature, computed in float32 (bf16/fp16 logits are upcast one
-chunk at a time; float64 inputs stay float64, for gradient checks). `chunk_size` bounds the float32 working copy to chunk_size × V elements; the result is the same
-for every chunk size.
+chunk at a time; float64 inputs stay float64, for gradient checks). `chunk_size` bounds the float32 working copy to
+chunk_size × V elements; the result is the same for every chunk size.
 
 The temperature must be the one the rollout sampled with: the behaviour logprobs of tokens sampled at temperature τ
 are log softmax(logits / τ), so the policy logprobs compared with them in the importance ratio must use τ too.
@@ -287,8 +287,8 @@ class _LinearLogprobs(torch.autograd.Function):
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
                   targets: torch.Tensor, filters: tuple[int, float, float] | None) -> torch.Tensor:
-    """[c, V] float32 logits / τ of one chunk, the filters' removed tokens at −inf (deterministic: the backward
-    recomputes the same kept set)."""
+    """[c, V] float32 (float64 for float64 inputs) logits / τ of one chunk, the filters' removed tokens at −inf
+    (deterministic: the backward recomputes the same kept set)."""
     z = _upcast(torch.nn.functional.linear(h, weight, bias))
     if temperature != 1.0:
         z = z / temperature
