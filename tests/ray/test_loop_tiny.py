@@ -43,6 +43,7 @@ def _run_tiny_job(model_dir, out: Path, overrides: list[str]) -> dict:
         url = job.metrics.url
         samples = scrape(url)
     finally:
+        job.shutdown()  # frees the job's actors and placement groups for the module's next job
         job.close()
     return {"spec": spec, "job": job, "history": history, "out": out, "url": url, "samples": samples}
 
@@ -150,7 +151,6 @@ def test_sampling_filters_keep_engine_and_trainer_logprobs_equal(filters, tiny_m
     ``rollout/logprob_diff`` is at the top_p = 1 level. With the trainer ignoring the filters, the diff was 0.097 and
     the weights ≈ 0.907 for top_p 0.9 (a random model spreads its mass: top-p removes ≈ 10 % of it)."""
     out = tmp_path_factory.mktemp("tiny_filtered")
-    # a job name of its own: Ray placement-group names of the module's earlier job may still be registered
     run = _run_tiny_job(tiny_model_dir, out, [*filters, "algorithm.tis_cap=2.0", f"name={out.name}"])
     history = run["history"]
     assert [m["policy_version"] for m in history] == [1, 2]
