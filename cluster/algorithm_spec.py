@@ -106,6 +106,12 @@ class AlgorithmSpec(BaseModel):
     @field_validator("rewards")
     @classmethod
     def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        from grpo.rewards import RESERVED_REWARD_NAMES
+
+        reserved = sorted(set(rewards) & RESERVED_REWARD_NAMES)
+        if reserved:
+            raise ValueError(f"reward name {reserved[0]!r} is reserved: reward/{reserved[0]} is a metric the driver "
+                             f"reports (reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))}); rename the function")
         allowed = reward_names()
         unknown = sorted(set(rewards) - set(allowed))
         if unknown:

@@ -45,12 +45,12 @@ from weight_sync.coordinator import SyncMemberError
 from grpo.advantages import compute_multi_reward_advantages
 from grpo.eos import eos_token_ids, response_valid_lengths
 from grpo.kl import AdaptiveKLController, FixedKLController
-from grpo.rewards import CombinedRewards, combine_rewards, overlong_penalty
+from grpo.rewards import OVERLONG_PENALTY_KEY, CombinedRewards, combine_rewards, overlong_penalty, reward_metrics
 from rollout_workers.engine import GroupRequest, GroupResult
 from train_workers.packing import pack_rank_microbatches
 
 #: Key of the DAPO overlong penalty among the reward components (``reward/overlong_penalty``).
-OVERLONG = "overlong_penalty"
+OVERLONG = OVERLONG_PENALTY_KEY
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -375,17 +375,12 @@ class GRPOJob:
 
         sampled = sampling.sampled
         rewards = sampled.rewards
-        valid = rewards[~rewards.isnan()]
         lengths = torch.tensor([len(r) for r in sampled.response_ids], dtype=torch.float32)
         staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
         generate_s = timings["generate_s"]
         metrics = {
             "policy_version": self.policy_version,
-            "reward/mean": float(valid.mean()) if valid.numel() else float("nan"),
-            "reward/std": float(valid.std()) if valid.numel() > 1 else 0.0,
-            **{f"reward/{name}": float(v.nanmean()) for name, v in sampled.per_function.items()},
-            "reward/failed": sampled.num_failed,
-            "reward/none_fraction": float(rewards.isnan().float().mean()),
+            **reward_metrics(rewards, sampled.per_function, sampled.num_failed),
             "groups/all_equal_fraction": sampling.all_equal_fraction,
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
@@ -398,6 +393,7 @@ class GRPOJob:
             "rollout/staleness_max": float(staleness.max()),
             "rollout/staleness_mean": float(staleness.mean()),
             "rollout/stale_groups_refused": self.stale_refused,
+            "rollout/nonfinite_logprobs": batch.num_nonfinite_logprobs(),
             "rollout/engines": len(self.rollout.engines),
             "rollout/engine_idle_fraction": (sum(timings["engine_idle"]) / len(timings["engine_idle"])
                                              if timings["engine_idle"] else 0.0),

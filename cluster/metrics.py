@@ -81,6 +81,7 @@ METRIC_HELP: dict[str, str] = {
     "rollout/kv_cache_usage": "Fraction of the engine's KV cache in use (0..1).",
     "rollout/staleness_max": "Max over trained groups of (policy version trained - policy version that sampled).",
     "rollout/staleness_mean": "Mean over trained groups of (policy version trained - policy version that sampled).",
+    "rollout/nonfinite_logprobs": "Trained response tokens whose engine logprob was NaN/inf (importance weight 1).",
     "sync/bytes": "Bytes of weights sent per weight sync.",
     "timing/sync_s": "Wall seconds of the step's weight sync.",
     "workers/restarts": "Worker restarts since the job started (cumulative count).",

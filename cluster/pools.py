@@ -296,7 +296,9 @@ class TrainPool:
             actor_cls.options(num_cpus=t.num_cpus_per_worker, num_gpus=t.num_gpus_per_worker,
                               **_in_group(self.placement_group, rank)).remote(
                 rank, t.world_size, model_path, t, spec.algorithm, spec.rollout.temperature,
-                spec.rollout.max_response_tokens, spec.model.dtype, spec.seed)
+                spec.rollout.max_response_tokens, spec.model.dtype, spec.seed,
+                sampling_filters={"top_k": spec.rollout.top_k, "top_p": spec.rollout.top_p,
+                                  "min_p": spec.rollout.min_p})
             for rank in range(t.world_size)
         ]
         try:

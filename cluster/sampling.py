@@ -59,6 +59,14 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def num_nonfinite_logprobs(self) -> int:
+        """Response tokens that count in the loss (within ``valid_lengths``) whose engine logprob is NaN or ±inf.
+        The trainer gives such a token importance weight 1 and leaves it out of ``rollout/logprob_diff``
+        (``grpo.losses.truncated_importance_weights``); the driver reports the count as
+        ``rollout/nonfinite_logprobs``."""
+        return sum(int((~torch.isfinite(lps[:n])).sum()) for lps, n in zip(self.behaviour_logprobs,
+                                                                            self.valid_lengths))
+
     def select(self, rows: Sequence[int]) -> RolloutBatch:
         """The batch restricted to ``rows`` (in that order); ``num_failed`` is kept."""
         index = torch.as_tensor(list(rows), dtype=torch.long)

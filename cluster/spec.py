@@ -53,6 +53,7 @@ _CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 # typos (an extra digit) before any resource is reserved.
 MAX_SEQUENCE_TOKENS = 1_048_576
 MAX_SEED = 2**31 - 1
+MAX_TOP_K = 16_777_216  # far above any vocabulary; catches a mistyped extra digit
 #: Upper bound of every timeout (7 days): larger values overflow datetime.timedelta in torch.distributed.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -130,7 +131,15 @@ class RolloutSpec(BaseModel):
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
         "G: completions per prompt (a group); advantages compare them."))
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling probability mass.")
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "Nucleus sampling probability mass; 1 is off. The trainer's logprobs are renormalised over the same kept set "
+        "(grpo.logprobs.filter_logits_)."))
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, strict=True, description=(
+        "Sample from the k most likely tokens (ties with the k-th kept, as in vLLM); 0 or -1 is off (vLLM's "
+        "semantics), as is k >= vocabulary size."))
+    min_p: float = Field(0.0, ge=0, lt=1, description=(
+        "Drop tokens whose probability is below min_p times the most likely token's; 0 is off. vLLM applies it "
+        "after the temperature, before top-k and top-p."))
     max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Completion length cap in tokens."))
     kv_cache_gib: float = Field(2.0, gt=0, description="CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")

@@ -213,12 +213,15 @@ def truncated_importance_weights(
 
     Args:
         old_logprobs: [N, T] float32, the trainer's logprobs of the sampled tokens before the update.
-        behaviour_logprobs: [N, T] float32, the engine's logprobs of the same tokens.
+        behaviour_logprobs: [N, T] float32, the engine's logprobs of the same tokens. A non-finite value (NaN or
+            ±inf, e.g. from a faulty engine kernel) gives that token weight 1 (min(1, C) if C < 1): the token is
+            trained as without TIS instead of poisoning the loss; the driver counts such tokens
+            (``rollout/nonfinite_logprobs``).
         response_mask: [N, T] bool or float (nonzero = valid); masked positions (any value) give 0.
         cap: C > 0.
 
     Returns:
-        [N, T] float32 weights in [0, C], detached.
+        [N, T] float32 weights in [0, C], detached, always finite.
 
     Raises:
         ValueError: shapes or cap not finite and > 0.
@@ -228,7 +231,9 @@ def truncated_importance_weights(
     _check_same_shape("behaviour_logprobs", behaviour_logprobs, old_logprobs.shape)
     mask = _as_bool_mask(response_mask, old_logprobs.shape)
     zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
-    diff = torch.where(mask, old_logprobs.detach().float() - behaviour_logprobs.detach().float(), zero)
+    behaviour = behaviour_logprobs.detach().float()
+    known = torch.isfinite(behaviour)  # a NaN/±inf engine logprob gives no ratio: weight 1, no correction
+    diff = torch.where(mask & known, old_logprobs.detach().float() - behaviour, zero)
     weights = torch.exp(diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
     return torch.where(mask, weights, zero)
 

@@ -19,15 +19,21 @@ class Registry(dict[str, F], Generic[F]):
 
     Args:
         kind: what the entries are, used in error messages (e.g. "advantage estimator").
+        reserved: names that may never be registered, each mapped to the reason (e.g. a metric key it would
+            overwrite); registering one raises `ValueError` with that reason.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, reserved: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.kind = kind
+        self.reserved = dict(reserved or {})
 
     def __setitem__(self, name: str, fn: F) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty str, got {name!r}")
+        if name in self.reserved:
+            raise ValueError(f"{self.kind} name {name!r} is reserved: {self.reserved[name]}; reserved names: "
+                             f"{', '.join(sorted(self.reserved))}")
         if name in self:
             raise ValueError(f"{self.kind} {name!r} is already registered (to {self[name]!r}); names must be unique")
         super().__setitem__(name, fn)

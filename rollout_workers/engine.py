@@ -3,7 +3,8 @@
 ``RolloutEngine`` is a plain class (tests build it in-process); the driver wraps it with ``ray.remote`` and sets its
 resources from the spec. Every completion of a prompt's group is sampled by the same engine in one request
 (``SamplingParams(n=G)``), which shares the prompt's KV cache. Logprobs are vLLM's ``processed_logprobs``: the
-log-probability of each sampled token under the distribution actually sampled from (logits / temperature, after top-p).
+log-probability of each sampled token under the distribution actually sampled from (logits / temperature, then the
+min-p, top-k and top-p filters, renormalised); the trainer computes the same (``grpo.logprobs.filter_logits_``).
 
 Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
 """
@@ -68,7 +69,7 @@ class RolloutEngine:
 
     Args:
         model_path: local HF folder (or hub id).
-        rollout: the spec's ``RolloutSpec`` (temperature, top_p, max_response_tokens, engine options).
+        rollout: the spec's ``RolloutSpec`` (temperature, top_p, top_k, min_p, max_response_tokens, engine options).
         dtype: engine dtype name (``float32`` on CPU).
         seed: engine seed (sampling is reproducible for a fixed seed and request order).
         max_model_len: context length the engine reserves per sequence.
@@ -138,6 +139,8 @@ class RolloutEngine:
             n=r.group_size or group_size,
             temperature=self.rollout.temperature,
             top_p=self.rollout.top_p,
+            top_k=self.rollout.top_k,
+            min_p=self.rollout.min_p,
             max_tokens=self.rollout.max_response_tokens,
             logprobs=0,
             skip_special_tokens=True,

@@ -119,16 +119,20 @@ class FSDPTrainWorker:
         model_path: local HF folder of the initial policy (also the reference policy).
         train: the spec's ``TrainSpec``; algorithm: ``AlgorithmSpec``.
         temperature: sampling temperature (logprobs are recomputed at it).
+        sampling_filters: the rollout's ``{"top_k", "top_p", "min_p"}`` (policy, old-policy and reference logprobs
+            are computed under them, as the engine's are); None: off.
         max_response_tokens: for the Dr. GRPO ``seq-mean-token-sum-norm`` aggregation.
         dtype: parameter dtype name.
         seed: torch seed for this rank.
     """
 
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
-                 max_response_tokens: int, dtype: str = "float32", seed: int = 0):
+                 max_response_tokens: int, dtype: str = "float32", seed: int = 0,
+                 sampling_filters: dict | None = None):
         self.rank, self.world_size = rank, world_size
         self.model_path, self.train, self.algorithm = model_path, train, algorithm
         self.temperature, self.max_response_tokens = temperature, max_response_tokens
+        self.sampling_filters = dict(sampling_filters or {})
         self.dtype = _DTYPES[dtype]
         self.seed = seed
         self.policy_version = 0
@@ -179,7 +183,7 @@ class FSDPTrainWorker:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attention)
             hf.to(self.device)
             hf.config.use_cache = False
-            model = ResponseLogprobModel(hf, self.temperature)
+            model = ResponseLogprobModel(hf, self.temperature, **self.sampling_filters)
             model.requires_grad_(trainable)
             model.train(trainable)
             if trainable or not self._replicate_reference():
@@ -404,8 +408,9 @@ class FSDPTrainWorker:
         if tis is not None:
             out[_SUMS["tis"]] = float(tis.sum())
         if first:
-            out[_SUMS["logprob_diff"]] = float(torch.where(mask, (old - behaviour).abs(), 0.0).sum())
-            out[_SUMS["tokens_first"]] = n_tok
+            known = mask & torch.isfinite(behaviour)  # non-finite engine logprobs: counted by the driver instead
+            out[_SUMS["logprob_diff"]] = float(torch.where(known, (old - behaviour).abs(), 0.0).sum())
+            out[_SUMS["tokens_first"]] = float(known.sum())
         return out
 
     # ---- weight sync --------------------------------------------------------------------------------------------

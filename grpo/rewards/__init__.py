@@ -24,7 +24,10 @@ RewardFunctionName = Literal["accuracy", "format"]
 OnError = Literal["raise", "none"]
 
 __all__ = [
+    "OVERLONG_PENALTY_KEY",
+    "RESERVED_REWARD_NAMES",
     "REWARD_FUNCTIONS",
+    "REWARD_SUMMARY_METRICS",
     "CombinedRewards",
     "OnError",
     "RewardFunctionName",
@@ -35,6 +38,7 @@ __all__ = [
     "overlong_penalty",
     "parse_reference",
     "register_reward_function",
+    "reward_metrics",
 ]
 
 logger = logging.getLogger(__name__)
@@ -44,12 +48,61 @@ class RewardFunction(Protocol):
     def __call__(self, completions: list[str], references: list[str]) -> Sequence[float | None]: ...
 
 
-REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function")
+#: Step summaries the driver reports as ``reward/<name>`` (see `reward_metrics`), besides one ``reward/<function>``
+#: per reward function. ``reward/mean`` is what the alerts in deploy/prometheus read.
+REWARD_SUMMARY_METRICS: dict[str, str] = {
+    "mean": "mean total reward over the step's completions with a valid reward",
+    "std": "standard deviation of that total reward",
+    "failed": "reward evaluations that raised",
+    "none_fraction": "fraction of completions without a valid reward",
+}
+#: Component the driver adds for the DAPO overlong penalty (``reward/overlong_penalty``).
+OVERLONG_PENALTY_KEY = "overlong_penalty"
+#: Names no reward function may take: its ``reward/<name>`` metric would overwrite the driver's.
+RESERVED_REWARD_NAMES: frozenset[str] = frozenset({*REWARD_SUMMARY_METRICS, OVERLONG_PENALTY_KEY})
+
+REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", reserved={
+    **{name: f"the driver reports reward/{name} ({what})" for name, what in REWARD_SUMMARY_METRICS.items()},
+    OVERLONG_PENALTY_KEY: f"the driver reports reward/{OVERLONG_PENALTY_KEY} (the DAPO overlong penalty)",
+})
 
 
 def register_reward_function(name: str):
-    """Decorator adding a batch reward function to `REWARD_FUNCTIONS`; a duplicate name raises `ValueError`."""
+    """Decorator adding a batch reward function to `REWARD_FUNCTIONS`.
+
+    Raises:
+        ValueError: a duplicate name, or a reserved one (`RESERVED_REWARD_NAMES`: mean, std, failed, none_fraction,
+            overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's.
+    """
     return REWARD_FUNCTIONS.register(name)
+
+
+def reward_metrics(total: torch.Tensor, per_function: Mapping[str, torch.Tensor], num_failed: int) -> dict:
+    """The step's ``reward/`` metrics: ``reward/<summary>`` for each of `REWARD_SUMMARY_METRICS` and
+    ``reward/<function>`` (mean over rows with a value) for each component.
+
+    Args:
+        total: [N] float32 total rewards, NaN = no valid reward.
+        per_function: component name → [N] float32 unweighted rewards (NaN = none); no reserved name.
+        num_failed: reward evaluations that raised (completions × functions).
+
+    Raises:
+        ValueError: a component named like a summary (it would overwrite it).
+    """
+    clash = sorted(set(per_function) & set(REWARD_SUMMARY_METRICS))
+    if clash:
+        raise ValueError(f"reward components {clash} would overwrite the summary metrics reward/{clash[0]}; "
+                         f"reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))}")
+    valid = total[~total.isnan()]
+    summary = {
+        "mean": float(valid.mean()) if valid.numel() else float("nan"),
+        "std": float(valid.std()) if valid.numel() > 1 else 0.0,
+        "failed": num_failed,
+        "none_fraction": float(total.isnan().float().mean()),
+    }
+    assert summary.keys() == REWARD_SUMMARY_METRICS.keys()  # one list of names: REWARD_SUMMARY_METRICS
+    return {**{f"reward/{name}": float(v.nanmean()) for name, v in per_function.items()},
+            **{f"reward/{name}": value for name, value in summary.items()}}
 
 
 @register_reward_function("accuracy")

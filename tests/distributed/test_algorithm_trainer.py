@@ -18,11 +18,13 @@ ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 VALID = [4, 2, 0, 6]  # sequence 1 stops at an EOS after 2 tokens; sequence 2 is a masked truncated completion
 
 
-def microbatches():
+def microbatches(nan_engine_logprob: bool = False):
     g = torch.Generator().manual_seed(99)
     prompts = [torch.randint(0, 49_152, (n,), generator=g).tolist() for n in (5, 3, 4, 6)]
     responses = [torch.randint(0, 49_152, (n,), generator=g).tolist() for n in (4, 5, 8, 6)]
     behaviour = [-torch.rand(len(r), generator=g) - 19.0 for r in responses]  # far below the policy's ≈ −10.8
+    if nan_engine_logprob:
+        behaviour[0][1] = float("nan")  # a valid token (sequence 0 has 4 loss tokens)
     pack = lambda idx: pack_microbatch([prompts[i] for i in idx], [responses[i] for i in idx],  # noqa: E731
                                        [ADVANTAGES[i] for i in idx], [behaviour[i] for i in idx], idx,
                                        valid_lengths=[VALID[i] for i in idx])
@@ -53,7 +55,8 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
         worker.init_distributed("127.0.0.1", port)
         if "set_kl_coef" in run:
             worker.set_kl_coef(run["set_kl_coef"])
-        metrics = worker.train_step(microbatches(), sum(VALID), sum(v > 0 for v in VALID))
+        metrics = worker.train_step(microbatches(run.get("nan_engine_logprob", False)), sum(VALID),
+                                    sum(v > 0 for v in VALID))
         torch.save({"metrics": metrics, "calls": list(calls)}, f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
@@ -75,6 +78,7 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
         {"name": "options", "set_kl_coef": 0.1, "algorithm": {
             "kl_coef": 0.04, "kl_in_reward": True, "tis_cap": 1.5, "dual_clip_c": 3.0, "entropy_coef": 0.01,
             "num_iterations": 2, "loss_agg": "token-mean"}},
+        {"name": "nan", "nan_engine_logprob": True, "algorithm": {"kl_coef": 0.04, "tis_cap": 1.5}},
     ], tmp_path)
 
     # One iteration: the behaviour logprobs are the current policy's, from the same forward pass.
@@ -111,3 +115,14 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
         assert call["advantages"].dim() == 2
         assert torch.equal(call["tis_weights"], torch.where(call["mask"], 1.5, 0.0))
     assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if isinstance(v, float))
+
+    # A NaN engine logprob with TIS on: that token's weight is 1 (the others hit the cap), the loss stays finite,
+    # the update is applied, and rollout/logprob_diff averages the finite tokens only.
+    nan = results["nan"]
+    m = nan["metrics"]
+    assert m["actor/update_skipped"] == 0.0 and m["policy_version"] == 1
+    assert all(torch.isfinite(torch.tensor(m[k])) for k in ("actor/loss", "actor/grad_norm", "rollout/logprob_diff",
+                                                              "actor/tis_weight_mean"))
+    expected = torch.where(nan["calls"][0]["mask"], 1.5, 0.0)
+    expected[0, 1] = 1.0
+    assert torch.equal(nan["calls"][0]["tis_weights"], expected)

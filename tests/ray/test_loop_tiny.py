@@ -24,29 +24,36 @@ CONTRACT_KEYS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
-    """Run the 2-step job once; the tests below check what it left behind."""
+def _run_tiny_job(model_dir, out: Path, overrides: list[str]) -> dict:
+    """Run the 2-step tiny job with ``overrides`` (``--set`` syntax) and return what it left behind."""
     from cluster.driver import GRPOJob
     from cluster.spec import load_spec
 
-    out = tmp_path_factory.mktemp("tiny_run")
     spec = load_spec(EXAMPLE, [
-        f"model.path={tiny_model_dir}",
+        f"model.path={model_dir}",
         f"output_dir={out}",
         'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}',
         "metrics.port=0",
         "total_steps=2",
+        *overrides,
     ])
-    assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
     job = GRPOJob(spec, progress=False)
     try:
         history = job.run()
         url = job.metrics.url
         samples = scrape(url)
     finally:
+        job.shutdown()  # frees the job's actors and placement groups for the module's next job
         job.close()
     return {"spec": spec, "job": job, "history": history, "out": out, "url": url, "samples": samples}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
+    """Run the 2-step job once; the tests below check what it left behind."""
+    run = _run_tiny_job(tiny_model_dir, tmp_path_factory.mktemp("tiny_run"), [])
+    assert Path(run["spec"].data.train_path).resolve() == gsm8k_train_path.resolve()
+    return run
 
 
 def test_every_step_trains_and_syncs_verified(tiny_run):
@@ -63,6 +70,7 @@ def test_every_step_trains_and_syncs_verified(tiny_run):
         assert m["reward/accuracy"] == 0.0 and 0.0 <= m["reward/mean"] <= 1.0
         assert m["reward/mean"] * n == pytest.approx(round(m["reward/mean"] * n), abs=1e-4)  # 0/1 parity rewards
         assert m["perf/rollout_tokens_per_s"] > 0
+        assert m["rollout/nonfinite_logprobs"] == 0  # reported every step (the driver counts NaN/inf engine logprobs)
     # The engine samples with exactly the trainer's weights: its logprobs match the trainer's recomputation (measured
     # ≈ 4e-7). At step 2 this proves the sync reached the engine: an engine still on policy version 0 would differ by
     # ≈ sqrt(2·KL(v1‖v0)) ≈ 5e-4 per token.
@@ -130,3 +138,24 @@ def test_per_engine_figures_in_workers_jsonl(tiny_run):
         assert r["rollout/queue_depth"] == 2.0  # B = 2 groups, one engine
         assert r["perf/rollout_tokens_per_s"] > 0 and r["rollout/engine_busy_s"] > 0
         assert 0.0 < r["rollout/kv_cache_usage"] <= 1.0
+
+
+@pytest.mark.parametrize("filters", [
+    ["rollout.top_p=0.9"],
+    ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05", "rollout.temperature=0.8"],
+], ids=["top_p", "top_p+top_k+min_p"])
+def test_sampling_filters_keep_engine_and_trainer_logprobs_equal(filters, tiny_model_dir, gsm8k_train_path,
+                                                                 parity_registered, local_ray, tmp_path_factory):
+    """Identical weights, sampling filters on, truncated IS on: the trainer's logprobs (policy, old policy and
+    reference, under the same filters) equal the engine's processed logprobs, so every TIS weight is 1 and
+    ``rollout/logprob_diff`` is at the top_p = 1 level. With the trainer ignoring the filters, the diff was 0.097 and
+    the weights ≈ 0.907 for top_p 0.9 (a random model spreads its mass: top-p removes ≈ 10 % of it)."""
+    out = tmp_path_factory.mktemp("tiny_filtered")
+    run = _run_tiny_job(tiny_model_dir, out, [*filters, "algorithm.tis_cap=2.0", f"name={out.name}"])
+    history = run["history"]
+    assert [m["policy_version"] for m in history] == [1, 2]
+    assert all(m["actor/update_skipped"] == 0.0 for m in history)
+    diffs = [m["rollout/logprob_diff"] for m in history]
+    weights = [m["actor/tis_weight_mean"] for m in history]
+    assert all(d < 2e-5 for d in diffs), diffs
+    assert all(w == pytest.approx(1.0, abs=2e-5) for w in weights), weights

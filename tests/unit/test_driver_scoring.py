@@ -150,3 +150,20 @@ def test_groups_scored_as_they_arrive_equal_batch_scoring():
     for name in whole.per_function:
         torch.testing.assert_close(joined.per_function[name], whole.per_function[name])
     assert joined.num_failed == whole.num_failed
+
+
+def test_trainer_logprobs_use_the_sampling_filters():
+    """Logits [2, 1, 0], p = 0.665, 0.245, 0.090: top-k 2 keeps {0, 1}; top-p 0.8 keeps {0, 1} (ascending cumulative
+    mass 0.090 <= 0.2 removed), top-p 0.6 keeps {0} (0.090, 0.335 <= 0.4); min-p 0.5 keeps {0}; a target outside the
+    kept set is put back."""
+    ids = torch.zeros(1, 2, dtype=torch.long)
+
+    def lp(target: int, **filters) -> float:
+        args = (ids, torch.arange(2)[None], torch.tensor([0]), torch.tensor([target]))
+        return ResponseLogprobModel(_LM(), temperature=1.0, **filters)(*args)[0].item()
+
+    assert lp(0, top_k=2) == pytest.approx(2 - math.log(math.exp(2) + math.exp(1)), abs=1e-6)
+    assert lp(1, top_p=0.8) == pytest.approx(1 - math.log(math.exp(2) + math.exp(1)), abs=1e-6)
+    assert lp(0, top_p=0.6) == pytest.approx(0.0, abs=1e-6)
+    assert lp(0, min_p=0.5) == pytest.approx(0.0, abs=1e-6)
+    assert lp(2, top_k=1) == pytest.approx(0 - math.log(math.exp(2) + 1), abs=1e-6)

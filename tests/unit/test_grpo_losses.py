@@ -310,6 +310,23 @@ def test_truncated_importance_weights_hand_values():
         truncated_importance_weights(old, engine, mask, cap=0.0)
 
 
+def test_nan_engine_logprob_gets_weight_one_and_the_update_goes_on():
+    """Issue #12: engine logprobs [-0.5, NaN, -0.2] with tis_cap gave weight NaN and a NaN loss."""
+    old = torch.tensor([[-0.5, -0.9, -0.2]])
+    engine = torch.tensor([[-0.5, float("nan"), -0.2]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w = truncated_importance_weights(old, engine, mask, cap=2.0)
+    assert w.tolist() == [[1.0, 1.0, 1.0]]
+    logp = old.clone().requires_grad_()
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, **CLIP, tis_weights=w, loss_agg="token-mean")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.0)
+    torch.testing.assert_close(logp.grad, torch.full((1, 3), -1.0 / 3))
+    infinite = torch.tensor([[float("-inf"), float("inf"), -0.2]])
+    assert truncated_importance_weights(old, infinite, mask, cap=2.0).tolist() == [[1.0, 1.0, 1.0]]
+    assert truncated_importance_weights(old, engine, mask, cap=0.5).tolist() == [[0.5, 0.5, 0.5]]  # min(1, C)
+
+
 def test_tis_weights_scale_each_tokens_policy_gradient_term():
     logp = torch.zeros(1, 2, requires_grad=True)
     w = truncated_importance_weights(torch.zeros(1, 2), torch.tensor([[0.0, -math.log(3.0)]]), torch.ones(1, 2), 2.0)

@@ -276,7 +276,7 @@ def test_packed_equals_alone_equals_left_padded_smollm2(gsm8k_train_path, dtype,
 
     fp32: within 1e-5 + 1e-5·|logprob| (measured max 2.3e-5 on a logprob of ≈ −2, i.e. 1.1e-5 relative: 30 layers
     of fp32 rounding in different GEMM shapes; the tiny model meets 1e-5 absolute). fp64 model: all agree to 1e-6
-    (the log-softmax still runs in fp32, ``grpo.logprobs``), so the fp32 gap is rounding, not attention leaking across
+    (the log-softmax runs in fp64 too, ``grpo.logprobs``), so the fp32 gap is rounding, not attention leaking across
     sequences or into padding (a leak moves logprobs by > 1e-4:
     ``test_neighbours_do_not_leak_into_a_packed_sequence``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -119,3 +119,36 @@ def test_validation(completions, references, weights, kwargs, match):
 def test_empty_batch():
     total, per_function, _ = combine_rewards([], [], {"accuracy": 1.0})
     assert total.shape == (0,) and per_function["accuracy"].shape == (0,)
+
+
+RESERVED = ["mean", "std", "failed", "none_fraction", "overlong_penalty"]
+
+
+@pytest.mark.parametrize("name", RESERVED)
+def test_reserved_names_refused_at_registration(name):
+    """Issue #12: a reward function named ``mean`` overwrote ``reward/mean`` (read by the alerts)."""
+    with pytest.raises(ValueError, match=rf"reward function name '{name}' is reserved: the driver reports "
+                                         rf"reward/{name} .*reserved names: failed, mean, none_fraction, "
+                                         rf"overlong_penalty, std"):
+        register_reward_function(name)(lambda c, r: [1.0] * len(c))
+    with pytest.raises(ValueError, match="is reserved"):
+        REWARD_FUNCTIONS[name] = lambda c, r: [1.0] * len(c)
+    assert name not in REWARD_FUNCTIONS
+
+
+def test_reserved_names_are_the_summary_metrics_the_driver_emits():
+    """One source of truth: the reserved set is what `reward_metrics` (used by the driver) writes besides one key per
+    component, plus the driver's overlong-penalty component."""
+    from cluster import driver
+    from grpo.rewards import OVERLONG_PENALTY_KEY, RESERVED_REWARD_NAMES, reward_metrics
+
+    total = torch.tensor([1.0, math.nan, 0.0, 0.5])
+    per_function = {"accuracy": torch.tensor([1.0, math.nan, 0.0, 0.0]), "format": torch.tensor([0.0, 0.0, 0.0, 1.0])}
+    metrics = reward_metrics(total, per_function, 2)
+    assert metrics == {"reward/accuracy": pytest.approx(1 / 3), "reward/format": 0.25, "reward/mean": 0.5,
+                       "reward/std": 0.5, "reward/failed": 2, "reward/none_fraction": 0.25}
+    summaries = {k.removeprefix("reward/") for k in metrics} - set(per_function)
+    assert RESERVED_REWARD_NAMES == summaries | {OVERLONG_PENALTY_KEY} == set(RESERVED)
+    assert driver.OVERLONG == OVERLONG_PENALTY_KEY and driver.reward_metrics is reward_metrics
+    with pytest.raises(ValueError, match=r"would overwrite the summary metrics reward/mean"):
+        reward_metrics(total, {"mean": total}, 0)

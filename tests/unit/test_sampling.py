@@ -141,3 +141,14 @@ def test_schedule_and_rise_combine():
 def test_group_size_controller_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GroupSizeController(**kwargs)
+
+
+def test_nonfinite_engine_logprobs_counted_within_the_loss_tokens():
+    """``rollout/nonfinite_logprobs`` counts loss tokens whose engine logprob is NaN/inf; tokens past
+    ``valid_lengths`` (masked) do not count."""
+    batch = fake_batch([0], [True])
+    batch.behaviour_logprobs = [torch.tensor([-0.5, float("nan"), -0.2]), torch.tensor([float("-inf"), float("nan")])]
+    batch.valid_lengths = [3, 1]
+    assert batch.num_nonfinite_logprobs() == 2
+    batch.valid_lengths = [1, 0]
+    assert batch.num_nonfinite_logprobs() == 0

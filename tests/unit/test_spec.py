@@ -307,3 +307,25 @@ def test_bounds_accept_their_limits(tmp_path):
     assert spec.rollout.group_size == 1024
     defaults = JobSpec.model_validate({"output_dir": "o", "total_steps": 1, "data": {"train_path": "t"}})
     assert JobSpec.model_validate(defaults.model_dump()) == defaults  # every default passes its own bounds
+
+
+def test_sampling_filters_accepted_and_passed_as_given(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "rollout:\n  top_p: 0.9\n  top_k: 50\n  min_p: 0.05\n"))
+    assert (spec.rollout.top_p, spec.rollout.top_k, spec.rollout.min_p) == (0.9, 50, 0.05)
+    default = load_spec(write(tmp_path, MINIMAL)).rollout
+    assert (default.top_p, default.top_k, default.min_p) == (1.0, 0, 0.0)
+    assert load_spec(write(tmp_path, MINIMAL + "rollout:\n  top_k: -1\n")).rollout.top_k == -1  # vLLM's "off"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("  top_k: -2\n", "rollout.top_k: Input should be greater than or equal to -1 (got -2)"),
+    ("  top_k: 5.0\n", "rollout.top_k: Input should be a valid integer (got 5.0)"),
+    ("  top_k: true\n", "rollout.top_k: Input should be a valid integer (got True)"),
+    ("  min_p: 1.0\n", "rollout.min_p: Input should be less than 1 (got 1.0)"),
+    ("  min_p: -0.1\n", "rollout.min_p: Input should be greater than or equal to 0 (got -0.1)"),
+])
+def test_sampling_filters_out_of_range_name_field_and_line(tmp_path, body, message):
+    path = write(tmp_path, MINIMAL + "rollout:\n" + body)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert f"{path}:6: {message}" in str(info.value)
