@@ -45,13 +45,15 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     named = list(hf.named_parameters())
     buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 1 << 20)
     port, holder, sent = free_port(), {}, {}
-    torch.cuda.set_device(1)
-    joiner = threading.Thread(target=lambda: holder.setdefault("g", SyncGroup("127.0.0.1", port, 0, 2, 120, "nccl")))
+    # The trainer side runs in threads; torch.cuda.set_device is per thread, so its GPU is passed explicitly.
+    joiner = threading.Thread(target=lambda: holder.setdefault(
+        "g", SyncGroup("127.0.0.1", port, 0, 2, 120, "nccl", device=1)))
     joiner.start()
     engine.init_weight_sync("127.0.0.1", port, 1, 2, buckets, 120, "nccl")
     joiner.join()
 
     def send():
+        torch.cuda.set_device(1)  # this thread's own current device (synchronize below waits on cuda:1)
         params = dict(named)
         for b in buckets:
             buf = pack_bucket(b, [params[s.name].detach().cpu() for s in b.slots])
@@ -64,6 +66,7 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     report = engine.receive_weights(1, True)
     sender.join()
     assert report["worker_checksums"][0] == sent
+    assert holder["g"].device == torch.device("cuda", 1)
     (group,), _ = engine.generate([GroupRequest(1, prompt)], 2)
     assert group.policy_version == 1
     ref = _hf_logprobs(hf, prompt, group.response_ids[0], 0.7)
