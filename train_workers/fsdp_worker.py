@@ -96,6 +96,7 @@ def _restore_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[
     for group, want in zip(optimizer.param_groups, configured, strict=True):
         for key, value in want.items():
             loaded = group.get(key)
+            loaded = tuple(loaded) if isinstance(loaded, list) else loaded  # JSON has lists where AdamW has tuples
             if _differs(loaded, value):
                 changed.setdefault(key, (loaded, value))
             group[key] = value

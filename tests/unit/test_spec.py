@@ -307,3 +307,17 @@ def test_bounds_accept_their_limits(tmp_path):
     assert spec.rollout.group_size == 1024
     defaults = JobSpec.model_validate({"output_dir": "o", "total_steps": 1, "data": {"train_path": "t"}})
     assert JobSpec.model_validate(defaults.model_dump()) == defaults  # every default passes its own bounds
+
+
+def test_reduce_dtype_is_float32_or_the_model_dtype(tmp_path):
+    assert load_spec(write(tmp_path, MINIMAL)).train.reduce_dtype == "float32"
+    spec = load_spec(write(tmp_path, MINIMAL), ["model.dtype=bfloat16", "train.reduce_dtype=bfloat16"])
+    assert (spec.model.dtype, spec.train.reduce_dtype) == ("bfloat16", "bfloat16")
+    path = write(tmp_path, MINIMAL + "train:\n  reduce_dtype: bfloat16\n")
+    with pytest.raises(SpecError, match=r"job.yaml:6: train.reduce_dtype: expected 'float32' or model.dtype "
+                                        r"\('float32'\), got 'bfloat16'"):
+        load_spec(path)
+    with pytest.raises(SpecError, match=r"train.reduce_dtype"):
+        load_spec(write(tmp_path, MINIMAL), ["model.dtype=bfloat16", "train.reduce_dtype=float16"])
+    with pytest.raises(SpecError, match=r"train.reduce_dtype"):
+        load_spec(write(tmp_path, MINIMAL), ["train.reduce_dtype=float64"])
