@@ -106,3 +106,27 @@ def test_float32_job_has_no_mixed_precision(tiny_model_dir):
         assert {p.dtype for p in worker.reference.parameters()} == {torch.float32}
     finally:
         worker.shutdown()
+
+
+def test_shard_mixed_precision_on_a_bare_model():
+    """``sharding.shard_mixed_precision`` (the entry point scripts use) on a bfloat16 HF model: float32 shards, bfloat16
+    compute, float32 gradients on the shards."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.tiny_model import TINY_CONFIG
+    from train_workers.sharding import shard_mixed_precision
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        config = AutoConfig.for_model("llama", vocab_size=256, **TINY_CONFIG)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        shard_mixed_precision(model, "bfloat16", "float32")
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        ids = torch.randint(0, 256, (1, 12))
+        logits = model(input_ids=ids, use_cache=False).logits
+        assert logits.dtype == torch.bfloat16
+        logits.float().logsumexp(-1).sum().backward()
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    finally:
+        dist.destroy_process_group()
