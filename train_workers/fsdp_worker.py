@@ -21,7 +21,6 @@ sum of the per-rank sums.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -87,29 +86,6 @@ def _poison_one_grad(model: torch.nn.Module) -> None:
             if g.numel():
                 g.view(-1)[0] = float("inf")
                 return
-
-
-def _restore_hyperparameters(optimizer: torch.optim.Optimizer, configured: list[dict]) -> dict[str, tuple]:
-    """Put back the ``param_groups`` fields (all but ``params``) the optimizer was built with, after a state dict
-    load overwrote them; returns ``{field: (loaded value, restored value)}`` for those that differed."""
-    changed: dict[str, tuple] = {}
-    for group, want in zip(optimizer.param_groups, configured, strict=True):
-        for key, value in want.items():
-            loaded = group.get(key)
-            loaded = tuple(loaded) if isinstance(loaded, list) else loaded  # JSON has lists where AdamW has tuples
-            if _differs(loaded, value):
-                changed.setdefault(key, (loaded, value))
-            group[key] = value
-    return changed
-
-
-def _differs(a, b) -> bool:
-    """Hyperparameter values compared as JSON would store them (a tuple equals its list; tensors by value)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return not torch.equal(torch.as_tensor(a), torch.as_tensor(b))
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
-    return a != b
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -519,82 +495,29 @@ class FSDPTrainWorker:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict:
-        """Write the policy as an HF folder (rank 0: ``model.safetensors`` + config) and the AdamW state as
-        ``optimizer/state.safetensors`` (per parameter ``<name>::<exp_avg|exp_avg_sq|step>``) plus
-        ``optimizer/param_groups.json`` — tensors and JSON only, so loading a checkpoint unpickles nothing. (A
-        subfolder, because vLLM loads every top-level ``*.safetensors`` of a model folder as weights.)
-
-        Both are gathered to full tensors on CPU (one parameter at a time for the model); returns ``{"seconds"}``.
-        The weights are the policy's parameters as trained: float32, also with ``model.dtype`` bfloat16/float16
-        (mixed precision keeps float32 master weights), so a resume continues from exactly these values; engines
-        and ``from_pretrained(..., dtype=torch.bfloat16)`` cast on load.
-        """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-        )
+        """Write the policy (float32 parameters, an HF folder) and the AdamW state to ``path`` (all ranks call it;
+        layout and dtypes: ``train_workers.checkpoint_io``); returns ``{"seconds"}``."""
+        from train_workers.checkpoint_io import save_checkpoint
 
         t0 = time.perf_counter()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.policy, options=options)
-        if self.rank == 0:
-            hf = self.policy.model
-            # Tied weights (SmolLM2's LM head = input embedding) are written once, as transformers does.
-            aliases = ({n for n, _ in hf.named_parameters(remove_duplicate=False)}
-                       - {n for n, _ in hf.named_parameters()})
-            state = {k.removeprefix("model."): v for k, v in full.items()}
-            state = {k: v for k, v in state.items() if k not in aliases}
-            self.policy.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-        del full
-        optim = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
-        if self.rank == 0:
-            tensors = {f"{name}::{key}": torch.as_tensor(value).contiguous()
-                       for name, per_param in optim["state"].items() for key, value in per_param.items()}
-            os.makedirs(os.path.join(path, "optimizer"), exist_ok=True)
-            save_file(tensors, os.path.join(path, "optimizer", "state.safetensors"))
-            with open(os.path.join(path, "optimizer", "param_groups.json"), "w") as f:
-                json.dump(optim["param_groups"], f, indent=1)
-        del optim
-        dist.barrier()
+        save_checkpoint(self.policy, self.optimizer, self.rank, path)
         return {"seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:
-        """Restore the AdamW state written by :meth:`save_checkpoint` (the policy weights were loaded by
-        ``init_distributed(policy_path=path)``) and continue at ``policy_version``. Every rank reads the full state
-        and keeps its own shards.
-
-        The moments (``exp_avg``, ``exp_avg_sq``) and ``step`` come from the checkpoint; the hyperparameters (``lr``,
-        ``betas``, ``eps``, ``weight_decay`` and every other ``param_groups`` field) stay those this run was built
-        with from its spec, so a resume with ``--set train.lr=...`` trains at the lr it reports as ``actor/lr``.
-        The caller reports the fields whose saved value differs (the driver logs them in one line).
+        """Restore the AdamW moments and step saved by :meth:`save_checkpoint` (the policy weights were loaded by
+        ``init_distributed(policy_path=path)``) and continue at ``policy_version``; the hyperparameters stay this
+        run's (its spec's), so ``actor/lr`` is the lr in use (``checkpoint_io.load_optimizer_state``).
 
         Returns:
-            ``{field: (saved value, value in use)}`` for every optimizer field that differs from the checkpoint.
+            ``{field: (saved value, value in use)}`` for every optimizer field that differs from the checkpoint (the
+            driver logs them in one line).
 
         Raises:
-            FileNotFoundError: ``optimizer/state.safetensors`` or ``optimizer/param_groups.json`` is missing.
-            ValueError: the saved state names parameters this policy does not have.
+            FileNotFoundError: the optimizer files are missing. ValueError: they name unknown parameters.
         """
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from train_workers.checkpoint_io import load_optimizer_state
 
-        tensors = load_file(os.path.join(path, "optimizer", "state.safetensors"))
-        with open(os.path.join(path, "optimizer", "param_groups.json")) as f:
-            param_groups = json.load(f)
-        state: dict[str, dict] = {}
-        for key, value in tensors.items():
-            name, _, field = key.rpartition("::")
-            state.setdefault(name, {})[field] = value
-        known = {n for g in param_groups for n in g["params"]}
-        if set(state) - known:
-            raise ValueError(f"{path}/optimizer/state.safetensors: state for unknown parameters {sorted(set(state) - known)[:3]}")
-        for group in param_groups:
-            if "betas" in group:
-                group["betas"] = tuple(group["betas"])
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.policy, self.optimizer, {"state": state, "param_groups": param_groups},
-                                 options=StateDictOptions(full_state_dict=True))
-        changed = _restore_hyperparameters(self.optimizer, configured)
+        changed = load_optimizer_state(self.policy, self.optimizer, path)
         self.policy_version = int(policy_version)
         return changed
 
