@@ -149,7 +149,11 @@ class GRPOJob:
             self.rollout = RolloutPool(self.spec, ckpt or self.model_path, self.max_model_len, self.policy_version)
             self.train = TrainPool(self.spec, self.model_path, policy_path=ckpt)
             if ckpt is not None:
-                self.train.all("load_checkpoint", ckpt, self.policy_version, what=f"loading checkpoint {ckpt}")
+                changed = self.train.all("load_checkpoint", ckpt, self.policy_version,
+                                         what=f"loading checkpoint {ckpt}")[0]
+                if changed:  # the spec's values are in use (what actor/lr etc. report), not the checkpoint's
+                    self._status("optimizer fields changed from the checkpoint (saved -> in use): " + ", ".join(
+                        f"{field} {saved!r} -> {used!r}" for field, (saved, used) in changed.items()))
             self.sync = WeightSync(self.spec, self.train, self.rollout)
         except BaseException:
             self.shutdown()

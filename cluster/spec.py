@@ -95,7 +95,10 @@ class ModelSpec(BaseModel):
     path: str = Field("builtin:SmolLM2-135M-Instruct", min_length=1, description=(
         "Model to start from: a builtin alias ('builtin:<name>'), a local Hugging Face folder, or a hub id."))
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype for training and rollout.")
+        "float32", description=(
+            "Rollout engine dtype and the policy's compute dtype. float32: pure float32 training. bfloat16/float16: "
+            "mixed precision (float32 parameters and AdamW state, forward/backward in this dtype, weights sent to "
+            "the engines in this dtype); the frozen reference policy is held in this dtype."))
     cache_dir: str | None = Field(None, description=(
         "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
 
@@ -177,6 +180,10 @@ class TrainSpec(BaseModel):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "dtype in which FSDP2 reduces (averages) gradients over the train ranks. With model.dtype bfloat16/float16 "
+        "the policy trains in mixed precision: float32 parameters and AdamW state, forward/backward in model.dtype, "
+        "gradients reduced in this dtype; it must be float32 or model.dtype."))
     max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
         "Token budget of one forward/backward pass."))
     timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
@@ -309,6 +316,9 @@ class JobSpec(BaseModel):
                 f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
                 f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
                 f"{self.ray.num_cpus}; Ray would wait forever"))
+        if train.reduce_dtype not in ("float32", self.model.dtype):
+            raise _FieldConflict("train.reduce_dtype", (
+                f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))
         for conflict in algorithm_conflicts(self.algorithm, rollout):
             raise conflict
         return self

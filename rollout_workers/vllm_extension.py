@@ -47,7 +47,8 @@ class WeightSyncExtension:
         rank = rank_offset + tp_rank
         device = self._grpo_device()
         group_backend = backend if channel["kind"] == "broadcast" else backend_for(channel["kind"], False)
-        group = SyncGroup(host, port, rank, world_size, timeout_s, backend=group_backend)
+        group = SyncGroup(host, port, rank, world_size, timeout_s, backend=group_backend,
+                          device=device if group_backend == "nccl" else None)
         self._grpo_receiver = make_receiver(channel, group, device)
         self._grpo_buckets = buckets_from_wire(buckets)
         return rank

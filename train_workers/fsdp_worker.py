@@ -3,8 +3,13 @@
 ``FSDPTrainWorker`` is a plain class; the driver wraps it with ``ray.remote`` (resources from the spec). All ranks call
 every method together: FSDP collectives (all-gather, reduce-scatter) need every rank.
 
-Model parallel layout (torchtitan's order): ``fully_shard`` on each decoder layer, then on the root
-(:class:`ResponseLogprobModel`, which owns the embedding, final norm and the tied LM head).
+Model parallel layout (torchtitan's order, ``train_workers.sharding``): ``fully_shard`` on each decoder layer, then on
+the root (:class:`ResponseLogprobModel`, which owns the embedding, final norm and the tied LM head).
+
+Precision: with ``model.dtype`` float32 everything is float32. With bfloat16/float16 the policy trains in FSDP2 mixed
+precision (``sharding.shard_mixed_precision``): float32 parameters and AdamW state, forward/backward in ``model.dtype``,
+gradients reduced in ``train.reduce_dtype``; the frozen reference policy (no optimizer) is held in ``model.dtype``.
+Weight sync casts the float32 parameters to the engine's dtype; checkpoints hold the float32 parameters.
 
 Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): PPO clipped surrogate per token (clip-higher, dual
 clip, truncated importance weights against the engine's logprobs) + β · KL to the reference policy (in the loss, or
@@ -16,7 +21,6 @@ sum of the per-rank sums.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -28,10 +32,9 @@ import torch.distributed as dist
 
 from grpo.kl import kl_penalty, kl_reward_advantages
 from grpo.losses import policy_loss, truncated_importance_weights
-from train_workers.packing import PackedMicroBatch
+from train_workers.packing import PackedMicroBatch, packed_attention
 from train_workers.policy import ResponseLogprobModel
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from train_workers.sharding import as_dtype, mixed_precision_policy, shard_model
 
 #: Layout of the per-micro-batch metric sums that ``train_step`` all-reduces (token-weighted sums unless noted).
 _SUMS = {name: i for i, name in enumerate((
@@ -61,32 +64,11 @@ class _Saved:
     forward_tokens: int
 
 
-def _shard(model: ResponseLogprobModel, mesh=None, reshard_after_forward: bool = True) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.get_decoder().layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-
-
 def _peak_rss_gib() -> float:
     """Peak resident memory of this process so far, GiB (Linux ru_maxrss is in KiB)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _packed_attention(cuda: bool) -> str:
-    """Attention for padding-free packed rows: flash-attention's varlen kernel on CUDA when installed (transformers
-    derives the sequence boundaries from the restarting position ids), else per-sequence SDPA
-    (:data:`train_workers.packing.VARLEN_SDPA`: Σ l_i² work instead of the dense block-diagonal mask's L²)."""
-    if cuda:
-        import importlib.util
-
-        return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
-    from train_workers.packing import register_varlen_sdpa
-
-    return register_varlen_sdpa()
 
 
 def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -122,7 +104,8 @@ class FSDPTrainWorker:
         sampling_filters: the rollout's ``{"top_k", "top_p", "min_p"}`` (policy, old-policy and reference logprobs
             are computed under them, as the engine's are); None: off.
         max_response_tokens: for the Dr. GRPO ``seq-mean-token-sum-norm`` aggregation.
-        dtype: parameter dtype name.
+        dtype: the compute dtype name (``model.dtype``): float32, or bfloat16/float16 for mixed precision with
+            float32 parameters and AdamW state.
         seed: torch seed for this rank.
     """
 
@@ -133,7 +116,7 @@ class FSDPTrainWorker:
         self.model_path, self.train, self.algorithm = model_path, train, algorithm
         self.temperature, self.max_response_tokens = temperature, max_response_tokens
         self.sampling_filters = dict(sampling_filters or {})
-        self.dtype = _DTYPES[dtype]
+        self.dtype = as_dtype(dtype)
         self.seed = seed
         self.policy_version = 0
         self._sync_group = None
@@ -176,11 +159,14 @@ class FSDPTrainWorker:
         )
         torch.manual_seed(self.seed + self.rank)
 
-        attention = _packed_attention(self._use_cuda())
+        attention = packed_attention(self._use_cuda(), self.dtype)
+        # The policy's parameters (and so AdamW's state) are float32; only its compute runs in self.dtype.
+        mp_policy = mixed_precision_policy(self.dtype, self.train.reduce_dtype)
 
         def load(trainable: bool) -> ResponseLogprobModel:
             path = (policy_path or self.model_path) if trainable else self.model_path
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation=attention)
+            dtype = torch.float32 if trainable else self.dtype
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
             hf.to(self.device)
             hf.config.use_cache = False
             model = ResponseLogprobModel(hf, self.temperature, **self.sampling_filters)
@@ -188,7 +174,8 @@ class FSDPTrainWorker:
             model.train(trainable)
             if trainable or not self._replicate_reference():
                 # CPU: unsharded from the first forward to the last backward of a step (see _accumulate_locally)
-                _shard(model, reshard_after_forward=not self._cpu_fast_paths)
+                shard_model(model, mp_policy=mp_policy if trainable else None,
+                            reshard_after_forward=not self._cpu_fast_paths)
             return model
 
         self.policy = load(True)
@@ -418,7 +405,7 @@ class FSDPTrainWorker:
         """The bucket plan of the policy's parameters in HF names and the engine's dtype (same on every rank)."""
         from weight_sync.buckets import plan_buckets
 
-        dt = _DTYPES[engine_dtype]
+        dt = as_dtype(engine_dtype)
         self._engine_dtype = dt
         self._buckets = plan_buckets(
             [(name, tuple(p.shape), dt) for name, p in self._named_parameters()], bucket_bytes
@@ -428,6 +415,11 @@ class FSDPTrainWorker:
     def _named_parameters(self):
         """Parameters in HF checkpoint names (tied weights once), in a fixed order."""
         return list(self.policy.model.named_parameters())
+
+    def _sync_tensor(self, param: torch.Tensor) -> torch.Tensor:
+        """The whole of one parameter (a collective over the train group) as the engine holds it: the float32
+        (master) parameter cast to the ``sync_plan`` engine dtype."""
+        return _full(param.detach()).to(self._engine_dtype)
 
     def sync_node_id(self) -> str | None:
         """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""
@@ -455,7 +447,9 @@ class FSDPTrainWorker:
             return None
         if self._buckets is None:
             raise RuntimeError("init_sync_group called before sync_plan")
-        group = SyncGroup(host, port, 0, world_size, timeout_s, backend=backend_for(transport, self._use_cuda()))
+        backend = backend_for(transport, self._use_cuda())
+        group = SyncGroup(host, port, 0, world_size, timeout_s, backend=backend,
+                          device=self.device if backend == "nccl" else None)
         largest = max((b.nbytes for b in self._buckets), default=0)
         self._sync_group = make_sender(transport, group, self.device, largest)
         return self._sync_group.descriptor()
@@ -497,8 +491,8 @@ class FSDPTrainWorker:
         params = dict(self._named_parameters())
         check = [s.name for b in self._buckets for s in b.slots] if verify is True else (verify or [])
         try:
-            report = stream_buckets(self._buckets, lambda name: _full(params[name]).to(self._engine_dtype),
-                                    sender, check, self.device)
+            report = stream_buckets(self._buckets, lambda name: self._sync_tensor(params[name]), sender, check,
+                                    self.device)
         except Exception:
             self.close_sync_group()
             raise
@@ -506,70 +500,31 @@ class FSDPTrainWorker:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict:
-        """Write the policy as an HF folder (rank 0: ``model.safetensors`` + config) and the AdamW state as
-        ``optimizer/state.safetensors`` (per parameter ``<name>::<exp_avg|exp_avg_sq|step>``) plus
-        ``optimizer/param_groups.json`` — tensors and JSON only, so loading a checkpoint unpickles nothing. (A
-        subfolder, because vLLM loads every top-level ``*.safetensors`` of a model folder as weights.)
-
-        Both are gathered to full tensors on CPU (one parameter at a time for the model); returns ``{"seconds"}``.
-        """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-        )
+        """Write the policy (float32 parameters, an HF folder) and the AdamW state to ``path`` (all ranks call it;
+        layout and dtypes: ``train_workers.checkpoint_io``); returns ``{"seconds"}``."""
+        from train_workers.checkpoint_io import save_checkpoint
 
         t0 = time.perf_counter()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.policy, options=options)
-        if self.rank == 0:
-            hf = self.policy.model
-            # Tied weights (SmolLM2's LM head = input embedding) are written once, as transformers does.
-            aliases = ({n for n, _ in hf.named_parameters(remove_duplicate=False)}
-                       - {n for n, _ in hf.named_parameters()})
-            state = {k.removeprefix("model."): v for k, v in full.items()}
-            state = {k: v for k, v in state.items() if k not in aliases}
-            self.policy.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-        del full
-        optim = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
-        if self.rank == 0:
-            tensors = {f"{name}::{key}": torch.as_tensor(value).contiguous()
-                       for name, per_param in optim["state"].items() for key, value in per_param.items()}
-            os.makedirs(os.path.join(path, "optimizer"), exist_ok=True)
-            save_file(tensors, os.path.join(path, "optimizer", "state.safetensors"))
-            with open(os.path.join(path, "optimizer", "param_groups.json"), "w") as f:
-                json.dump(optim["param_groups"], f, indent=1)
-        del optim
-        dist.barrier()
+        save_checkpoint(self.policy, self.optimizer, self.rank, path)
         return {"seconds": time.perf_counter() - t0}
 
-    def load_checkpoint(self, path: str, policy_version: int) -> None:
-        """Restore the AdamW state written by :meth:`save_checkpoint` (the policy weights were loaded by
-        ``init_distributed(policy_path=path)``) and continue at ``policy_version``. Every rank reads the full state
-        and keeps its own shards.
+    def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:
+        """Restore the AdamW moments and step saved by :meth:`save_checkpoint` (the policy weights were loaded by
+        ``init_distributed(policy_path=path)``) and continue at ``policy_version``; the hyperparameters stay this
+        run's (its spec's), so ``actor/lr`` is the lr in use (``checkpoint_io.load_optimizer_state``).
+
+        Returns:
+            ``{field: (saved value, value in use)}`` for every optimizer field that differs from the checkpoint (the
+            driver logs them in one line).
 
         Raises:
-            FileNotFoundError: ``optimizer/state.safetensors`` or ``optimizer/param_groups.json`` is missing.
-            ValueError: the saved state names parameters this policy does not have.
+            FileNotFoundError: the optimizer files are missing. ValueError: they name unknown parameters.
         """
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from train_workers.checkpoint_io import load_optimizer_state
 
-        tensors = load_file(os.path.join(path, "optimizer", "state.safetensors"))
-        with open(os.path.join(path, "optimizer", "param_groups.json")) as f:
-            param_groups = json.load(f)
-        state: dict[str, dict] = {}
-        for key, value in tensors.items():
-            name, _, field = key.rpartition("::")
-            state.setdefault(name, {})[field] = value
-        known = {n for g in param_groups for n in g["params"]}
-        if set(state) - known:
-            raise ValueError(f"{path}/optimizer/state.safetensors: state for unknown parameters {sorted(set(state) - known)[:3]}")
-        for group in param_groups:
-            if "betas" in group:
-                group["betas"] = tuple(group["betas"])
-        set_optimizer_state_dict(self.policy, self.optimizer, {"state": state, "param_groups": param_groups},
-                                 options=StateDictOptions(full_state_dict=True))
+        changed = load_optimizer_state(self.policy, self.optimizer, path)
         self.policy_version = int(policy_version)
+        return changed
 
     def shutdown(self) -> None:
         if dist.is_initialized():

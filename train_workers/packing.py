@@ -234,6 +234,26 @@ def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) ->
     return None
 
 
+#: Compute dtypes flash-attention's kernels accept (float32 is refused).
+FLASH_ATTENTION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def packed_attention(cuda: bool, compute_dtype: torch.dtype) -> str:
+    """The ``attn_implementation`` for padding-free packed rows.
+
+    flash-attention's varlen kernel (``"flash_attention_2"``; transformers derives the sequence boundaries from the
+    restarting position ids) on CUDA when ``flash_attn`` is installed and ``compute_dtype`` is float16/bfloat16;
+    otherwise :data:`VARLEN_SDPA` (per-sequence SDPA, registered here), also on CUDA for float32, which
+    flash-attention does not support.
+    """
+    if cuda and compute_dtype in FLASH_ATTENTION_DTYPES:
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    return register_varlen_sdpa()
+
+
 def register_varlen_sdpa() -> str:
     """Register :data:`VARLEN_SDPA` with transformers (idempotent); returns the name to pass as
     ``attn_implementation`` (or to set as ``model.config._attn_implementation``)."""

@@ -2,11 +2,15 @@
 
 It is built without ``init_process_group`` so it can coexist with the trainers' own FSDP group and vLLM's internal
 groups in the same processes: a ``TCPStore`` hosted by the sender, then a backend process group over it.
-Backends: gloo (CPU), NCCL through vLLM's ``PyNcclCommunicator`` on GPUs (vLLM's RLHF recipe), or ``"store"``: the
-TCPStore alone, the control channel of the same-host IPC transports (``weight_sync.transport``).
+Backends: gloo (CPU), NCCL (GPU) — torch's ``ProcessGroupNCCL`` over the same store, chosen over vLLM's
+``PyNcclCommunicator`` because it has timeouts — or ``"store"``: the TCPStore alone, the control channel of the
+same-host IPC transports (``weight_sync.transport``).
 
 Every wait has the group's ``timeout_s``: a member that dies or stalls turns a collective or store wait into an
-error after at most that long (gloo raises at once when a peer's connection closes), never a hang.
+error after at most that long (gloo raises at once when a peer's connection closes), never a hang. Each broadcast is
+waited for with ``Work.wait(timeout)``: for gloo the collective's own timeout; for NCCL the CPU thread polls the
+kernel's completion and, past the deadline, aborts the communicator and raises (torch's blocking wait). NCCL's
+watchdog (the group's option timeout, set a little longer) is the backstop should that wait itself be stuck.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import torch
 from torch.distributed import BroadcastOptions, TCPStore
 
 BACKENDS = ("gloo", "nccl", "store")
+
+#: Extra seconds NCCL's watchdog allows beyond ``timeout_s``, so that the bounded wait (which raises in the caller)
+#: fires first and the watchdog (which tears the process down) only when that wait cannot run.
+NCCL_WATCHDOG_MARGIN_S = 30.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,59 +44,103 @@ class SyncGroup:
         world_size: 1 sender + number of engine workers.
         timeout_s: every store wait and collective fails after this many seconds instead of hanging.
         backend: ``"gloo"``, ``"nccl"`` or ``"store"`` (no collective: ``broadcast`` raises; ``store`` only).
+        device: NCCL only: this member's GPU (an index or ``torch.device``); None: the calling thread's current
+            device. Pass it when building the group in another thread than the one that called
+            ``torch.cuda.set_device`` (the current device is per thread).
+
+    NCCL: the communicator is connected here with a one-element broadcast, so a member that never joins fails the
+    constructor within ``timeout_s`` rather than the first sync.
 
     Raises:
         ValueError: a bad rank or backend.
-        RuntimeError / DistStoreError: a peer did not join within ``timeout_s``.
+        RuntimeError / DistStoreError / DistBackendError: a peer did not join within ``timeout_s``.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo",
+                 device: torch.device | int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         if backend not in BACKENDS:
             raise ValueError(f"sync backend must be one of {BACKENDS}, got {backend!r}")
         self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
-        timeout = timedelta(seconds=timeout_s)
-        self._pg = self._nccl = self.store = None
-        if backend in ("gloo", "store"):
-            self.store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                                  wait_for_workers=False)
-            if backend == "gloo":
-                self._pg = torch.distributed.ProcessGroupGloo(self.store, rank, world_size, timeout)
-        else:
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-            from vllm.distributed.utils import StatelessProcessGroup
-
-            spg = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size,
-                                               store_timeout=int(timeout_s))
-            self.store = spg.store
-            self._nccl = PyNcclCommunicator(spg, device=torch.cuda.current_device())
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu")
+        self._pg = self.store = None
+        self.store = TCPStore(host, port, world_size, is_master=(rank == 0), timeout=self.timeout,
+                              wait_for_workers=False)
+        if backend == "gloo":
+            self._pg = torch.distributed.ProcessGroupGloo(self.store, rank, world_size, self.timeout)
+        elif backend == "nccl":
+            self.device = nccl_device(device)
+            self._pg = _nccl_group(self.store, rank, world_size, self.timeout)
+            with torch.cuda.device(self.device):
+                self.broadcast(torch.zeros(1, device=self.device))
 
     def broadcast(self, tensor: torch.Tensor, async_op: bool = False):
-        """Broadcast ``tensor`` in place from rank 0. With ``async_op`` returns a work handle (``.wait()``).
+        """Broadcast ``tensor`` in place from rank 0 (NCCL: ``tensor`` on this member's device). With ``async_op``
+        returns a handle whose ``wait()`` blocks for at most ``timeout_s`` (:class:`BoundedWork`).
 
         Raises:
-            RuntimeError: the group is closed or store-only; gloo: a peer closed its connection or did not take part
-                within ``timeout_s``.
+            RuntimeError: the group is closed or store-only; a peer closed its connection, or the broadcast did not
+                complete within ``timeout_s`` (NCCL: the communicator is then aborted and the group closed).
         """
-        if self._nccl is not None:
-            self._nccl.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-            return _Done()
         if self._pg is None:
             raise RuntimeError(f"sync group (backend {self.backend!r}) has no broadcast: closed or store-only")
         opts = BroadcastOptions()
         opts.rootRank = 0
-        work = self._pg.broadcast([tensor], opts)
-        if async_op:
-            return work
-        work.wait()
-        return _Done()
+        work = BoundedWork(self._pg.broadcast([tensor], opts), self)
+        if not async_op:
+            work.wait()
+        return work
 
     def close(self) -> None:
-        """Drop the process group and the store (rank 0's store server stops when no reference is left)."""
-        self._pg = self._nccl = self.store = None
+        """Drop the process group and the store (rank 0's store server stops when no reference is left). An NCCL
+        communicator is aborted: a peer blocked in it fails instead of waiting for this member."""
+        pg, self._pg, self.store = self._pg, None, None
+        if pg is not None and self.backend == "nccl":
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
 
 
-class _Done:
+class BoundedWork:
+    """A collective's work handle whose ``wait()`` gives up after the group's ``timeout_s``.
+
+    ``Work.wait(timeout)`` blocks the calling thread until the collective completed (gloo: the transfer; NCCL: the
+    kernel on the GPU, polled) or raises once ``timeout`` passed; the group is then closed (NCCL: aborted), since a
+    timed-out communicator cannot be reused.
+    """
+
+    def __init__(self, work, group: SyncGroup):
+        self.work, self.group = work, group
+
     def wait(self) -> bool:
+        try:
+            self.work.wait(self.group.timeout)
+        except Exception as exc:
+            self.group.close()
+            raise RuntimeError(f"sync group rank {self.group.rank} ({self.group.backend}): broadcast failed or did "
+                               f"not complete within {self.group.timeout_s:g} s: {exc}") from exc
         return True
+
+
+def nccl_device(device: torch.device | int | None) -> torch.device:
+    """The CUDA device an NCCL member uses: ``device`` as given, or the calling thread's current device."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"an NCCL sync group needs a CUDA device, got {device}")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _nccl_group(store, rank: int, world_size: int, timeout: timedelta):
+    """torch's ``ProcessGroupNCCL`` over ``store`` (keys under ``sync-nccl/``), its watchdog timeout ``timeout`` +
+    :data:`NCCL_WATCHDOG_MARGIN_S`."""
+    from torch.distributed import PrefixStore, ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout + timedelta(seconds=NCCL_WATCHDOG_MARGIN_S)
+    return ProcessGroupNCCL(PrefixStore("sync-nccl", store), rank, world_size, options)

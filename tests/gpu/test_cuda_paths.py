@@ -45,13 +45,15 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     named = list(hf.named_parameters())
     buckets = plan_buckets([(n, p.shape, p.dtype) for n, p in named], 1 << 20)
     port, holder, sent = free_port(), {}, {}
-    torch.cuda.set_device(1)
-    joiner = threading.Thread(target=lambda: holder.setdefault("g", SyncGroup("127.0.0.1", port, 0, 2, 120, "nccl")))
+    # The trainer side runs in threads; torch.cuda.set_device is per thread, so its GPU is passed explicitly.
+    joiner = threading.Thread(target=lambda: holder.setdefault(
+        "g", SyncGroup("127.0.0.1", port, 0, 2, 120, "nccl", device=1)))
     joiner.start()
     engine.init_weight_sync("127.0.0.1", port, 1, 2, buckets, 120, "nccl")
     joiner.join()
 
     def send():
+        torch.cuda.set_device(1)  # this thread's own current device (synchronize below waits on cuda:1)
         params = dict(named)
         for b in buckets:
             buf = pack_bucket(b, [params[s.name].detach().cpu() for s in b.slots])
@@ -64,28 +66,32 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     report = engine.receive_weights(1, True)
     sender.join()
     assert report["worker_checksums"][0] == sent
+    assert holder["g"].device == torch.device("cuda", 1)
     (group,), _ = engine.generate([GroupRequest(1, prompt)], 2)
     assert group.policy_version == 1
     ref = _hf_logprobs(hf, prompt, group.response_ids[0], 0.7)
     assert (ref - group.behaviour_logprobs[0]).abs().max() < 1e-3
 
 
-def test_fsdp2_on_nccl_single_rank(tiny_model_dir):
-    """One FSDP2 rank on NCCL: a train step runs on the GPU and moves the weights."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_on_nccl_single_rank(tiny_model_dir, dtype):
+    """One FSDP2 rank on NCCL: a train step runs on the GPU and moves the weights (bfloat16: mixed precision,
+    float32 parameters)."""
     from cluster.spec import AlgorithmSpec, TrainSpec
     from train_workers.fsdp_worker import FSDPTrainWorker
     from train_workers.packing import pack_microbatch
     from weight_sync.group import free_port
 
     train = TrainSpec(world_size=1, num_gpus_per_worker=1, lr=1e-3)
-    worker = FSDPTrainWorker(0, 1, tiny_model_dir, train, AlgorithmSpec(), 1.0, 16)
+    worker = FSDPTrainWorker(0, 1, tiny_model_dir, train, AlgorithmSpec(), 1.0, 16, dtype=dtype)
     info = worker.init_distributed("127.0.0.1", free_port())
     assert info["backend"] == "nccl"
     before = {n: p.full_tensor().detach().clone() for n, p in worker.policy.named_parameters()}
     mb = pack_microbatch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0],
                          [torch.zeros(2), torch.zeros(3)], [0, 1])
     metrics = worker.train_step([mb], 5, 2)
-    assert metrics["actor/grad_norm"] > 0
+    assert metrics["actor/grad_norm"] > 0 and metrics["actor/update_skipped"] == 0.0
+    assert {p.dtype for p in worker.policy.parameters()} == {torch.float32}
     moved = any(not torch.equal(before[n], p.full_tensor()) for n, p in worker.policy.named_parameters())
     worker.shutdown()
     assert moved

@@ -305,3 +305,23 @@ def test_packed_equals_alone_equals_left_padded_smollm2(gsm8k_train_path, dtype,
         torch.testing.assert_close(packed[i, : len(r)], alone, rtol=rtol, atol=atol)
         torch.testing.assert_close(varlen[i, : len(r)], alone, rtol=rtol, atol=atol)
         torch.testing.assert_close(packed[i, : len(r)], padded[i], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("flash_installed", [True, False])
+def test_packed_attention_dispatch(monkeypatch, flash_installed):
+    """flash-attention only on CUDA, when installed, for float16/bfloat16 compute; float32 (which flash-attention
+    refuses) and CPU take the varlen SDPA path."""
+    import importlib.util
+
+    from train_workers.packing import VARLEN_SDPA, packed_attention
+
+    assert packed_attention(False, torch.bfloat16) == VARLEN_SDPA  # imports transformers before find_spec is faked
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if flash_installed else None) if name == "flash_attn" else real(name, *a)))
+    flash = "flash_attention_2" if flash_installed else VARLEN_SDPA
+    assert packed_attention(True, torch.float32) == VARLEN_SDPA
+    assert packed_attention(True, torch.bfloat16) == flash
+    assert packed_attention(True, torch.float16) == flash
+    for dtype in (torch.float32, torch.bfloat16):
+        assert packed_attention(False, dtype) == VARLEN_SDPA

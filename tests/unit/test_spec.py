@@ -329,3 +329,17 @@ def test_sampling_filters_out_of_range_name_field_and_line(tmp_path, body, messa
     with pytest.raises(SpecError) as info:
         load_spec(path)
     assert f"{path}:6: {message}" in str(info.value)
+
+
+def test_reduce_dtype_is_float32_or_the_model_dtype(tmp_path):
+    assert load_spec(write(tmp_path, MINIMAL)).train.reduce_dtype == "float32"
+    spec = load_spec(write(tmp_path, MINIMAL), ["model.dtype=bfloat16", "train.reduce_dtype=bfloat16"])
+    assert (spec.model.dtype, spec.train.reduce_dtype) == ("bfloat16", "bfloat16")
+    path = write(tmp_path, MINIMAL + "train:\n  reduce_dtype: bfloat16\n")
+    with pytest.raises(SpecError, match=r"job.yaml:6: train.reduce_dtype: expected 'float32' or model.dtype "
+                                        r"\('float32'\), got 'bfloat16'"):
+        load_spec(path)
+    with pytest.raises(SpecError, match=r"train.reduce_dtype"):
+        load_spec(write(tmp_path, MINIMAL), ["model.dtype=bfloat16", "train.reduce_dtype=float16"])
+    with pytest.raises(SpecError, match=r"train.reduce_dtype"):
+        load_spec(write(tmp_path, MINIMAL), ["train.reduce_dtype=float64"])
