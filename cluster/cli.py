@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from cluster.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
 
 
 def _import_modules(modules) -> str | None:
@@ -50,17 +51,12 @@ def _cmd_run(args) -> int:
     from cluster.metrics import MetricsError
     from cluster.models import ModelError
     from cluster.pools import InsufficientResources
+    from cluster.ray_init import AddressError, init_ray, job_address
 
-    address = args.address or spec.ray.address
-    if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
-        address = os.environ["RAY_ADDRESS"]  # ray.init would read it: say what is wrong before it does
-    if address and address.startswith(("http://", "https://")):
-        print(f"grpo-cluster: {address} is a Ray Jobs API (dashboard) address; `run` needs the cluster's GCS "
-              f"address (HOST:6379 or auto) — or send the job there with `grpo-cluster submit SPEC --address "
-              f"{address}`. (Unset $RAY_ADDRESS for a local run.)", file=sys.stderr)
-        return 2
-    if address and not _reachable(address):
-        print(f"grpo-cluster: cannot reach a Ray cluster at {address} (ray.address / --address)", file=sys.stderr)
+    try:  # the cluster address is checked before anything heavy is loaded
+        address, source = job_address(args.address, spec)
+    except AddressError as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
         job = GRPOJob(spec, progress=not args.no_progress, resume=args.resume)
@@ -69,11 +65,7 @@ def _cmd_run(args) -> int:
         return 2
     import ray
 
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, dashboard_host=spec.ray.dashboard_host,
-                 log_to_driver=True)
+    init_ray(spec, address, source)
     from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
     from weight_sync.coordinator import SyncMemberError
 
@@ -94,21 +86,6 @@ def _cmd_run(args) -> int:
     print(f"[grpo-cluster] done: {len(history)} steps, final reward/mean {last.get('reward/mean', float('nan')):.3f}, "
           f"metrics in {job.output_dir / 'metrics.jsonl'}", file=sys.stderr)
     return 0
-
-
-def _reachable(address: str, timeout_s: float = 5.0) -> bool:
-    """For a ``host:port`` GCS address, whether a TCP connection opens within ``timeout_s`` (Ray itself retries for
-    minutes). Other forms (``auto``, ``ray://``) are left to Ray."""
-    import socket
-
-    host, sep, port = address.rpartition(":")
-    if address == "auto" or "://" in address or not sep or not port.isdigit():
-        return True
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
 
 
 def _cmd_eval(args) -> int:
