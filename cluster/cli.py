@@ -17,9 +17,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from cluster.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
+
+
+DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
+                  "filelock", "psutil")
+"""Import names of the packages the job's driver process imports (core dependencies in pyproject.toml); vLLM runs in
+the engine actors only."""
+
+
+def missing_dependency() -> str | None:
+    """One line naming the first of DRIVER_MODULES this interpreter cannot import (and the interpreter), with what
+    to do; None when all are there. Only looks them up (``importlib.util.find_spec``), imports nothing."""
+    import importlib.util
+
+    missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    from cluster.control import JOB_ID_ENV
+
+    if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
+        fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
+               "--pip REQUIREMENT")
+    else:
+        fix = "install the project's dependencies (scripts/setup.sh) or use the interpreter that has them"
+    return f"missing dependency: {', '.join(missing)} (interpreter {sys.executable}); {fix}"
 
 
 def _import_modules(modules) -> str | None:
@@ -35,6 +60,10 @@ def _import_modules(modules) -> str | None:
 
 
 def _cmd_run(args) -> int:
+    problem = missing_dependency()
+    if problem:
+        print(f"grpo-cluster: {problem}", file=sys.stderr)
+        return 2
     from cluster.spec import SpecError, load_spec
 
     problem = _import_modules(args.imports)

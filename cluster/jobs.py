@@ -46,7 +46,8 @@ from urllib.parse import urlparse
 from cluster import control
 
 __all__ = [
-    "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "follow_logs",
+    "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "default_python",
+    "follow_logs",
     "job_details", "job_logs", "live_spec_changes", "request_scale", "stage_working_dir", "stop_job", "submit_spec",
     "submitted_spec", "upload_files", "wait_for_job",
 ]
@@ -127,6 +128,37 @@ def _use_token_if_available() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- submit
+def default_python(address: str | None) -> tuple[str, str]:
+    """The interpreter a job's entrypoint runs with when ``--python`` is not given, and why.
+
+    A cluster whose dashboard is on this machine (a loopback address or one of this machine's interface addresses)
+    gets this interpreter, ``sys.executable``: the one running grpo-cluster, so it has the project — the plain
+    ``python`` on the head's PATH may be another one (a head started as ``.venv/bin/ray start --head`` without
+    activating the venv runs its jobs' ``python`` from the system). Any other cluster gets ``python``; a missing
+    dependency there is reported by the job in one line (``grpo-cluster run``'s dependency check).
+
+    Returns:
+        (interpreter, reason shown to the user).
+    """
+    host = urlparse(address if address and "://" in address else f"http://{address or default_address()}").hostname
+    if host and _is_this_machine(host):
+        return sys.executable, f"the cluster at {host} is on this machine: the job runs with this interpreter"
+    return "python", f"the cluster at {host} is another machine: the job runs with the `python` on its PATH"
+
+
+def _is_this_machine(host: str) -> bool:
+    import ipaddress
+
+    import psutil
+
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return any(ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in local for ip in ips)
+
+
 def project_root() -> Path:
     """The folder holding ``cluster/`` and ``pyproject.toml``; raises JobsError for an installed (non-editable)
     package, which has no project folder to upload."""
