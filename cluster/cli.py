@@ -1,6 +1,8 @@
 """``grpo-cluster`` command line.
 
     grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
+    grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
+    grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N]
 
 Ray Jobs API (cluster/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
@@ -59,7 +61,16 @@ def _import_modules(modules) -> str | None:
     return None
 
 
-def _cmd_run(args) -> int:
+def prepare_job(args, dry_run: bool = False):
+    """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
+    interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
+    address is usable, and the job's inputs are (:class:`cluster.driver.GRPOJob`: output folders, model, tokenizer,
+    data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
+
+    Returns:
+        (job, address or None for a local cluster, where the address came from); or the exit code 2 after the
+        problem was printed on stderr.
+    """
     problem = missing_dependency()
     if problem:
         print(f"grpo-cluster: {problem}", file=sys.stderr)
@@ -76,11 +87,10 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
     from cluster.data import DataError
-    from cluster.driver import GRPOJob, NumericsError, SetupError, StaleSamplesError, run_with_restarts
+    from cluster.driver import GRPOJob, SetupError
     from cluster.metrics import MetricsError
     from cluster.models import ModelError
-    from cluster.pools import InsufficientResources
-    from cluster.ray_init import AddressError, init_ray, job_address
+    from cluster.ray_init import AddressError, job_address
 
     try:  # the cluster address is checked before anything heavy is loaded
         address, source = job_address(args.address, spec)
@@ -88,10 +98,23 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
-        job = GRPOJob(spec, progress=not args.no_progress, resume=args.resume)
+        job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run)
     except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    return job, address, source
+
+
+def _cmd_run(args) -> int:
+    prepared = prepare_job(args)
+    if isinstance(prepared, int):
+        return prepared
+    job, address, source = prepared
+    spec = job.spec
+    from cluster.driver import NumericsError, StaleSamplesError, run_with_restarts
+    from cluster.pools import InsufficientResources
+    from cluster.ray_init import init_ray
+
     import ray
 
     init_ray(spec, address, source)
@@ -135,8 +158,19 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed ``grpo-cluster`` distribution's version, from its package metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo-cluster")
+    except PackageNotFoundError:
+        return "unknown (the grpo-cluster package is not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job spec on a local Ray cluster (or join --address)")
     run.add_argument("spec", help="job spec YAML")
@@ -156,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
     from cluster.cli_jobs import add_job_commands
+    from cluster.cli_validate import add_validate_command
 
+    add_validate_command(sub)
     add_job_commands(sub)
     return parser
 
