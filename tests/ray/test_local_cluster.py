@@ -76,3 +76,23 @@ def test_local_job_starts_its_own_cluster_on_loopback(head_found_by_default):
     assert host == "127.0.0.1" and int(port) != head.gcs_port, seen  # its own GCS, not the head's
     assert seen["nodes"] == ["127.0.0.1"], seen
     assert seen["listen"] and set(seen["listen"]) <= {"127.0.0.1", "::ffff:127.0.0.1"}, seen
+
+
+def test_validate_with_address_names_the_missing_resources(head_found_by_default, tiny_model_dir, tmp_path):
+    """``validate --address`` joins the 1-CPU head and compares with what tiny_cpu.yaml reserves (2 CPUs)."""
+    head, _ = head_found_by_default
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    args = ["validate", "examples/tiny_cpu.yaml", "--set", f"model.path={tiny_model_dir}", "--set",
+            f"output_dir={tmp_path / 'out'}", "--address", f"127.0.0.1:{head.gcs_port}"]
+    short = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert short.returncode == 2, short.stderr[-3000:]
+    assert (f"the Ray cluster cannot hold this job: needs CPU 2 (rollout 1 x 1 + train 2 x 0.5), cluster has 1 "
+            f"(127.0.0.1:{head.gcs_port}, --address)") in short.stderr, short.stderr[-3000:]
+    assert short.stdout == ""
+    fits = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--set", "train.world_size=1", "--set",
+                           "rollout.num_cpus_per_replica=0.5"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert fits.returncode == 0, fits.stderr[-3000:]
+    assert f"cluster:    127.0.0.1:{head.gcs_port} (--address): has CPU 1, GPU 0 — enough" in fits.stdout
+    assert not (tmp_path / "out").exists()
