@@ -68,3 +68,19 @@ def test_run_with_an_interpreter_without_the_project_exits_2_in_one_line(tmp_pat
         f"grpo-cluster: missing dependency: torch, transformers, ray, pydantic, yaml, safetensors, prometheus_client, "
         f"tqdm, filelock, psutil (interpreter {python}); submit with --python PATH (an interpreter on the cluster "
         f"that has the project's dependencies) or --pip REQUIREMENT"], result.stderr
+
+
+def test_submit_default_interpreter(monkeypatch):
+    """A cluster on this machine runs the job with this interpreter; another machine with its ``python``."""
+    from cluster.jobs import default_python
+
+    for local in ("http://127.0.0.1:8265", "localhost:8265", "http://[::1]:8265"):
+        assert default_python(local)[0] == sys.executable, local
+    import psutil
+
+    mine = next(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family.name == "AF_INET" and not a.address.startswith("127."), None)
+    if mine is not None:  # a machine with a routable IPv4 address: that address is this machine too
+        assert default_python(f"http://{mine}:8265")[0] == sys.executable
+    python, why = default_python("http://203.0.113.7:8265")  # TEST-NET-3: never this machine
+    assert python == "python" and "another machine" in why
