@@ -78,8 +78,8 @@ def test_submit_default_interpreter(monkeypatch):
         assert default_python(local)[0] == sys.executable, local
     import psutil
 
-    mine = next(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-                if a.family.name == "AF_INET" and not a.address.startswith("127."), None)
+    mine = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family.name == "AF_INET" and not a.address.startswith("127.")), None)
     if mine is not None:  # a machine with a routable IPv4 address: that address is this machine too
         assert default_python(f"http://{mine}:8265")[0] == sys.executable
     python, why = default_python("http://203.0.113.7:8265")  # TEST-NET-3: never this machine
