@@ -96,3 +96,23 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
     assert fits.returncode == 0, fits.stderr[-3000:]
     assert f"cluster:    127.0.0.1:{head.gcs_port} (--address): has CPU 1, GPU 0 — enough" in fits.stdout
     assert not (tmp_path / "out").exists()
+
+
+def test_run_without_address_beside_a_running_head(head_found_by_default, tiny_model_dir, tmp_path):
+    """The issue's case end to end: ``grpo-cluster run`` (1 step of the tiny job, vLLM engine and 2 FSDP2 ranks)
+    while a head that a plain ``ray.init()`` would join is running: the job runs on a cluster of its own."""
+    from tests.ray.test_submit import PARITY
+
+    head, tmp = head_found_by_default
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=tmp, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "run", "examples/tiny_cpu.yaml", "--set", f"model.path={tiny_model_dir}",
+         "--set", f"output_dir={out}", "--set", PARITY, "--set", "metrics.port=null", "--set", "total_steps=1",
+         "--set", "checkpoint.save_final=false", "--import", "tests.parity_reward", "--no-progress"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "[grpo-cluster] done: 1 steps" in result.stderr
+    assert "joined the existing Ray cluster" not in result.stderr
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
