@@ -9,7 +9,9 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
 
 - **submit** validates the spec here (a bad spec is rejected before anything is sent), then uploads a copy of the
   project (without .venv, .git, runs/, outputs/, caches) plus the validated spec as ``grpo_job_spec.yaml`` as the
-  job's ``working_dir`` and runs ``python -m cluster.cli run grpo_job_spec.yaml --address auto`` there. The spec is
+  job's ``working_dir`` and runs ``PYTHON -m cluster.cli run grpo_job_spec.yaml --address auto`` there
+  (PYTHON: ``--python``, default :func:`default_python`). Links in the project folder are followed as Ray follows
+  them, and the size limit counts what they point to (:func:`upload_files`). The spec is
   sent with its paths resolved as on this machine, so data and model paths must exist on the cluster nodes too
   (absolute paths on shared storage, or the same layout). The submission id is also put in the runtime env as
   ``GRPO_CLUSTER_JOB_ID`` (the control actor's name) and the validated spec in the job metadata (``scale JOB
@@ -261,7 +263,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
     Args:
         client: a JobSubmissionClient (:func:`connect`).
         spec: the validated ``cluster.spec.JobSpec``.
-        python: interpreter on the cluster nodes that has the project's dependencies.
+        python: interpreter on the cluster nodes that has the project's dependencies (the CLI's default:
+            :func:`default_python`); one without them fails the job with one ``missing dependency`` line.
         imports: modules the job imports before loading the spec (``run --import``), e.g. custom reward functions;
             they must be importable there (inside the working dir or installed).
         pip: requirements Ray installs into a job-specific virtualenv (runtime env ``pip``); empty when the cluster's
