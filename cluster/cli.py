@@ -113,11 +113,15 @@ def _cmd_run(args) -> int:
     spec = job.spec
     from cluster.driver import NumericsError, StaleSamplesError, run_with_restarts
     from cluster.pools import InsufficientResources
-    from cluster.ray_init import init_ray
+    from cluster.ray_init import AddressError, init_ray
 
     import ray
 
-    init_ray(spec, address, source)
+    try:
+        init_ray(spec, address, source)
+    except AddressError as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
     from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
     from weight_sync.coordinator import SyncMemberError
 

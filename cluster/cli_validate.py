@@ -9,7 +9,6 @@ Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec val
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -27,7 +26,13 @@ def _cmd_validate(args) -> int:
     if address is not None:
         import ray
 
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        from cluster.ray_init import AddressError, init_ray
+
+        try:
+            init_ray(job.spec, address, source, log_to_driver=False)
+        except AddressError as exc:
+            print(f"grpo-cluster: {exc}", file=sys.stderr)
+            return 2
         try:
             have = ray.cluster_resources()
         finally:

@@ -9,6 +9,7 @@ manager), without a dashboard. With one, the job joins that cluster and says so 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -72,11 +73,20 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
         spec: the validated JobSpec (``ray.num_cpus``, ``ray.dashboard_host``).
         address: from :func:`job_address`.
         source: where ``address`` came from, for the message.
+    Raises:
+        AddressError: ``address`` was given and joining it failed (no GCS there, a token refused).
     """
     import ray
 
     if address is not None:
-        ray.init(address=address, log_to_driver=log_to_driver)
+        from cluster.jobs import _use_token_if_available
+
+        _use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
+        try:
+            ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as exc:
+            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise AddressError(f"cannot join the Ray cluster at {address} ({source}): {first}") from None
         print(f"[grpo-cluster] joined the existing Ray cluster at {address} ({source})", file=sys.stderr)
         return
     with _loopback_only():
