@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     import ray
 
     from cluster.driver import GRPOJob
+    from cluster.ray_init import init_ray
     from cluster.spec import load_spec
 
     out_dir = tempfile.mkdtemp(prefix="step_budget_")
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
         overrides.append(f"rollout.max_response_tokens={args.response_tokens}")
     spec = load_spec(args.spec, overrides)
     job = GRPOJob(spec, progress=False)
-    ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+    init_ray(spec, None)  # always its own local cluster, also when another one runs on this machine
     try:
         t0 = time.perf_counter()
         job.start()

@@ -1,6 +1,8 @@
 """``grpo-cluster`` command line.
 
     grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
+    grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
+    grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N]
 
 Ray Jobs API (cluster/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
@@ -20,6 +22,32 @@ import json
 import os
 import sys
 
+from cluster.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
+
+
+DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
+                  "filelock", "psutil")
+"""Import names of the packages the job's driver process imports (core dependencies in pyproject.toml); vLLM runs in
+the engine actors only."""
+
+
+def missing_dependency() -> str | None:
+    """One line naming the first of DRIVER_MODULES this interpreter cannot import (and the interpreter), with what
+    to do; None when all are there. Only looks them up (``importlib.util.find_spec``), imports nothing."""
+    import importlib.util
+
+    missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    from cluster.control import JOB_ID_ENV
+
+    if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
+        fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
+               "--pip REQUIREMENT")
+    else:
+        fix = "install the project's dependencies (scripts/setup.sh) or use the interpreter that has them"
+    return f"missing dependency: {', '.join(missing)} (interpreter {sys.executable}); {fix}"
+
 
 def _import_modules(modules) -> str | None:
     """Import ``--import`` modules (e.g. ones registering reward functions); an error message, or None."""
@@ -33,7 +61,20 @@ def _import_modules(modules) -> str | None:
     return None
 
 
-def _cmd_run(args) -> int:
+def prepare_job(args, dry_run: bool = False):
+    """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
+    interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
+    address is usable, and the job's inputs are (:class:`cluster.driver.GRPOJob`: output folders, model, tokenizer,
+    data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
+
+    Returns:
+        (job, address or None for a local cluster, where the address came from); or the exit code 2 after the
+        problem was printed on stderr.
+    """
+    problem = missing_dependency()
+    if problem:
+        print(f"grpo-cluster: {problem}", file=sys.stderr)
+        return 2
     from cluster.spec import SpecError, load_spec
 
     problem = _import_modules(args.imports)
@@ -46,34 +87,41 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
     from cluster.data import DataError
-    from cluster.driver import GRPOJob, NumericsError, SetupError, StaleSamplesError, run_with_restarts
+    from cluster.driver import GRPOJob, SetupError
     from cluster.metrics import MetricsError
     from cluster.models import ModelError
-    from cluster.pools import InsufficientResources
+    from cluster.ray_init import AddressError, job_address
 
-    address = args.address or spec.ray.address
-    if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
-        address = os.environ["RAY_ADDRESS"]  # ray.init would read it: say what is wrong before it does
-    if address and address.startswith(("http://", "https://")):
-        print(f"grpo-cluster: {address} is a Ray Jobs API (dashboard) address; `run` needs the cluster's GCS "
-              f"address (HOST:6379 or auto) — or send the job there with `grpo-cluster submit SPEC --address "
-              f"{address}`. (Unset $RAY_ADDRESS for a local run.)", file=sys.stderr)
-        return 2
-    if address and not _reachable(address):
-        print(f"grpo-cluster: cannot reach a Ray cluster at {address} (ray.address / --address)", file=sys.stderr)
+    try:  # the cluster address is checked before anything heavy is loaded
+        address, source = job_address(args.address, spec)
+    except AddressError as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
-        job = GRPOJob(spec, progress=not args.no_progress, resume=args.resume)
+        job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run)
     except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    return job, address, source
+
+
+def _cmd_run(args) -> int:
+    prepared = prepare_job(args)
+    if isinstance(prepared, int):
+        return prepared
+    job, address, source = prepared
+    spec = job.spec
+    from cluster.driver import NumericsError, StaleSamplesError, run_with_restarts
+    from cluster.pools import InsufficientResources
+    from cluster.ray_init import AddressError, init_ray
+
     import ray
 
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, dashboard_host=spec.ray.dashboard_host,
-                 log_to_driver=True)
+    try:
+        init_ray(spec, address, source)
+    except AddressError as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
     from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
     from weight_sync.coordinator import SyncMemberError
 
@@ -96,21 +144,6 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _reachable(address: str, timeout_s: float = 5.0) -> bool:
-    """For a ``host:port`` GCS address, whether a TCP connection opens within ``timeout_s`` (Ray itself retries for
-    minutes). Other forms (``auto``, ``ray://``) are left to Ray."""
-    import socket
-
-    host, sep, port = address.rpartition(":")
-    if address == "auto" or "://" in address or not sep or not port.isdigit():
-        return True
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
-
-
 def _cmd_eval(args) -> int:
     from cluster.data import DataError
     from cluster.evaluate import evaluate_gsm8k
@@ -129,8 +162,19 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed ``grpo-cluster`` distribution's version, from its package metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpo-cluster")
+    except PackageNotFoundError:
+        return "unknown (the grpo-cluster package is not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job spec on a local Ray cluster (or join --address)")
     run.add_argument("spec", help="job spec YAML")
@@ -150,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
     from cluster.cli_jobs import add_job_commands
+    from cluster.cli_validate import add_validate_command
 
+    add_validate_command(sub)
     add_job_commands(sub)
     return parser
 

@@ -45,6 +45,17 @@ def _env_pairs(pairs) -> dict[str, str]:
     return out
 
 
+def _python(args) -> str:
+    """``--python``, else :func:`cluster.jobs.default_python` for the address (said on stderr)."""
+    from cluster import jobs
+
+    if args.python:
+        return args.python
+    python, why = jobs.default_python(args.address)
+    print(f"{PREFIX}: --python {python} ({why}; pass --python to choose another)", file=sys.stderr)
+    return python
+
+
 def _finished(status: str, job_id: str) -> int:
     print(f"{PREFIX}: job {job_id} {status}", file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1
@@ -64,9 +75,10 @@ def _cmd_submit(args) -> int:
         print(f"{PREFIX} submit: note: output_dir {spec.output_dir!r} is relative, so on the cluster it lands in the "
               f"job's temporary working dir; use an absolute path on shared storage to keep it "
               f"(--set output_dir=/path)", file=sys.stderr)
+    python = _python(args)
     try:
         client = jobs.connect(args.address)
-        job_id = jobs.submit_spec(client, spec, python=args.python, imports=args.imports or (), pip=args.pip or (),
+        job_id = jobs.submit_spec(client, spec, python=python, imports=args.imports or (), pip=args.pip or (),
                                   env=env, working_dir=args.working_dir, submission_id=args.job_id,
                                   source=args.spec)
     except jobs.JobsError as exc:
@@ -161,7 +173,7 @@ def _cmd_scale(args) -> int:
                                       f"job for the rest)")
             n = new.rollout.replicas
         control.check_replicas(n)
-        result = jobs.request_scale(client, args.job, n, python=args.python, timeout_s=args.timeout_s)
+        result = jobs.request_scale(client, args.job, n, python=_python(args), timeout_s=args.timeout_s)
     except (jobs.JobsError, ValueError) as exc:
         return _fail("scale", str(exc))
     status = result.get("status") or {}
@@ -186,8 +198,9 @@ def add_job_commands(sub) -> None:
         return p
 
     def with_python(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--python", default="python", help=(
-            "Python interpreter on the cluster nodes that has the project's dependencies (default: python)"))
+        p.add_argument("--python", default=None, help=(
+            "Python interpreter on the cluster nodes that has the project's dependencies (default: this interpreter "
+            "when the cluster is on this machine, else python)"))
 
     submit = with_address(sub.add_parser("submit", help="submit a job spec to a Ray cluster (Ray Jobs API)"))
     submit.add_argument("spec", help="job spec YAML (validated here first)")

@@ -82,14 +82,21 @@ class GRPOJob:
     Args:
         spec: the validated job spec.
         progress: show a progress bar on stderr.
+        resume: continue from the latest complete checkpoint.
+        dry_run: run every set-up check (output folders writable, model and tokenizer, data, prompt lengths, earlier
+            checkpoints) and write nothing: no folder, no spec.yaml, no metrics endpoint (``grpo-cluster validate``).
+            Such a job cannot :meth:`start`.
+    Raises:
+        SetupError, ModelError, DataError, MetricsError: naming the spec field and what is wrong.
     """
 
-    def __init__(self, spec: JobSpec, progress: bool = True, resume: bool = False):
+    def __init__(self, spec: JobSpec, progress: bool = True, resume: bool = False, dry_run: bool = False):
         self.spec = spec
         self.progress = progress
+        self.dry_run = dry_run
         self.output_dir = Path(spec.output_dir)
-        _ensure_writable_dir(self.output_dir, "output_dir")
-        _ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir")
+        _ensure_writable_dir(self.output_dir, "output_dir", create=not dry_run)
+        _ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir", create=not dry_run)
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
         self.tokenizer = _load_tokenizer(self.model_path)
         d = spec.data
@@ -97,7 +104,8 @@ class GRPOJob:
                                                       answer_field=d.answer_field, on_bad_row=d.on_bad_row)
         examples, self.prompt_ids, self.prompts_filtered = self._tokenize_prompts(examples)
         self.sampler = PromptSampler(examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
-        (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
+        if not dry_run:
+            (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
         self._status(f"{len(examples)} prompts from {d.train_path} ({self.bad_rows} bad rows skipped, "
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         self._pending: deque = deque()  # prompts drawn from the sampler, not yet sampled
@@ -130,6 +138,9 @@ class GRPOJob:
             self._load_driver_state(self.resume_from)
         elif resuming:
             self._status(f"resume: no complete checkpoint under {self.checkpoint_root()}; starting from step 0")
+        self.rollout = self.train = self.sync = self.control = self.metrics = None
+        if dry_run:
+            return
         for name in ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl"):
             if self.resume_from is not None:  # rows past the resumed step are redone
                 truncate_jsonl(self.output_dir / name, self.step)
@@ -137,11 +148,12 @@ class GRPOJob:
                 set_aside(self.output_dir / name)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
-        self.rollout = self.train = self.sync = self.control = None
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Create the pools and the weight-sync group (engines start from the same weights: policy version 0)."""
+        if self.dry_run:
+            raise SetupError("a job built with dry_run=True only checks its inputs; build it again to run it")
         check_cluster_resources(self.spec)
         self._status("starting rollout engines and train workers")
         ckpt = str(self.resume_from) if self.resume_from is not None else None
@@ -194,7 +206,8 @@ class GRPOJob:
         return history
 
     def close(self) -> None:
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def shutdown(self) -> None:
         """Stop every engine and train rank this job started (and free their placement groups)."""
@@ -614,12 +627,19 @@ class GRPOJob:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
 
 
-def _ensure_writable_dir(path: Path, field: str) -> None:
-    """Create ``path`` and prove it is writable now, before any worker starts.
+def _ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
+    """Create ``path`` and prove it is writable now, before any worker starts; with ``create=False``, only check
+    that it could be: the deepest folder of ``path`` that exists is a folder this process may write into.
 
     Raises:
         SetupError: naming the spec field, the path and the OS error.
     """
+    if not create:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            what = "not a folder" if not existing.is_dir() else "not writable"
+            raise SetupError(f"{field}: cannot write to {path}: {existing} is {what}")
+        return
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write_test"

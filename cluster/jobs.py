@@ -9,7 +9,9 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
 
 - **submit** validates the spec here (a bad spec is rejected before anything is sent), then uploads a copy of the
   project (without .venv, .git, runs/, outputs/, caches) plus the validated spec as ``grpo_job_spec.yaml`` as the
-  job's ``working_dir`` and runs ``python -m cluster.cli run grpo_job_spec.yaml --address auto`` there. The spec is
+  job's ``working_dir`` and runs ``PYTHON -m cluster.cli run grpo_job_spec.yaml --address auto`` there
+  (PYTHON: ``--python``, default :func:`default_python`). Links in the project folder are followed as Ray follows
+  them, and the size limit counts what they point to (:func:`upload_files`). The spec is
   sent with its paths resolved as on this machine, so data and model paths must exist on the cluster nodes too
   (absolute paths on shared storage, or the same layout). The submission id is also put in the runtime env as
   ``GRPO_CLUSTER_JOB_ID`` (the control actor's name) and the validated spec in the job metadata (``scale JOB
@@ -46,9 +48,10 @@ from urllib.parse import urlparse
 from cluster import control
 
 __all__ = [
-    "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "follow_logs",
+    "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "default_python",
+    "follow_logs",
     "job_details", "job_logs", "live_spec_changes", "request_scale", "stage_working_dir", "stop_job", "submit_spec",
-    "submitted_spec", "wait_for_job",
+    "submitted_spec", "upload_files", "wait_for_job",
 ]
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -127,6 +130,37 @@ def _use_token_if_available() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- submit
+def default_python(address: str | None) -> tuple[str, str]:
+    """The interpreter a job's entrypoint runs with when ``--python`` is not given, and why.
+
+    A cluster whose dashboard is on this machine (a loopback address or one of this machine's interface addresses)
+    gets this interpreter, ``sys.executable``: the one running grpo-cluster, so it has the project — the plain
+    ``python`` on the head's PATH may be another one (a head started as ``.venv/bin/ray start --head`` without
+    activating the venv runs its jobs' ``python`` from the system). Any other cluster gets ``python``; a missing
+    dependency there is reported by the job in one line (``grpo-cluster run``'s dependency check).
+
+    Returns:
+        (interpreter, reason shown to the user).
+    """
+    host = urlparse(address if address and "://" in address else f"http://{address or default_address()}").hostname
+    if host and _is_this_machine(host):
+        return sys.executable, f"the cluster at {host} is on this machine: the job runs with this interpreter"
+    return "python", f"the cluster at {host} is another machine: the job runs with the `python` on its PATH"
+
+
+def _is_this_machine(host: str) -> bool:
+    import ipaddress
+
+    import psutil
+
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return any(ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in local for ip in ips)
+
+
 def project_root() -> Path:
     """The folder holding ``cluster/`` and ``pyproject.toml``; raises JobsError for an installed (non-editable)
     package, which has no project folder to upload."""
@@ -136,23 +170,68 @@ def project_root() -> Path:
     return root
 
 
+def upload_files(root: Path) -> list[tuple[Path, int, str | None]]:
+    """The files a job's working dir holds once staged from ``root``: what Ray zips and uploads.
+
+    Links are followed the way Ray's packaging does (``ray/_private/runtime_env/packaging.py``: ``_dir_travel``
+    recurses into ``is_dir()`` paths and ``_zip_files`` writes every ``is_file()`` path, both following links): a link
+    to a file counts as the file it points to, a link to a folder as everything in it, a broken link as nothing.
+    Names matching UPLOAD_EXCLUDES (any depth) are left out.
+
+    Returns:
+        (path relative to ``root``, size in bytes, link target or None), in walk order.
+    Raises:
+        JobsError: a link to a folder that contains it (Ray would follow it without end).
+    """
+    ignore = shutil.ignore_patterns(*UPLOAD_EXCLUDES)
+    found: list[tuple[Path, int, str | None]] = []
+
+    def walk(folder: Path, rel: Path, ancestors: frozenset) -> None:
+        names = sorted(os.listdir(folder))
+        skipped = ignore(str(folder), names)
+        for name in (n for n in names if n not in skipped):
+            path = folder / name
+            target = os.readlink(path) if path.is_symlink() else None
+            if path.is_dir():
+                real = path.resolve()
+                if real in ancestors:
+                    raise JobsError(f"{rel / name} in {root} is a link to {real}, a folder that contains it: the "
+                                    f"upload would never end; remove the link or pass another --working-dir")
+                walk(path, rel / name, ancestors | {real})
+            elif path.is_file():
+                found.append((rel / name, path.stat().st_size, target))
+
+    walk(root, Path(), frozenset({root.resolve()}))
+    return found
+
+
 def stage_working_dir(root: Path, dest: Path, files: Mapping[str, str] = {}) -> Path:
     """Copy ``root`` into ``dest`` without UPLOAD_EXCLUDES, add ``files`` (relative name → text); returns ``dest``.
 
-    Raises JobsError when the copy exceeds MAX_UPLOAD_BYTES, naming the largest files.
+    The size is checked first, before anything is copied, over :func:`upload_files` — links followed as Ray follows
+    them. The copy is of exactly those files, links followed (a link becomes the file or folder it points to; broken
+    links and empty folders are left out), so what Ray zips from ``dest`` is what was counted, whether a link is
+    absolute or relative.
+
+    Raises:
+        JobsError: the upload would exceed MAX_UPLOAD_BYTES (naming the largest files, with their link targets and
+            sizes), or a link to a folder that contains it.
     """
-    shutil.copytree(root, dest, ignore=shutil.ignore_patterns(*UPLOAD_EXCLUDES), symlinks=True)
+    sizes = sorted(upload_files(root), key=lambda f: f[1], reverse=True)
+    total = sum(size for _, size, _ in sizes) + sum(len(text.encode()) for text in files.values())
+    if total > MAX_UPLOAD_BYTES:
+        largest = ", ".join(f"{rel}{f' -> {target}' if target else ''} ({size / 2**20:.1f} MiB)"
+                            for rel, size, target in sizes[:5])
+        raise JobsError(f"the working dir to upload from {root} is {total / 2**20:.0f} MiB (links followed, as Ray "
+                        f"does), over the {MAX_UPLOAD_BYTES / 2**20:.0f} MiB limit; largest files: {largest}. Move "
+                        f"them out of the project folder or pass a smaller --working-dir")
+    for rel, _, _ in sizes:  # copy2 follows links (shutil.copytree would drop relative ones as dangling)
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / rel, dest / rel)
+    dest.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         (dest / name).write_text(text, encoding="utf-8")
-    sizes = sorted(((p.stat().st_size, p) for p in dest.rglob("*") if p.is_file() and not p.is_symlink()),
-                   reverse=True)
-    total = sum(size for size, _ in sizes)
-    if total > MAX_UPLOAD_BYTES:
-        largest = ", ".join(f"{p.relative_to(dest)} ({size / 2**20:.1f} MiB)" for size, p in sizes[:5])
-        raise JobsError(f"the working dir to upload from {root} is {total / 2**20:.0f} MiB, over the "
-                        f"{MAX_UPLOAD_BYTES / 2**20:.0f} MiB limit; largest files: {largest}. Move them out of "
-                        f"the project folder or pass a smaller --working-dir")
     return dest
 
 
@@ -184,7 +263,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
     Args:
         client: a JobSubmissionClient (:func:`connect`).
         spec: the validated ``cluster.spec.JobSpec``.
-        python: interpreter on the cluster nodes that has the project's dependencies.
+        python: interpreter on the cluster nodes that has the project's dependencies (the CLI's default:
+            :func:`default_python`); one without them fails the job with one ``missing dependency`` line.
         imports: modules the job imports before loading the spec (``run --import``), e.g. custom reward functions;
             they must be importable there (inside the working dir or installed).
         pip: requirements Ray installs into a job-specific virtualenv (runtime env ``pip``); empty when the cluster's

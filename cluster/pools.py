@@ -36,15 +36,10 @@ class TrainWorkerFailure(RuntimeError):
     """A train rank died or failed; the message names the rank, the operation and the cause."""
 
 
-def check_cluster_resources(spec) -> None:
-    """Fail at once, listing what is missing, when the cluster cannot hold the pools (Ray would wait forever).
-
-    Raises:
-        InsufficientResources: e.g. ``needs GPU 3 (rollout 1 x 1 + train 2 x 1), cluster has 0``.
-    """
+def resources_needed(spec) -> dict[str, tuple[float, str]]:
+    """What the job's pools reserve in all: ``{"CPU": (amount, "rollout R x c + train W x c"), "GPU": (...)}``."""
     r, t = spec.rollout, spec.train
-    have = ray.cluster_resources()
-    need = {
+    return {
         "CPU": (r.replicas * r.num_cpus_per_replica + t.world_size * t.num_cpus_per_worker,
                 f"rollout {r.replicas} x {r.num_cpus_per_replica:g} + train {t.world_size} x "
                 f"{t.num_cpus_per_worker:g}"),
@@ -52,8 +47,20 @@ def check_cluster_resources(spec) -> None:
                 f"rollout {r.replicas} x {r.num_gpus_per_replica:g} + train {t.world_size} x "
                 f"{t.num_gpus_per_worker:g}"),
     }
+
+
+def check_cluster_resources(spec, have: dict[str, float] | None = None) -> None:
+    """Fail at once, listing what is missing, when the cluster cannot hold the pools (Ray would wait forever).
+
+    Args:
+        spec: the validated JobSpec.
+        have: the cluster's total resources; default ``ray.cluster_resources()`` of the connected cluster.
+    Raises:
+        InsufficientResources: e.g. ``needs GPU 3 (rollout 1 x 1 + train 2 x 1), cluster has 0``.
+    """
+    have = ray.cluster_resources() if have is None else have
     missing = [f"{res} {amount:g} ({how}), cluster has {have.get(res, 0):g}"
-               for res, (amount, how) in need.items() if amount > have.get(res, 0) + 1e-9]
+               for res, (amount, how) in resources_needed(spec).items() if amount > have.get(res, 0) + 1e-9]
     if missing:
         raise InsufficientResources("the Ray cluster cannot hold this job: needs " + "; needs ".join(missing))
 

@@ -40,17 +40,20 @@ class RayHead:
         num_cpus: logical CPUs the node advertises.
         object_store_bytes: plasma store size (kept small: the machine is shared).
 
-    The ``python`` on the cluster's PATH is this interpreter (its folder is put first), so job entrypoints
-    ``python -m ...`` run in the same environment as the tests.
+        venv_on_path: True puts this interpreter's folder first on the cluster's PATH, so job entrypoints ``python -m
+            ...`` run in the same environment as the tests; False takes that folder off PATH, as for a head started
+            as ``.venv/bin/ray start --head`` without activating the venv.
     """
 
-    def __init__(self, num_cpus: int = 4, object_store_bytes: int = 200_000_000):
+    def __init__(self, num_cpus: int = 4, object_store_bytes: int = 200_000_000, venv_on_path: bool = True):
         self.temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
         names = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                  "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")
         self.gcs_port, self.dashboard_port, *others = free_ports(2 + len(names))
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-        self.env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        bin_dir = str(Path(sys.executable).parent)
+        path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != bin_dir]
+        self.env = {**os.environ, "PATH": os.pathsep.join([bin_dir, *path] if venv_on_path else path),
                     "RAY_USAGE_STATS_ENABLED": "0"}
         self.env.pop("RAY_ADDRESS", None)
         ray_bin = str(Path(sys.executable).parent / "ray")

@@ -1,0 +1,88 @@
+"""``grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]``: every check ``run`` makes before
+it starts anything (cluster/cli.py :func:`~cluster.cli.prepare_job`: dependencies, spec, cluster address, output
+folders, model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
+(``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs and GPUs the pools reserve.
+Prints the resolved spec's summary. Starts no Ray cluster, engine or worker, and writes nothing.
+
+Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec values with file:line).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def _cmd_validate(args) -> int:
+    from cluster.cli import prepare_job
+
+    prepared = prepare_job(args, dry_run=True)
+    if isinstance(prepared, int):
+        return prepared
+    job, address, source = prepared
+    from cluster.pools import InsufficientResources, check_cluster_resources
+
+    have = None
+    if address is not None:
+        import ray
+
+        from cluster.ray_init import AddressError, init_ray
+
+        try:
+            init_ray(job.spec, address, source, log_to_driver=False)
+        except AddressError as exc:
+            print(f"grpo-cluster: {exc}", file=sys.stderr)
+            return 2
+        try:
+            have = ray.cluster_resources()
+        finally:
+            ray.shutdown()
+        try:
+            check_cluster_resources(job.spec, have)
+        except InsufficientResources as exc:
+            print(f"grpo-cluster: {exc} ({address}, {source})", file=sys.stderr)
+            return 2
+    print(summary(job, args.spec, address, source, have))
+    return 0
+
+
+def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
+    """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
+    from cluster.pools import resources_needed
+
+    s, r, t = job.spec, job.spec.rollout, job.spec.train
+    need = resources_needed(s)
+    start = (f"resume from {job.resume_from} (step {job.step}, policy version {job.policy_version})"
+             if job.resume_from is not None else "from step 0")
+    if address is None:
+        cluster = f"a local Ray cluster on 127.0.0.1 with {s.ray.num_cpus or 'all'} CPUs, started by `run`"
+    else:
+        cluster = (f"{address} ({source}): has CPU {have.get('CPU', 0):g}, GPU {have.get('GPU', 0):g} — "
+                   f"enough")
+    lines = [
+        ("spec", f"{Path(spec_path)} — job {s.name!r}, {s.total_steps} steps, {start}, seed {s.seed}"),
+        ("model", f"{s.model.path} -> {job.model_path} ({s.model.dtype}); tokenizer loaded"),
+        ("data", f"{len(job.prompt_ids)} prompts from {s.data.train_path} ({job.bad_rows} bad rows skipped, "
+                 f"{job.prompts_filtered} over data.max_prompt_tokens={s.data.max_prompt_tokens} dropped)"),
+        ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
+                    f"at most {r.max_response_tokens} tokens each"),
+        ("train", f"{t.world_size} rank(s), backend {t.backend}"),
+        ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
+        ("cluster", cluster),
+        ("output_dir", f"{Path(s.output_dir).resolve()} (writable; checkpoints in {job.checkpoint_root()})"),
+    ]
+    width = max(len(k) for k, _ in lines) + 2
+    return "\n".join(f"{k + ':':<{width}}{v}" for k, v in lines) + "\nvalid: nothing was started or written"
+
+
+def add_validate_command(sub) -> None:
+    """Add ``validate`` to the ``grpo-cluster`` subparsers ``sub``."""
+    p = sub.add_parser("validate", help="check a job spec, its inputs and (with an address) the cluster; run nothing")
+    p.add_argument("spec", help="job spec YAML")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field (repeatable)")
+    p.add_argument("--address", default=None, help=(
+        "the Ray cluster `run --address` would join (HOST:6379 or auto): its CPUs and GPUs are checked"))
+    p.add_argument("--resume", action="store_true", help="check as for `run --resume`")
+    p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                   help="import this module before loading the spec, e.g. one that registers reward functions")
+    p.set_defaults(func=_cmd_validate)

@@ -1,0 +1,120 @@
+"""Which Ray cluster a job runs on, and getting onto it (``grpo-cluster run`` / ``validate``, bench/step_budget).
+
+The address is, first found: ``--address``, the spec's ``ray.address``, ``$RAY_ADDRESS``. With none, the job
+starts its own single-node cluster — always its own (``ray.init(address="local")``), even when another cluster
+(e.g. a ``ray start --head`` left running) is on this machine — bound to 127.0.0.1 (node IP, GCS, raylet, object
+manager), without a dashboard. With one, the job joins that cluster and says so in one line on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import sys
+
+__all__ = ["LOCAL_NODE_IP", "AddressError", "init_ray", "job_address", "reachable"]
+
+LOCAL_NODE_IP = "127.0.0.1"
+"""Node IP of a locally started cluster: every Ray port of that cluster listens on loopback only."""
+
+
+class AddressError(ValueError):
+    """The cluster address cannot be used (a Jobs API URL where a GCS address is needed, or nothing answers)."""
+
+
+def job_address(cli_address: str | None, spec) -> tuple[str | None, str]:
+    """The Ray cluster address a job uses and where it came from.
+
+    Args:
+        cli_address: ``--address`` (None when not given).
+        spec: the validated ``cluster.spec.JobSpec`` (its ``ray.address``).
+    Returns:
+        (address or None for a local cluster, source: ``"--address"``, ``"ray.address"``, ``"$RAY_ADDRESS"`` or
+        ``"local"``).
+    Raises:
+        AddressError: an ``http(s)://`` (dashboard / Jobs API) address, or a ``HOST:PORT`` where no TCP connection
+            opens within 5 s.
+    """
+    env = os.environ.get("RAY_ADDRESS") or None
+    address, source = next(((a, s) for a, s in ((cli_address, "--address"), (spec.ray.address, "ray.address"),
+                                                  (env, "$RAY_ADDRESS")) if a), (None, "local"))
+    if address is None:
+        return None, source
+    if address.startswith(("http://", "https://")):
+        raise AddressError(
+            f"{address} ({source}) is a Ray Jobs API (dashboard) address; `run` needs the cluster's GCS address "
+            f"(HOST:6379 or auto) — or send the job there with `grpo-cluster submit SPEC --address {address}`. "
+            f"(Unset $RAY_ADDRESS for a local run.)")
+    if not reachable(address):
+        raise AddressError(f"cannot reach a Ray cluster at {address} ({source})")
+    return address, source
+
+
+def reachable(address: str, timeout_s: float = 5.0) -> bool:
+    """For a ``host:port`` GCS address, whether a TCP connection opens within ``timeout_s`` (Ray itself retries for
+    minutes). Other forms (``auto``, ``ray://``) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def init_ray(spec, address: str | None, source: str = "--address", log_to_driver: bool = True) -> None:
+    """``ray.init`` for a job: join ``address`` (one line on stderr says so), or start a local cluster of
+    ``spec.ray.num_cpus`` CPUs on 127.0.0.1 when ``address`` is None.
+
+    Args:
+        spec: the validated JobSpec (``ray.num_cpus``, ``ray.dashboard_host``).
+        address: from :func:`job_address`.
+        source: where ``address`` came from, for the message.
+    Raises:
+        AddressError: ``address`` was given and joining it failed (no GCS there, a token refused).
+    """
+    import ray
+
+    if address is not None:
+        from cluster.jobs import _use_token_if_available
+
+        _use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
+        try:
+            ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as exc:
+            first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise AddressError(f"cannot join the Ray cluster at {address} ({source}): {first}") from None
+        print(f"[grpo-cluster] joined the existing Ray cluster at {address} ({source})", file=sys.stderr)
+        return
+    with _loopback_only():
+        ray.init(address="local", num_cpus=spec.ray.num_cpus, include_dashboard=False,
+                 dashboard_host=spec.ray.dashboard_host, log_to_driver=log_to_driver)
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """While starting a local cluster, make Ray use 127.0.0.1 as the node IP and bind every port there.
+
+    ``ray.init(_node_ip_address="127.0.0.1")`` and ``ray start --node-ip-address 127.0.0.1`` do not do it: Ray
+    rewrites a loopback address to the machine's routable IP (``services.resolve_ip_for_localhost``). Ray keeps to
+    loopback only when it treats clusters as disabled on this OS: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read into
+    ``ray._private.ray_constants.ENABLE_RAY_CLUSTER`` at import. Both are set for the duration of ``ray.init`` (the
+    raylet and workers it starts inherit the variable) and restored afterwards, so that a later ``ray.init`` that
+    joins a remote cluster from this process still finds its routable IP.
+    """
+    from ray._private import ray_constants
+
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    old_env, old_flag = os.environ.get(name), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[name], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old_env
