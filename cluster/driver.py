@@ -243,7 +243,7 @@ class GRPOJob:
             dead = self.rollout.dead_engines()
             if not dead:
                 raise
-            cause = f"{type(exc).__name__} during weight sync: {_first_line(exc)}"
+            cause = f"{type(exc).__name__} during weight sync: {_first_line(exc)}; {self.rollout.where(dead)}"
             self._status(f"rollout engine(s) {dead} failed ({cause}); replacing them")
             self.rollout.replace(dead, self.policy_version, cause)
             self.sync.rebuild(self.rollout.engines)
@@ -282,7 +282,7 @@ class GRPOJob:
                     continue
                 if not dead:
                     raise
-                cause = f"{type(exc).__name__}: {_first_line(exc)}"
+                cause = f"{type(exc).__name__}: {_first_line(exc)}; {self.rollout.where(dead)}"
                 self._status(f"rollout engine(s) {dead} failed ({cause}); replacing and re-sampling "
                              f"{len(requests)} group(s)")
                 self.rollout.replace(dead, self.policy_version, cause)
