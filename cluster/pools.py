@@ -104,11 +104,13 @@ def _pool_placement_group(bundles: list[dict], strategy: str, name: str, timeout
 
 
 def _fmt_resources(res: dict, asked: set[str] = frozenset()) -> str:
-    """``"CPU 1, GPU 0, rollout_node 0"``: CPU/GPU/memory, accelerator types, and the ``asked`` resources (0 when
-    absent)."""
-    shown = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory") or k.startswith("accelerator_type")}
-    shown.update({k: res.get(k, 0.0) for k in asked})
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(shown.items())) or "none"
+    """``"CPU 1, memory 22.9 GiB, rollout_node 0"``: CPU, GPU, memory, accelerator types, and the ``asked``
+    resources (0 when absent)."""
+    shown = {k: f"{v:g}" for k, v in res.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
+    shown.update({k: f"{res.get(k, 0.0):g}" for k in asked if k != "memory"})
+    if "memory" in res:
+        shown["memory"] = f"{res['memory'] / 2**30:.1f} GiB"
+    return ", ".join(f"{k} {v}" for k, v in sorted(shown.items())) or "none"
 
 
 def _in_group(pg, bundle_index: int = 0) -> dict:
@@ -218,9 +220,10 @@ class RolloutPool:
         return dead
 
     def where(self, indices: list[int]) -> str:
-        """Where the engines at ``indices`` ran and whether that Ray node is still alive, e.g.
-        ``"engine 0 on node 3f2a9c01 (127.0.0.1, node dead)"``: node ids come from each engine's own start-up report
-        (``ready``), liveness from ``ray.nodes()``."""
+        """Where the engines at ``indices`` ran and whether that Ray node is alive, e.g.
+        ``"engine 0 on node 3f2a9c01 (10.0.0.7, node dead)"``: node ids come from each engine's own start-up report
+        (``ready``), liveness from ``ray.nodes()`` now. Ray marks a lost node dead only after missed health checks
+        (seconds to tens of seconds): until then it reads ``node still reported alive``."""
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         parts = []
         for i in indices:
@@ -229,7 +232,7 @@ class RolloutPool:
             if node_id is None:
                 parts.append(f"engine {i} on an unknown node")
                 continue
-            state = "node alive" if node is not None and node.get("Alive") else "node dead"
+            state = "node still reported alive" if node is not None and node.get("Alive") else "node dead"
             address = node.get("NodeManagerAddress", "?") if node is not None else "?"
             parts.append(f"engine {i} on node {node_id[:8]} ({address}, {state})")
         return "; ".join(parts)
@@ -243,20 +246,22 @@ class RolloutPool:
 
         Raises:
             EngineFailure: replacements would exceed ``rollout.max_engine_restarts``, or a replacement could not be
-                placed in time (names the engine, ``cause`` and the resources missing).
+                placed in time; names the engine, ``cause``, the engine's node and whether Ray now reports it dead
+                (:meth:`where`, read when raising), and the resources missing.
         """
         limit = self.spec.rollout.max_engine_restarts
         if self.restarts + len(indices) > limit:
-            raise EngineFailure(f"rollout engine(s) {indices} failed ({cause}); {self.restarts} replacement(s) "
-                                f"already made and rollout.max_engine_restarts={limit}: stopping")
+            raise EngineFailure(f"rollout engine(s) {indices} failed ({cause}; {self.where(indices)}); "
+                                f"{self.restarts} replacement(s) already made and rollout.max_engine_restarts={limit}: "
+                                f"stopping")
         for i in indices:
             _kill(self.engines[i], self.placement_groups[i])
             self.placement_groups[i] = None  # freed: shutdown must not remove it twice
             try:
                 engine, pg = self._spawn(policy_version)
             except InsufficientResources as exc:
-                raise EngineFailure(f"rollout engine {i} failed ({cause}) and no replacement could be placed: "
-                                    f"{exc}") from exc
+                raise EngineFailure(f"rollout engine {i} failed ({cause}; {self.where([i])}) and no replacement "
+                                    f"could be placed: {exc}") from exc
             self.infos[i] = get(engine.ready.remote(), self.spec.rollout.timeout_s, f"starting replacement engine {i}")
             self.engines[i], self.placement_groups[i] = engine, pg
             self.restarts += 1

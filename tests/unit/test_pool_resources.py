@@ -95,3 +95,18 @@ def test_ipc_across_nodes_is_refused_naming_the_engine():
     with pytest.raises(ValueError, match=r"sync.mode=ipc needs every engine on train rank 0's Ray node aaaaaaaa, but "
                                          r"engine 1 on node bbbbbbbb; use sync.mode 'broadcast' or 'auto'"):
         choose_transport("ipc", False, "a" * 56, ["a" * 56, "b" * 56])
+
+
+def test_where_names_each_engine_node_and_its_state(monkeypatch):
+    from cluster.pools import RolloutPool, _fmt_resources
+
+    pool = RolloutPool.__new__(RolloutPool)  # only ``infos`` is read: no engines are started
+    pool.infos = [{"node_id": "a" * 56}, {"node_id": "b" * 56}, {"node_id": "c" * 56}, {"node_id": None}]
+    monkeypatch.setattr(ray, "nodes", lambda: [
+        {"NodeID": "a" * 56, "Alive": False, "NodeManagerAddress": "10.0.0.7"},
+        {"NodeID": "b" * 56, "Alive": True, "NodeManagerAddress": "10.0.0.8"}])
+    assert pool.where([0, 1, 2, 3]) == (
+        "engine 0 on node aaaaaaaa (10.0.0.7, node dead); engine 1 on node bbbbbbbb (10.0.0.8, node still reported "
+        "alive); engine 2 on node cccccccc (?, node dead); engine 3 on an unknown node")
+    assert _fmt_resources({"CPU": 0.0, "memory": 2**30 * 22.94, "node:10.0.0.7": 1.0}, {"CPU", "rollout_node"}) == \
+        "CPU 0, memory 22.9 GiB, rollout_node 0"
