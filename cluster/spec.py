@@ -72,10 +72,11 @@ CustomResources = dict[Annotated[str, Field(strict=True)], Annotated[float, Fiel
 def _check_custom_resources(resources: dict[str, float], section: str, per: str) -> dict[str, float]:
     """Validate a pool's custom Ray resources per actor (``{name: amount}``), e.g. ``{"rollout_node": 1}``.
 
-    Ray's rules, checked here so that they fail at spec load naming the field rather than at actor creation: names
-    are non-empty without whitespace and are not Ray's builtin ``CPU``/``GPU``/``memory``/``object_store_memory`` in
-    any letter case (CPUs and GPUs have their own fields, ``{section}.num_cpus_per_{per}``); amounts are > 0, at most
-    :data:`MAX_CUSTOM_RESOURCE`, and whole multiples of 0.0001 (Ray's resource unit).
+    Checked here so that a mistake fails at spec load naming the field, not at actor creation (Ray's own rules plus
+    typo guards): names are non-empty without whitespace and are not Ray's builtin ``CPU``/``GPU``/``memory``/
+    ``object_store_memory`` in any letter case (CPUs and GPUs have their own fields, e.g.
+    ``rollout.num_cpus_per_replica``); amounts are > 0, at most :data:`MAX_CUSTOM_RESOURCE`, and whole multiples of
+    0.0001 (Ray's resource unit).
 
     Raises:
         ValueError: naming the resource, what was expected and what was given.
