@@ -169,18 +169,22 @@ class ControlHandle:
 
 
 def start_control(job_id: str, rollout_replicas: int) -> ControlHandle:
-    """Create the job's control actor (``ray.init`` must have been called) and return the driver's handle.
+    """Create the job's control actor (``ray.init`` must have been called) on the driver's own Ray node, so that
+    losing a worker node never takes the ``scale`` channel with it, and return the driver's handle.
 
     Raises ControlError when a live actor already has the name: another driver with the same job id (for ``run``,
     the same spec name) is running on this cluster.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor_cls = ray.remote(JobControlState)
     name = actor_name(job_id)
+    driver_node = ray.get_runtime_context().get_node_id()  # lives and dies with the driver, not with a worker node
     try:
-        actor = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=0).remote(
-            job_id, rollout_replicas)
+        actor = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
+                                  scheduling_strategy=NodeAffinitySchedulingStrategy(driver_node, soft=False),
+                                  ).remote(job_id, rollout_replicas)
     except ValueError as exc:  # Ray: "The name ... is already taken"
         raise ControlError(f"a job control actor {name!r} already exists in namespace {NAMESPACE!r}: another "
                            f"driver with job id {job_id!r} is running on this cluster; give the job another name "

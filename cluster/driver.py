@@ -261,7 +261,7 @@ class GRPOJob:
             if not dead:
                 raise
             cause = f"{type(exc).__name__} during weight sync: {_first_line(exc)}"
-            self._status(f"rollout engine(s) {dead} failed ({cause}); replacing them")
+            self._status(f"rollout engine(s) {dead} failed ({cause}; {self.rollout.where(dead)}); replacing them")
             self.rollout.replace(dead, self.policy_version, cause)
             self.sync.rebuild(self.rollout.engines)
             return self.sync.sync(self.policy_version)
@@ -300,8 +300,8 @@ class GRPOJob:
                 if not dead:
                     raise
                 cause = f"{type(exc).__name__}: {_first_line(exc)}"
-                self._status(f"rollout engine(s) {dead} failed ({cause}); replacing and re-sampling "
-                             f"{len(requests)} group(s)")
+                self._status(f"rollout engine(s) {dead} failed ({cause}; {self.rollout.where(dead)}); replacing and "
+                             f"re-sampling {len(requests)} group(s)")
                 self.rollout.replace(dead, self.policy_version, cause)
                 self._resync_engines(f"replacing engine(s) {dead}")
                 continue

