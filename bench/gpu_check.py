@@ -184,10 +184,10 @@ def section_gpu_tests(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------------ driver
-def _run_child(section: str, ctx: Context) -> None:
-    """Inside a section's own process: run it, print the result line (also for an exception: FAIL)."""
-    sec = {s.name: s for s in SECTIONS}[section]
-    module, func = sec.target.split(":")
+def _run_child(target: str, ctx: Context) -> None:
+    """Inside a section's own process: run ``target`` ("module:function"), print the result line (an exception is a
+    FAIL)."""
+    module, func = target.split(":")
     try:
         result = getattr(importlib.import_module(module), func)(ctx)
     except Exception as exc:  # noqa: BLE001 - reported as the section's FAIL
@@ -199,7 +199,7 @@ def _run_child(section: str, ctx: Context) -> None:
 
 def _run_section(sec: Section, ctx: Context, timeout_s: float) -> tuple[Result, float]:
     """Run ``sec`` in a child process bounded by ``timeout_s``; its whole output goes to ``<log_dir>/<name>.log``."""
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--child", sec.name, "--log-dir", ctx.log_dir]
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--child", sec.target, "--log-dir", ctx.log_dir]
     if ctx.dry_run:
         cmd.append("--dry-run")
     log_path = Path(ctx.log_dir) / f"{sec.name}.log"
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         left = args.budget_s - (time.perf_counter() - start)
         timeout = min(sec.dry_timeout_s if args.dry_run else sec.timeout_s, left)
-        if timeout < 10:
+        if timeout < 5:
             result, seconds = Result("SKIP", f"time budget spent ({args.budget_s:.0f} s)"), 0.0
         else:
             result, seconds = _run_section(sec, ctx, timeout)
