@@ -91,7 +91,7 @@ SECTIONS = (
     Section("mixed_precision", "bench.gpu_check_train:section_mixed_precision", 60, 40),
     Section("throughput", "bench.gpu_check_train:section_throughput", 120, 40),
     Section("cuda_ipc", "bench.gpu_check_transport:section_cuda_ipc", 60, 30),
-    Section("fsdp_two_ranks", "bench.gpu_check_train:section_fsdp_two_ranks", 60, 60),
+    Section("fsdp_two_ranks", "bench.gpu_check_train:section_fsdp_two_ranks", 90, 60),
     Section("gpu_tests", "bench.gpu_check:section_gpu_tests", 90, 30),
 )
 
@@ -227,7 +227,7 @@ def _run_section(sec: Section, ctx: Context, timeout_s: float) -> tuple[Result, 
 
 
 def _format_numbers(numbers: dict) -> str:
-    return "\n".join(f"    {k}: {json.dumps(v, default=str)}" for k, v in numbers.items())
+    return "\n".join(f"    {k}: {json.dumps(v, default=str, ensure_ascii=False)}" for k, v in numbers.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU: tiny sizes, gloo, shared memory")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these sections")
     parser.add_argument("--budget-s", type=float, default=330.0, help="total time bound, seconds (default 330)")
-    parser.add_argument("--log-dir", default=None, help="per-section logs (default $OUT/gpu_check_logs or a temp dir)")
+    parser.add_argument("--log-dir", default=None, help="per-section logs (default: a new temporary folder)")
     parser.add_argument("--json-out", default=None, help="write every section's result to this JSON file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -245,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    log_dir = args.log_dir or (os.path.join(os.environ["OUT"], "gpu_check_logs") if os.environ.get("OUT")
-                               else tempfile.mkdtemp(prefix="gpu_check_"))
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(log_dir, exist_ok=True)
     ctx = Context(dry_run=args.dry_run, device="cpu" if args.dry_run else "cuda",
                   backend="gloo" if args.dry_run else "nccl", log_dir=log_dir)

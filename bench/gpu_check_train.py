@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import time
 import traceback
 from datetime import timedelta
@@ -289,11 +290,45 @@ def model_flops(size: str, lengths: list[tuple[int, int]]) -> dict:
             "attention_flops": attention}
 
 
+def _time_steps(size: str, attention: str, lengths, device: torch.device, warmup: int, steps: int,
+                flops: float) -> dict:
+    """Build the bf16-mixed-precision FSDP2 model and time ``steps`` train steps after ``warmup``; median step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = build_policy(size, attention, device)
+    shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    mb = make_batch(SIZES[size]["vocab_size"], lengths)
+    old = old_logprobs(model, mb, device)
+    n_tok = int(mb.response_mask.sum())
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], float("nan")
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = loss_backward(model, mb, old, device, n_tok)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
+    row = {"step_ms_median": round(step_s * 1e3, 1), "tokens_per_s": round(mb.num_tokens / step_s),
+           "achieved_tflops": round(flops / step_s / 1e12, 1), "loss": loss}
+    if cuda:
+        row["mfu"] = round(flops / step_s / H200_BF16_PEAK_FLOPS, 4)
+        row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return row
+
+
 def section_throughput(ctx: Context) -> Result:
     """Tokens/s and MFU of the FSDP2 bf16-mixed-precision train step (forward, backward, clip, AdamW) of the 0.5B
     Llama-shaped model, world size 1, one packed micro-batch per step, for each packed attention available."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from train_workers.packing import register_varlen_sdpa
 
     device = init_group(ctx, 0, 1, _free_port())
@@ -306,43 +341,23 @@ def section_throughput(ctx: Context) -> Result:
                      "batch": f"{len(lengths)} sequences × ({lengths[0][0]} prompt + {lengths[0][1]} response) tokens",
                      "mixed_precision": "param bf16, reduce fp32, AdamW fp32", **flops,
                      "flops_formula": "6·N_non_embedding·tokens + 6·H·V·response_tokens + 6·layers·d_attn·Σl²",
-                     "peak_flops": H200_BF16_PEAK_FLOPS if device.type == "cuda" else None}
+                     "peak_flops": H200_BF16_PEAK_FLOPS if device.type == "cuda" else None,
+                     "worker_attention_here": packed_attention(ctx)}
     failures = []
     try:
         for attention in attentions:
-            model = build_policy(size, attention, device)
-            shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-            mb = make_batch(SIZES[size]["vocab_size"], lengths)
-            old = old_logprobs(model, mb, device)
-            n_tok = int(mb.response_mask.sum())
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            times, loss = [], float("nan")
-            for i in range(warmup + steps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                loss, _ = loss_backward(model, mb, old, device, n_tok)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            step_s = sorted(times)[len(times) // 2]
-            row = {"step_ms_median": round(step_s * 1e3, 1), "tokens_per_s": round(flops["tokens"] / step_s),
-                   "achieved_tflops": round(flops["flops"] / step_s / 1e12, 1), "loss": loss}
-            if device.type == "cuda":
-                row["mfu"] = round(flops["flops"] / step_s / H200_BF16_PEAK_FLOPS, 4)
-                row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                if not 0 < row["mfu"] < 1:
-                    failures.append(f"{attention}: MFU {row['mfu']} outside (0, 1): FLOPs formula or timing wrong")
-            numbers[f"attention={attention}"] = row
-            if not math.isfinite(loss):
-                failures.append(f"{attention}: loss {loss}")
-            del model, optimizer
+            try:
+                numbers[f"attention={attention}"] = row = _time_steps(size, attention, lengths, device, warmup, steps,
+                                                                      flops["flops"])
+            except Exception as exc:  # noqa: BLE001 - one attention failing (e.g. out of memory) keeps the others
+                traceback.print_exc()
+                numbers[f"attention={attention}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                failures.append(f"{attention}: {type(exc).__name__}")
+                continue
+            if device.type == "cuda" and not 0 < row["mfu"] < 1:
+                failures.append(f"{attention}: MFU {row['mfu']} outside (0, 1): FLOPs formula or timing wrong")
+            if not math.isfinite(row["loss"]):
+                failures.append(f"{attention}: loss {row['loss']}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
@@ -351,12 +366,23 @@ def section_throughput(ctx: Context) -> Result:
 
 
 # ------------------------------------------------------------------------------------------------- two ranks
+def _read(path: str) -> str:
+    """A rank's log ("" when the rank died before opening it)."""
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 DUPLICATE_GPU_MARKERS = ("Duplicate GPU detected", "ncclInvalidUsage")
 
 
 def _rank_main(rank: int, ctx: Context, port: int, size: str, lengths, old_per_seq, out_dir: str) -> None:
-    """One of two spawned ranks: half the sequences, FSDP2 step, rank 0 saves loss and full gradients."""
-    log = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    """One of two spawned ranks: half the sequences, FSDP2 step, rank 0 saves loss and full gradients to
+    ``out_dir/rank0.pt``; the rank's output goes to ``<log_dir>/fsdp_two_ranks.rank<r>.log``."""
+    log_dir = ctx.log_dir
+    log = os.open(os.path.join(log_dir, f"fsdp_two_ranks.rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.setdefault("NCCL_DEBUG", "WARN")  # NCCL prints why it refuses a layout
@@ -384,13 +410,39 @@ def _rank_main(rank: int, ctx: Context, port: int, size: str, lengths, old_per_s
         raise
 
 
-def section_fsdp_two_ranks(ctx: Context) -> Result:
-    """Two processes, one FSDP2 group, half the batch each, vs one unsharded process on the whole batch. On one GPU
-    NCCL refuses two ranks on the same device; that refusal is detected in the ranks' logs and reported as SKIP."""
+def _spawn_two_ranks(ctx: Context, size: str, lengths, old_per_seq, wait_s: float):
+    """Run :func:`_rank_main` in two spawned processes for at most ``wait_s`` (then kill them). Returns (exit codes,
+    ranks that hung, {rank: log text}, rank 0's saved result or None)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
+    out_dir = tempfile.mkdtemp(prefix="gpu_check_two_ranks_")
+    try:
+        spawn, port = mp.get_context("spawn"), _free_port()
+        procs = [spawn.Process(target=_rank_main, args=(r, ctx, port, size, lengths, old_per_seq, out_dir))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + wait_s
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 1))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        logs = {r: _read(os.path.join(ctx.log_dir, f"fsdp_two_ranks.rank{r}.log")) for r in range(2)}
+        result = os.path.join(out_dir, "rank0.pt")
+        got = torch.load(result) if os.path.exists(result) else None
+        return [p.exitcode for p in procs], hung, logs, got
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def section_fsdp_two_ranks(ctx: Context) -> Result:
+    """Two processes, one FSDP2 group, half the batch each, vs one unsharded process on the whole batch. On one GPU
+    NCCL refuses two ranks on the same device; that refusal is detected in the ranks' logs and reported as SKIP."""
     strict_fp32()
     size, lengths = ("tiny" if ctx.dry_run else "small"), _lengths(ctx)
     device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")
@@ -400,32 +452,16 @@ def section_fsdp_two_ranks(ctx: Context) -> Result:
     old_per_seq = [t.cpu() for t in old.split([r for _, r in lengths])]
     loss_ref, _ = loss_backward(reference, mb, old, device, int(mb.response_mask.sum()))
     g_ref = {n: t.cpu() for n, t in grads(reference).items()}
-    out_dir = tempfile.mkdtemp(prefix="two_ranks_", dir=ctx.log_dir)
-    spawn = mp.get_context("spawn")
-    port = _free_port()
-    procs = [spawn.Process(target=_rank_main, args=(r, ctx, port, size, lengths, old_per_seq, out_dir))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 45
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 1))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    logs = {r: open(os.path.join(out_dir, f"rank{r}.log"), errors="replace").read() for r in range(2)}
-    numbers = {"model": size, "backend": ctx.backend, "exit_codes": [p.exitcode for p in procs], "hung_ranks": hung}
+    codes, hung, logs, got = _spawn_two_ranks(ctx, size, lengths, old_per_seq, wait_s=45 if ctx.dry_run else 60)
+    numbers = {"model": size, "backend": ctx.backend, "exit_codes": codes, "hung_ranks": hung}
     refusal = [ln.strip() for text in logs.values() for ln in text.splitlines()
                if any(mark in ln for mark in DUPLICATE_GPU_MARKERS)]
     if refusal:
         numbers["nccl_message"] = refusal[0][:300]
         return Result("SKIP", "NCCL refuses two ranks on one GPU (needs 2 GPUs): " + refusal[0][:160], numbers)
-    if hung or any(p.exitcode != 0 for p in procs) or not os.path.exists(os.path.join(out_dir, "rank0.pt")):
+    if hung or any(c != 0 for c in codes) or got is None:
         tails = {r: "\n".join(t.splitlines()[-8:]) for r, t in logs.items()}
-        return Result("FAIL", f"ranks failed (exit codes {numbers['exit_codes']}, hung {hung}): {tails}", numbers)
-    got = torch.load(os.path.join(out_dir, "rank0.pt"))
+        return Result("FAIL", f"ranks failed (exit codes {codes}, hung {hung}): {tails}", numbers)
     errs = {"loss_rel": abs(got["loss"] - loss_ref) / max(abs(loss_ref), 1e-12),
             "grad": _grad_diff(got["grads"], g_ref)}
     numbers.update(loss_two_ranks=got["loss"], loss_one_process=loss_ref,

@@ -30,8 +30,10 @@
 # `pip install --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --target .site ...`,
 # carry `.site` and run with GPU_CHECK_SITE=.site: the script then puts that folder on PYTHONPATH as it is.
 #
-# Environment: PYTHON (default python3), GPU_CHECK_WHEELS, GPU_CHECK_SITE; $OUT, when set (the device tool), receives
-# the per-section logs under $OUT/gpu_check_logs.
+# Environment: PYTHON (default python3), GPU_CHECK_WHEELS, GPU_CHECK_SITE. Per-section logs go to a temporary folder
+# (--log-dir to choose; a failing section's log tail is printed anyway); --json-out FILE keeps every number.
+# On the lent device (scripts run from the repository root there):
+#   run(command="bash scripts/gpu_check.sh --json-out $OUT/gpu_check.json", timeout_s=420)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
