@@ -7,8 +7,9 @@ order (``fully_shard`` per decoder layer, then the root, as ``train_workers.fsdp
 multiplied by the world size as the worker does, ``clip_grad_norm_`` and AdamW. ``FSDPTrainWorker`` itself cannot run
 without Ray (``init_distributed`` imports it), so it is not used here.
 
-The attention is the one ``FSDPTrainWorker`` picks (``fsdp_worker._packed_attention``): on CUDA ``flash_attention_2``
-when flash-attn is installed, else ``sdpa``; on CPU ``packed_varlen_sdpa``.
+The attention is the one ``FSDPTrainWorker`` picks for packed rows (:func:`packed_attention`): ``flash_attention_2`` on
+CUDA when flash-attn is installed (and, after the mixed-precision change, the compute dtype is 16-bit), else
+``sdpa`` on CUDA before that change and ``packed_varlen_sdpa`` after it and on CPU.
 
 Behaviour (old) logprobs are the fp32 model's own plus fixed noise (std 0.1), so importance ratios differ from 1, some
 tokens clip, and the loss depends on the weights.
@@ -57,11 +58,18 @@ def llama_config(size: str):
     return LlamaConfig(**SIZES[size], max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
-def packed_attention(ctx: Context) -> str:
-    """The attention ``FSDPTrainWorker`` uses for packed rows on this device."""
-    from train_workers.fsdp_worker import _packed_attention
+def packed_attention(ctx: Context, compute_dtype: torch.dtype = torch.float32) -> str:
+    """The attention ``FSDPTrainWorker`` uses for packed rows on this device at ``compute_dtype``.
 
-    return _packed_attention(ctx.device == "cuda")
+    ``train_workers.packing.packed_attention(cuda, compute_dtype)`` where it exists (it comes with the FSDP2 mixed
+    precision change); before it, ``fsdp_worker._packed_attention(cuda)``."""
+    try:
+        from train_workers.packing import packed_attention as choose
+    except ImportError:
+        from train_workers.fsdp_worker import _packed_attention
+
+        return _packed_attention(ctx.device == "cuda")
+    return choose(ctx.device == "cuda", compute_dtype)
 
 
 def build_policy(size: str, attention: str, device: torch.device, seed: int = 0):
@@ -336,13 +344,15 @@ def section_throughput(ctx: Context) -> Result:
     lengths = [(16, 16)] * 4 if ctx.dry_run else [(256, 768)] * 16
     warmup, steps = (1, 2) if ctx.dry_run else (2, 5)
     flops = model_flops(size, lengths)
-    attentions = [register_varlen_sdpa()] + ([] if ctx.dry_run else [packed_attention(ctx)])
+    worker_attention = packed_attention(ctx, torch.bfloat16)
+    # the worker's choice first; on CUDA also per-sequence SDPA and transformers' dense block-diagonal-mask SDPA
+    attentions = list(dict.fromkeys([worker_attention] + ([] if ctx.dry_run else [register_varlen_sdpa(), "sdpa"])))
     numbers: dict = {"model": size, "config": SIZES[size], "tie_word_embeddings": True,
                      "batch": f"{len(lengths)} sequences × ({lengths[0][0]} prompt + {lengths[0][1]} response) tokens",
                      "mixed_precision": "param bf16, reduce fp32, AdamW fp32", **flops,
                      "flops_formula": "6·N_non_embedding·tokens + 6·H·V·response_tokens + 6·layers·d_attn·Σl²",
                      "peak_flops": H200_BF16_PEAK_FLOPS if device.type == "cuda" else None,
-                     "worker_attention_here": packed_attention(ctx)}
+                     "worker_attention_here": worker_attention}
     failures = []
     try:
         for attention in attentions:
