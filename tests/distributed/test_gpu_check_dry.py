@@ -1,0 +1,44 @@
+"""``bash scripts/gpu_check.sh --dry-run``: every section of the device check that can run on CPU runs and passes
+(gloo instead of NCCL, the shared-memory transport instead of CUDA IPC, tiny models), the CUDA-only one is skipped
+with its reason, and the whole run stays inside its 2-minute CPU budget. Starts gloo groups of two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "cuda_ipc",
+                "fsdp_two_ranks"]
+
+
+def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "no_wheels")}
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--json-out", str(out),
+                           "--log-dir", str(tmp_path / "logs")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    assert list(sections) == CPU_SECTIONS + ["gpu_tests"]
+    assert {name: sections[name]["status"] for name in CPU_SECTIONS} == dict.fromkeys(CPU_SECTIONS, "PASS"), \
+        {name: sections[name]["reason"] for name in CPU_SECTIONS}
+    assert sections["gpu_tests"]["status"] == "SKIP", sections["gpu_tests"]
+    assert "no tests/gpu test ran here" in sections["gpu_tests"]["reason"]
+    assert " skipped" in sections["gpu_tests"]["numbers"]["pytest_summary"]
+    # the numbers each section reports are there and within the stated tolerances
+    mp = sections["mixed_precision"]["numbers"]
+    assert mp["param_and_grad_dtypes"] == ["torch.float32"] and mp["update_kept"] >= 0.95
+    assert mp["update_lost_if_params_were_bf16"] > 0.5  # the same update in pure bf16 would mostly round away
+    assert sections["fsdp_two_ranks"]["numbers"]["backend"] == "gloo"
+    assert sections["cuda_ipc"]["numbers"]["transport"] == "shm"
+    assert sections["cuda_ipc"]["numbers"]["crc_checked_tensors"] == sections["cuda_ipc"]["numbers"]["tensors"]
+    assert sections["throughput"]["numbers"]["attention=packed_varlen_sdpa"]["tokens_per_s"] > 0
+    assert report["total_s"] < 120, f"dry run took {report['total_s']} s (budget 120 s on a 2-core machine)"
+    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", "8 PASS, 0 FAIL, 1 SKIP"):
+        assert line in proc.stdout
