@@ -59,16 +59,10 @@ def llama_config(size: str):
 
 
 def packed_attention(ctx: Context, compute_dtype: torch.dtype = torch.float32) -> str:
-    """The attention ``FSDPTrainWorker`` uses for packed rows on this device at ``compute_dtype``.
+    """The attention ``FSDPTrainWorker`` uses for packed rows on this device at ``compute_dtype``
+    (``train_workers.packing.packed_attention``)."""
+    from train_workers.packing import packed_attention as choose
 
-    ``train_workers.packing.packed_attention(cuda, compute_dtype)`` where it exists (it comes with the FSDP2 mixed
-    precision change); before it, ``fsdp_worker._packed_attention(cuda)``."""
-    try:
-        from train_workers.packing import packed_attention as choose
-    except ImportError:
-        from train_workers.fsdp_worker import _packed_attention
-
-        return _packed_attention(ctx.device == "cuda")
     return choose(ctx.device == "cuda", compute_dtype)
 
 
