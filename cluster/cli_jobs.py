@@ -75,9 +75,9 @@ def _cmd_submit(args) -> int:
         print(f"{PREFIX} submit: note: output_dir {spec.output_dir!r} is relative, so on the cluster it lands in the "
               f"job's temporary working dir; use an absolute path on shared storage to keep it "
               f"(--set output_dir=/path)", file=sys.stderr)
-    python = _python(args)
     try:
-        client = jobs.connect(args.address)
+        client = jobs.connect(args.address)  # checks the address before anything is derived from it
+        python = _python(args)
         job_id = jobs.submit_spec(client, spec, python=python, imports=args.imports or (), pip=args.pip or (),
                                   env=env, working_dir=args.working_dir, submission_id=args.job_id,
                                   source=args.spec)

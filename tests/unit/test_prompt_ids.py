@@ -132,7 +132,7 @@ def _engine(llm) -> RolloutEngine:
     """A RolloutEngine around ``llm`` without starting vLLM (its __init__ builds the real engine)."""
     engine = object.__new__(RolloutEngine)
     engine.llm, engine.policy_version, engine.kv_capacity_tokens = llm, 3, None
-    engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, max_response_tokens=8)
+    engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_response_tokens=8)
     return engine
 
 
