@@ -181,20 +181,25 @@ def upload_files(root: Path) -> list[tuple[Path, int, str | None]]:
     Returns:
         (path relative to ``root``, size in bytes, link target or None), in walk order.
     Raises:
-        JobsError: a link to a folder that contains it (Ray would follow it without end).
+        JobsError: a link to a folder that contains it or contains ``root`` (Ray would follow it without end),
+            refused at the link before anything under it is walked (a link to ``/`` or ``..`` is not walked); a
+            folder that cannot be listed.
     """
     ignore = shutil.ignore_patterns(*UPLOAD_EXCLUDES)
     found: list[tuple[Path, int, str | None]] = []
 
     def walk(folder: Path, rel: Path, ancestors: frozenset) -> None:
-        names = sorted(os.listdir(folder))
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as exc:
+            raise JobsError(f"cannot list {rel or '.'} in {root} to size the upload: {exc}") from None
         skipped = ignore(str(folder), names)
         for name in (n for n in names if n not in skipped):
             path = folder / name
             target = os.readlink(path) if path.is_symlink() else None
             if path.is_dir():
                 real = path.resolve()
-                if real in ancestors:
+                if any(ancestor.is_relative_to(real) for ancestor in ancestors):
                     raise JobsError(f"{rel / name} in {root} is a link to {real}, a folder that contains it: the "
                                     f"upload would never end; remove the link or pass another --working-dir")
                 walk(path, rel / name, ancestors | {real})

@@ -97,3 +97,31 @@ def test_upload_files_agree_with_rays_packaging(tmp_path):
     assert {str(rel): target for rel, _, target in jobs.upload_files(root) if target} == {
         "abs_file": str(tmp_path / "outside" / "file.txt"), "rel_file": os.path.join("..", "outside", "file.txt"),
     }
+
+
+@pytest.mark.parametrize("target", ["parent", "filesystem_root"])
+def test_link_to_a_folder_above_the_project_is_refused_at_the_link(tmp_path, target):
+    """A link to a folder that contains the project (``up -> ..``, ``up -> /``) is refused naming the link itself,
+    without walking what is under it (a whole file system before reaching the project again)."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (tmp_path / "a_sibling").mkdir()
+    (tmp_path / "a_sibling" / "big.bin").write_bytes(b"x")
+    (root / "up").symlink_to(tmp_path if target == "parent" else Path("/"), target_is_directory=True)
+    with pytest.raises(jobs.JobsError, match=r"^up in .* is a link to .*, a folder that contains it"):
+        jobs.upload_files(root)
+
+
+def test_unlistable_folder_is_a_jobs_error(tmp_path, monkeypatch):
+    root = tmp_path / "proj"
+    (root / "locked").mkdir(parents=True)
+    listdir = os.listdir
+
+    def refuse(path):
+        if Path(path).name == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(jobs.os, "listdir", refuse)
+    with pytest.raises(jobs.JobsError, match=r"cannot list locked in .*proj to size the upload: .*Permission denied"):
+        jobs.upload_files(root)
