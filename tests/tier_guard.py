@@ -11,7 +11,8 @@ A tier can collect nothing because pytest never enters it (the default ``norecur
 define no tests. The run then stops at collection with a usage error (exit code 4) naming each empty tier.
 
 Runs narrowed to single files or test ids (``pytest tests/unit/test_x.py``) and ``--lf`` runs (which skip whole
-files on purpose) are not checked.
+files on purpose) are not checked, nor are tiers the run leaves out on purpose with ``--ignore`` or
+``--ignore-glob`` (``pytest tests --ignore=tests/e2e``): the tier itself, or a path inside it, is ignored.
 
 Usage (in the tests root's ``conftest.py``)::
 
@@ -22,6 +23,7 @@ Usage (in the tests root's ``conftest.py``)::
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,7 +49,23 @@ def _requested_paths(config: pytest.Config) -> list[Path]:
     return [(base / str(arg).split("::")[0]).resolve() for arg in config.args]
 
 
-def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path]) -> list[Path]:
+def _ignored_tiers(config: pytest.Config, tiers: Iterable[Path]) -> list[Path]:
+    """The tiers that ``--ignore`` / ``--ignore-glob`` leave out in whole or in part: an ignored path is the tier or
+    inside it, or a glob (matched as pytest does, against absolute paths) matches the tier or a ``*.py`` file in it."""
+    base = Path(config.invocation_params.dir)
+    paths = [(base / p).resolve() for p in config.getoption("ignore", None) or []]
+    globs = [str(base / g) for g in config.getoption("ignore_glob", None) or []]
+    ignored = []
+    for tier in tiers:
+        tier = tier.resolve()
+        if (any(p.is_relative_to(tier) for p in paths)
+                or any(fnmatch.fnmatch(str(f), g) for g in globs for f in [tier, *tier.rglob("*.py")])):
+            ignored.append(tier)
+    return ignored
+
+
+def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path],
+                ignored: Iterable[Path] = ()) -> list[Path]:
     """The tiers under ``root`` that the run asked for but that contributed no collected item.
 
     Args:
@@ -55,9 +73,11 @@ def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path]
         requested: resolved path arguments of the run. A tier is asked for when an argument is ``root`` or one of its
             ancestors (the whole suite), or the tier folder itself.
         collected: resolved file paths of the collected items (before deselection).
+        ignored: resolved tier folders the run leaves out on purpose (``--ignore``); never reported.
     """
     root = root.resolve()
     requested = list(requested)
+    ignored = set(ignored)
     per_tier: dict[str, int] = {}
     for path in collected:
         if path.is_relative_to(root) and path != root:
@@ -65,7 +85,7 @@ def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path]
             per_tier[tier] = per_tier.get(tier, 0) + 1
     return [tier for tier in discover_tiers(root)
             if any(root.is_relative_to(arg) or arg == tier.resolve() for arg in requested)
-            and per_tier.get(tier.name, 0) == 0]
+            and per_tier.get(tier.name, 0) == 0 and tier.resolve() not in ignored]
 
 
 def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> None:
@@ -77,7 +97,8 @@ def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> 
     """
     if config.getoption("lf", False):
         return
-    empty = empty_tiers(root, _requested_paths(config), (Path(item.path).resolve() for item in items))
+    empty = empty_tiers(root, _requested_paths(config), (Path(item.path).resolve() for item in items),
+                        _ignored_tiers(config, discover_tiers(root)))
     if not empty:
         return
     lines = []

@@ -105,3 +105,17 @@ def test_this_repository_tiers_are_discovered():
 
     names = [p.name for p in discover_tiers(REPO / "tests")]
     assert {"unit", "distributed", "ray", "e2e", "gpu"} <= set(names) and "data" not in names
+
+
+@pytest.mark.parametrize("ignore", [["--ignore=suite/e2e"], ["--ignore", "suite/e2e/test_e.py"],
+                                    ["--ignore-glob=*e2e*"], ["--ignore-glob=suite/e2e/*.py"]])
+def test_a_tier_left_out_with_ignore_is_not_reported(tmp_path, ignore):
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "e2e": {"test_e.py": PASSING}, "dist": {"test_b.py": PASSING}})
+    result = run_pytest(tmp_path, "suite", *ignore)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
+    assert "tier " + str(tmp_path / "suite" / "e2e") not in result.stderr  # asked to leave it out
+    assert f"test tier {tmp_path / 'suite' / 'dist'} collected no tests" in result.stderr  # still guarded
+    (tmp_path / "suite" / "dist").rename(tmp_path / "suite" / "distributed")
+    result = run_pytest(tmp_path, "suite", *ignore)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
