@@ -21,21 +21,33 @@ class Registry(dict[str, F], Generic[F]):
         kind: what the entries are, used in error messages (e.g. "advantage estimator").
         reserved: names that may never be registered, each mapped to the reason (e.g. a metric key it would
             overwrite); registering one raises `ValueError` with that reason.
+        same_name: maps a name to the key under which it is used elsewhere (e.g. a Prometheus metric name, where
+            ``none-fraction`` and ``none_fraction`` are one series); two names with the same key are the same name
+            for the reserved and the duplicate checks. None: names are compared as they are.
     """
 
-    def __init__(self, kind: str, reserved: Mapping[str, str] | None = None) -> None:
+    def __init__(self, kind: str, reserved: Mapping[str, str] | None = None,
+                 same_name: Callable[[str], str] | None = None) -> None:
         super().__init__()
         self.kind = kind
         self.reserved = dict(reserved or {})
+        self.same_name = same_name
 
     def __setitem__(self, name: str, fn: F) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty str, got {name!r}")
-        if name in self.reserved:
-            raise ValueError(f"{self.kind} name {name!r} is reserved: {self.reserved[name]}; reserved names: "
-                             f"{', '.join(sorted(self.reserved))}")
+        key = self.same_name or (lambda n: n)
+        reserved = next((r for r in sorted(self.reserved) if key(r) == key(name)), None)
+        if reserved is not None:
+            alias = "" if reserved == name else f" (the same name as {reserved!r} once used as a metric name)"
+            raise ValueError(f"{self.kind} name {name!r} is reserved{alias}: {self.reserved[reserved]}; reserved "
+                             f"names: {', '.join(sorted(self.reserved))}")
         if name in self:
             raise ValueError(f"{self.kind} {name!r} is already registered (to {self[name]!r}); names must be unique")
+        clash = next((n for n in self if key(n) == key(name)), None)
+        if clash is not None:
+            raise ValueError(f"{self.kind} name {name!r} is the same name as the registered {clash!r} once used as a "
+                             f"metric name ({key(name)!r}); names must be unique there too")
         super().__setitem__(name, fn)
 
     def update(  # type: ignore[override]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import Literal, NamedTuple, Protocol
@@ -37,6 +38,7 @@ __all__ = [
     "format_reward",
     "overlong_penalty",
     "parse_reference",
+    "prometheus_safe_name",
     "register_reward_function",
     "reward_metrics",
 ]
@@ -61,10 +63,18 @@ OVERLONG_PENALTY_KEY = "overlong_penalty"
 #: Names no reward function may take: its ``reward/<name>`` metric would overwrite the driver's.
 RESERVED_REWARD_NAMES: frozenset[str] = frozenset({*REWARD_SUMMARY_METRICS, OVERLONG_PENALTY_KEY})
 
+
+
+def prometheus_safe_name(name: str) -> str:
+    """A reward name as it appears in its Prometheus series ``grpo_reward_<name>`` (cluster.metrics.prometheus_name:
+    characters outside [a-zA-Z0-9_:] become ``_``), so ``none-fraction`` is the ``none_fraction`` series."""
+    return re.sub(r"[^a-zA-Z0-9_:]", "_", name)
+
+
 REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", reserved={
     **{name: f"the driver reports reward/{name} ({what})" for name, what in REWARD_SUMMARY_METRICS.items()},
     OVERLONG_PENALTY_KEY: f"the driver reports reward/{OVERLONG_PENALTY_KEY} (the DAPO overlong penalty)",
-})
+}, same_name=prometheus_safe_name)
 
 
 def register_reward_function(name: str):
@@ -72,7 +82,9 @@ def register_reward_function(name: str):
 
     Raises:
         ValueError: a duplicate name, or a reserved one (`RESERVED_REWARD_NAMES`: mean, std, failed, none_fraction,
-            overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's.
+            overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's; also a name that is one
+            of those once written as a Prometheus metric name (`prometheus_safe_name`: ``none-fraction``,
+            ``overlong.penalty``), or that is the same as a registered function's there (``a-b`` after ``a_b``).
     """
     return REWARD_FUNCTIONS.register(name)
 

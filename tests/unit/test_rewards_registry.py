@@ -152,3 +152,32 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
     assert driver.OVERLONG == OVERLONG_PENALTY_KEY and driver.reward_metrics is reward_metrics
     with pytest.raises(ValueError, match=r"would overwrite the summary metrics reward/mean"):
         reward_metrics(total, {"mean": total}, 0)
+
+
+@pytest.mark.parametrize("name", ["none-fraction", "none fraction", "none.fraction", "overlong-penalty",
+                                  "overlong/penalty"])
+def test_names_that_are_a_reserved_metric_in_prometheus_are_refused(name):
+    """``reward/none-fraction`` is the Prometheus series grpo_reward_none_fraction (cluster.metrics.prometheus_name),
+    the driver's own; the gauge would be overwritten as for ``none_fraction`` itself."""
+    from cluster.metrics import prometheus_name
+
+    reserved = name.replace("-", "_").replace(" ", "_").replace(".", "_").replace("/", "_")
+    assert prometheus_name(f"reward/{name}") == prometheus_name(f"reward/{reserved}")
+    with pytest.raises(ValueError, match=rf"reward function name '{name}' is reserved \(the same name as "
+                                         rf"'{reserved}' once used as a metric name\): the driver reports"):
+        register_reward_function(name)(lambda c, r: [1.0] * len(c))
+    assert name not in REWARD_FUNCTIONS
+
+
+def test_two_functions_with_one_prometheus_name_are_refused():
+    before = dict(REWARD_FUNCTIONS)
+    try:
+        register_reward_function("h8_len_penalty")(lambda c, r: [0.0] * len(c))
+        with pytest.raises(ValueError, match=r"'h8-len-penalty' is the same name as the registered 'h8_len_penalty' "
+                                             r"once used as a metric name \('h8_len_penalty'\)"):
+            register_reward_function("h8-len-penalty")(lambda c, r: [1.0] * len(c))
+        register_reward_function("H8_len_penalty")(lambda c, r: [1.0] * len(c))  # another series: case counts
+    finally:
+        for name in set(REWARD_FUNCTIONS) - set(before):
+            dict.__delitem__(REWARD_FUNCTIONS, name)
+    assert dict(REWARD_FUNCTIONS) == before
