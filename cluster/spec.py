@@ -77,7 +77,8 @@ def _check_custom_resources(resources: dict[str, float], section: str, per: str)
     typo guards): names are non-empty without whitespace and are not Ray's builtin ``CPU``/``GPU``/``memory``/
     ``object_store_memory`` in any letter case (CPUs and GPUs have their own fields, e.g.
     ``rollout.num_cpus_per_replica``); amounts are > 0, at most :data:`MAX_CUSTOM_RESOURCE`, and whole multiples of
-    0.0001 (Ray's resource unit).
+    0.0001 (Ray's resource unit), at least one unit (an amount like 1.0e-11 passes a rounding tolerance but is 0
+    units).
 
     Raises:
         ValueError: naming the resource, what was expected and what was given.
@@ -91,7 +92,8 @@ def _check_custom_resources(resources: dict[str, float], section: str, per: str)
             raise ValueError(f"resource {name!r} is one of Ray's builtin resources: {hint}")
         if not 0 < amount <= MAX_CUSTOM_RESOURCE:
             raise ValueError(f"resource {name!r}: expected an amount in (0, {MAX_CUSTOM_RESOURCE:g}], got {amount!r}")
-        if abs(amount * 10_000 - round(amount * 10_000)) > 1e-6:
+        units = amount * 10_000
+        if round(units) == 0 or abs(units - round(units)) > 1e-6:  # 1e-11 is 0 units: Ray would reserve nothing
             raise ValueError(f"resource {name!r}: expected a multiple of 0.0001 (Ray's resource unit), got {amount!r}")
     return resources
 

@@ -38,6 +38,8 @@ def test_resources_default_to_none_and_load_from_yaml_and_set():
     ("{node_a: -1}", "expected an amount in (0, 1e+06], got -1.0", None),
     ("{node_a: 2000000}", "expected an amount in (0, 1e+06], got 2000000.0", None),
     ("{node_a: 0.00001}", "resource 'node_a': expected a multiple of 0.0001 (Ray's resource unit), got 1e-05", None),
+    ("{node_a: 1.0e-11}", "resource 'node_a': expected a multiple of 0.0001 (Ray's resource unit), got 1e-11", None),
+    ("{node_a: 0.00004}", "resource 'node_a': expected a multiple of 0.0001 (Ray's resource unit), got 4e-05", None),
     ("{node_a: .nan}", "rollout.resources.node_a", "finite"),
     ("{node_a: '1'}", "rollout.resources.node_a", "valid number"),
     ("{node_a: true}", "rollout.resources.node_a", "valid number"),
