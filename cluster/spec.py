@@ -54,6 +54,10 @@ _CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 MAX_SEQUENCE_TOKENS = 1_048_576
 MAX_SEED = 2**31 - 1
 MAX_TOP_K = 16_777_216  # far above any vocabulary; catches a mistyped extra digit
+#: Lowest rollout temperature: vLLM's SamplingParams raises any temperature in (0, 0.01) to 0.01 (``_MAX_TEMP``,
+#: with only a log warning), so a lower spec value would make the trainer's logprobs (at the spec's temperature)
+#: describe another distribution than the one the engine sampled from.
+MIN_TEMPERATURE = 0.01
 #: Upper bound of every timeout (7 days): larger values overflow datetime.timedelta in torch.distributed.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -169,7 +173,9 @@ class RolloutSpec(BaseModel):
     prompts_per_step: int = Field(4, ge=1, le=65536, strict=True, description="B: prompts sampled per training step.")
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
         "G: completions per prompt (a group); advantages compare them."))
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10, description=(
+        "Sampling temperature, at least 0.01: vLLM raises a lower one to 0.01 (SamplingParams), so the engine would "
+        "sample at another temperature than the trainer's logprobs assume."))
     top_p: float = Field(1.0, gt=0, le=1, description=(
         "Nucleus sampling probability mass; 1 is off. The trainer's logprobs are renormalised over the same kept set "
         "(grpo.logprobs.filter_logits_)."))

@@ -323,6 +323,9 @@ def test_sampling_filters_accepted_and_passed_as_given(tmp_path):
     ("  top_k: true\n", "rollout.top_k: Input should be a valid integer (got True)"),
     ("  min_p: 1.0\n", "rollout.min_p: Input should be less than 1 (got 1.0)"),
     ("  min_p: -0.1\n", "rollout.min_p: Input should be greater than or equal to 0 (got -0.1)"),
+    # vLLM raises a temperature below 0.01 to 0.01: the trainer would compute logprobs at another temperature
+    ("  temperature: 0.001\n", "rollout.temperature: Input should be greater than or equal to 0.01 (got 0.001)"),
+    ("  temperature: 1.0e-300\n", "rollout.temperature: Input should be greater than or equal to 0.01 (got 1e-300)"),
 ])
 def test_sampling_filters_out_of_range_name_field_and_line(tmp_path, body, message):
     path = write(tmp_path, MINIMAL + "rollout:\n" + body)
