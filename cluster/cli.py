@@ -75,7 +75,7 @@ def prepare_job(args, dry_run: bool = False):
     if problem:
         print(f"grpo-cluster: {problem}", file=sys.stderr)
         return 2
-    from cluster.spec import SpecError, load_spec
+    from cluster.spec import SpecError, load_spec, locate_field_error
 
     problem = _import_modules(args.imports)
     if problem:
@@ -100,7 +100,7 @@ def prepare_job(args, dry_run: bool = False):
     try:  # data, model and output-folder problems surface here, before any cluster starts
         job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run)
     except (DataError, ModelError, MetricsError, SetupError) as exc:
-        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        print(f"grpo-cluster: {locate_field_error(str(exc), args.spec, args.set or ())}", file=sys.stderr)
         return 2
     return job, address, source
 

@@ -100,8 +100,11 @@ class GRPOJob:
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
         self.tokenizer = _load_tokenizer(self.model_path)
         d = spec.data
-        examples, self.bad_rows = load_jsonl_examples(d.train_path, question_field=d.question_field,
-                                                      answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+        try:
+            examples, self.bad_rows = load_jsonl_examples(d.train_path, question_field=d.question_field,
+                                                          answer_field=d.answer_field, on_bad_row=d.on_bad_row)
+        except DataError as exc:
+            raise DataError(f"data.train_path: {exc}") from None
         examples, self.prompt_ids, self.prompts_filtered = self._tokenize_prompts(examples)
         self.sampler = PromptSampler(examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
         if not dry_run:

@@ -38,8 +38,8 @@ from cluster.algorithm_spec import FieldConflict as _FieldConflict
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "parse_byte_size", "load_spec", "load_spec_text",
-    "spec_to_yaml",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "locate_field_error", "parse_byte_size", "load_spec",
+    "load_spec_text", "spec_to_yaml",
 ]
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -427,6 +427,27 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         raise SpecError(_format_errors(exc, source, lines, set_by)) from None
+
+
+def locate_field_error(message: str, path: str | Path, overrides: Sequence[str] = ()) -> str:
+    """``message`` prefixed with where its field's value came from, when it starts with a spec field (``model.path:
+    model folder ... not found`` → ``job.yaml:11: model.path: ...`` or ``--set model.path: model.path: ...``), for
+    the input checks made after the spec is valid (model, data, output folders). Other messages, or a spec file
+    that can no longer be read, are returned unchanged."""
+    field = message.split(": ", 1)[0] if ": " in message else ""
+    loc = tuple(field.split("."))
+    if not field or loc[0] not in JobSpec.model_fields or (len(loc) > 1 and (
+            (cls := _model_at(loc[:-1])) is None or loc[-1] not in cls.model_fields)):
+        return message
+    lines: dict[Loc, int] = {}
+    try:
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+        if root is not None:
+            _collect_lines(root, (), lines, str(path))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, SpecError):
+        return message
+    set_by = {tuple(raw.partition("=")[0].strip().split(".")): raw.partition("=")[0].strip() for raw in overrides}
+    return f"{_where(loc, str(path), lines, set_by)}: {message}"
 
 
 def spec_to_yaml(spec: JobSpec) -> str:

@@ -70,3 +70,22 @@ def test_version_is_the_package_metadata(capsys):
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out == f"grpo-cluster {version('grpo-cluster')}\n"
+
+
+def test_input_errors_name_the_spec_file_and_line_of_the_field(tmp_path, tiny_model_dir, capsys):
+    """Model, data and output-folder problems are found after the spec is valid; they still say where the value was
+    written (file:line, or the --set that gave it), like spec errors."""
+    spec = _spec_file(tmp_path, tmp_path / "no_model")
+    line = spec.read_text().splitlines().index(f"model: {{path: {tmp_path / 'no_model'}}}") + 1
+    assert main(["validate", str(spec)]) == 2
+    assert capsys.readouterr().err.startswith(f"grpo-cluster: {spec}:{line}: model.path: model folder "
+                                              f"{tmp_path / 'no_model'} not found")
+    assert main(["validate", str(spec), "--set", f"model.path={tmp_path / 'nope'}"]) == 2
+    assert capsys.readouterr().err.startswith("grpo-cluster: --set model.path: model.path: model folder")
+    spec = _spec_file(tmp_path, tiny_model_dir)
+    (tmp_path / "train.jsonl").unlink()
+    line = next(i for i, text in enumerate(spec.read_text().splitlines(), 1) if text.startswith("data:"))
+    assert main(["validate", str(spec)]) == 2
+    assert capsys.readouterr().err.startswith(f"grpo-cluster: {spec}:{line}: data.train_path: data file "
+                                              f"{tmp_path / 'train.jsonl'} not found")
+    assert not (tmp_path / "out").exists()
