@@ -8,7 +8,8 @@ line "#### <answer>". A completion's answer is, in order of preference:
 Numbers are normalised to a canonical string: thousands commas, "$", "\\$", "%", units and trailing "." dropped;
 "18.00" → "18", "+5" → "5", "−3" (Unicode minus) → "-3", ".5" → "0.5"; fractions stay fractions ("1/2", also from
 \\frac{1}{2}) and are compared by value. A mixed number is one value: "2 1/2" and "2\\frac{1}{2}" → "5/2" (a whole
-number, spaces, then a proper fraction; "2 3/2" stays two numbers). A sign before a currency sign is the number's:
+number, spaces, then a proper fraction; "2 3/2" stays two numbers); so is "2½" (Unicode vulgar fractions and
+the fraction slash "3⁄4" are read as fractions). A sign before a currency sign is the number's:
 "-$5", "−$5", "-\\$5" → "-5" ("10-$5" stays a subtraction). Everything here is pure and deterministic.
 
 What is not a number:
@@ -21,8 +22,9 @@ What is not a number:
 Numbers are compared exactly (fractions), so big numbers neither overflow nor compare equal by accident.
 
 Cost: extraction and both rewards are linear in the completion length (no quadratic regex backtracking, one pass
-for \\boxed{} brace matching); a 1 MB completion is scored in well under a second. ``accuracy_reward`` and
-``format_reward`` never raise for a str completion.
+for \\boxed{} brace matching); a 1 MB completion is scored in well under a second (a vulgar fraction counts as
+the up to 4 characters it is read as: "½" is " 1/2"). ``accuracy_reward`` and ``format_reward`` never raise for a
+str completion.
 
 Why not HF ``math-verify`` (0.9.0, with latex2sympy2-extended 1.11.0), measured by ``python -m
 bench.bench_answer_checker`` on this 2-core CPU: on issue #12's cases plus the accuracy table of
@@ -75,12 +77,30 @@ _WHOLE_RE = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)")
 _DIGITS_AND_COMMAS = frozenset("0123456789,")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*+\{([^{}]*+)\}")
 _MARKER = "####"
+#: Unicode vulgar fractions, read as the fraction they show ("2½" is the mixed number 2 1/2).
+_VULGAR_FRACTIONS = {"¼": "1/4", "½": "1/2", "¾": "3/4", "⅐": "1/7", "⅑": "1/9", "⅒": "1/10", "⅓": "1/3",
+                     "⅔": "2/3", "⅕": "1/5", "⅖": "2/5", "⅗": "3/5", "⅘": "4/5", "⅙": "1/6", "⅚": "5/6", "⅛": "1/8",
+                     "⅜": "3/8", "⅝": "5/8", "⅞": "7/8"}
+_VULGAR_RE = re.compile(f"[{''.join(_VULGAR_FRACTIONS)}]")
+
+
+def _unicode_fractions(text: str) -> str:
+    """"½" → "1/2", "2½" → "2 1/2" (a mixed number), "3⁄4" (U+2044 fraction slash) → "3/4"."""
+    text = text.replace("\u2044", "/")
+    return _VULGAR_RE.sub(lambda m: f"{_word_gap(m)}{_VULGAR_FRACTIONS[m.group()]}", text)
+
+
+def _word_gap(m: re.Match) -> str:
+    """" " when the match follows a letter, digit or "_" (so that "2½" is 2 then 1/2), else ""."""
+    return " " if m.start() > 0 and (m.string[m.start() - 1].isalnum() or m.string[m.start() - 1] == "_") else ""
 
 
 def _clean_text(text: str) -> str:
     """Undo LaTeX and typography that hide numbers: \\frac{a}{b} → a/b (" a/b" after a digit: a mixed number),
-    \\text{x} → x, \\$ → $, {,} → ",", "−" → "-", "-$5" → "-5" (a sign before a currency sign is the number's)."""
+    \\text{x} → x, \\$ → $, {,} → ",", "−" → "-", "-$5" → "-5" (a sign before a currency sign is the number's),
+    "2½" → "2 1/2", "3⁄4" → "3/4"."""
     text = text.replace("\u2212", "-").replace("{,}", ",").replace("\\!", "").replace("\\,", "")
+    text = _unicode_fractions(text)
     text = text.replace("\\$", "$").replace("\\%", "%")
     text = _TEXT_RE.sub(r" \1 ", text)
     text = _FRAC_RE.sub(lambda m: f"{_digit_gap(m)}{m.group(1).strip()}/{m.group(2).strip()}", text)
@@ -305,7 +325,8 @@ def format_reward(completion: str) -> float:
     _, marker, tail = last_line.rpartition(_MARKER)
     if not marker:
         return 0.0
-    tail = _SIGNED_CURRENCY_RE.sub(r"\1", tail.replace("\u2212", "-").replace("\\$", "$")).rstrip()
+    tail = _unicode_fractions(tail.replace("\u2212", "-").replace("\\$", "$"))
+    tail = _SIGNED_CURRENCY_RE.sub(r"\1", tail).rstrip()
     if tail.endswith("."):
         tail = tail[:-1].rstrip()
     m = _FORMAT_TAIL_RE.fullmatch(tail)

@@ -283,3 +283,26 @@ def test_sign_before_currency_belongs_to_the_number(completion):
 def test_minus_between_numbers_before_currency_is_subtraction():
     assert extract_answer("#### 10-$5") == "10"
     assert accuracy_reward("20 - $5 = $15", "15") == 1.0
+
+
+@pytest.mark.parametrize("completion, reference, expected", [
+    ("It takes 2½ hours.\n#### 2½", "2.5", 1.0),
+    ("#### 2½", "2", 0.0),  # not its whole part
+    ("#### ½", "0.5", 1.0),
+    ("#### -2½", "-2.5", 1.0),
+    ("#### 3⁄4", "0.75", 1.0),  # U+2044 fraction slash
+    ("#### 1 ¾", "1.75", 1.0),
+    ("x½ of them, so #### 7", "7", 1.0),
+])
+def test_unicode_vulgar_fractions_are_fractions(completion, reference, expected):
+    assert accuracy_reward(completion, reference) == expected
+
+
+def test_unicode_vulgar_fractions_are_well_formatted():
+    assert format_reward("reasoning\n#### 2½") == 1.0
+    assert format_reward("reasoning\n#### ¾.") == 1.0
+    assert extract_answer("#### 2½") == "5/2" and extract_answer("\\boxed{⅓}") == "1/3"
+    # linear: one regex pass; each vulgar fraction is read as up to 4 characters (" 1/2"), so the megabyte budget
+    # holds for ONE_MB // 4 of them (as for "1/2 " * (ONE_MB // 4) in the megabyte cases above)
+    assert score("½" * (ONE_MB // 4)) < 1.0 and score("2½ " * (ONE_MB // 6)) < 1.0
+
