@@ -387,6 +387,21 @@ class JobSpec(BaseModel):
 Loc = tuple[str, ...]
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, also reading exponent floats without a dot (``1e-3``, ``2E5``) as floats, as YAML 1.2
+    and JSON do; YAML 1.1 (PyYAML) reads them as strings, which strict fields (``rollout.resources`` amounts) then
+    refuse as "not a valid number"."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def _safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with :class:`_SpecLoader` (a SafeLoader: no arbitrary objects)."""
+    return yaml.load(text, Loader=_SpecLoader)
+
+
 def load_spec(path: str | Path, overrides: Sequence[str] = ()) -> JobSpec:
     """Read a YAML job spec, apply ``dotted.key=value`` overrides, validate; raises SpecError on any problem."""
     path = Path(path)
@@ -403,14 +418,14 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
                    overrides: Sequence[str] = ()) -> JobSpec:
     """Like :func:`load_spec` for YAML text; ``source`` names it in errors, ``base_dir`` anchors data paths."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_SpecLoader)
     except yaml.YAMLError as exc:
         raise SpecError(_yaml_error_message(exc, source)) from None
     lines: dict[Loc, int] = {}
     if root is not None:
         _collect_lines(root, (), lines, source)  # first: refuses aliases before anything is built from them
     try:
-        data = yaml.safe_load(text)
+        data = _safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(_yaml_error_message(exc, source)) from None
     if data is None:
@@ -441,7 +456,7 @@ def locate_field_error(message: str, path: str | Path, overrides: Sequence[str] 
         return message
     lines: dict[Loc, int] = {}
     try:
-        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+        root = yaml.compose(Path(path).read_text(encoding="utf-8"), Loader=_SpecLoader)
         if root is not None:
             _collect_lines(root, (), lines, str(path))
     except (OSError, UnicodeDecodeError, yaml.YAMLError, SpecError):
@@ -550,7 +565,7 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> dict[Loc, str]:
             raise SpecError(f"--set {raw!r}: empty segment in key {key!r}; expected 'section.field=value'")
         _check_override_key(loc, raw)
         try:
-            value = yaml.safe_load(text)
+            value = _safe_load(text)
         except yaml.YAMLError:
             value = text
         block = data

@@ -112,3 +112,13 @@ def test_where_names_each_engine_node_and_its_state(monkeypatch):
         "alive); engine 2 on node cccccccc (?, node dead); engine 3 on an unknown node")
     assert _fmt_resources({"CPU": 0.0, "memory": 2**30 * 22.94, "node:10.0.0.7": 1.0}, {"CPU", "rollout_node"}) == \
         "CPU 0, memory 22.9 GiB, rollout_node 0"
+
+
+def test_exponent_floats_without_a_dot_are_numbers():
+    """PyYAML (YAML 1.1) reads ``1e-3`` as the string '1e-3', which the strict amounts refused as "not a valid
+    number"; the spec reads it as YAML 1.2 and JSON do, in the file and in --set."""
+    spec = _load("rollout:\n  resources: {node_a: 1e-3}\ntrain:\n  lr: 5e-7\n", "train.resources={b: 2E0}")
+    assert spec.rollout.resources == {"node_a": 0.001} and spec.train.resources == {"b": 2.0}
+    assert spec.train.lr == 5e-7
+    with pytest.raises(SpecError, match=r"rollout.top_k: Input should be a valid integer"):
+        _load("", "rollout.top_k=1e3")  # an exponent float is still no integer
