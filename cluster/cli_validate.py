@@ -1,7 +1,9 @@
 """``grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]``: every check ``run`` makes before
 it starts anything (cluster/cli.py :func:`~cluster.cli.prepare_job`: dependencies, spec, cluster address, output
 folders, model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
-(``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs and GPUs the pools reserve.
+(``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs, GPUs and custom resources
+the pools reserve; for the local cluster ``run`` would start, that no custom resource (``rollout.resources``,
+``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once.
 Prints the resolved spec's summary. Starts no Ray cluster, engine or worker, and writes nothing.
 
 Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec values with file:line).
@@ -9,6 +11,7 @@ Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec val
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,7 +26,15 @@ def _cmd_validate(args) -> int:
     from cluster.pools import InsufficientResources, check_cluster_resources
 
     have = None
-    if address is not None:
+    if address is None:  # the local cluster `run` starts has CPUs (checked in the spec), its GPUs, no custom resource
+        try:
+            check_cluster_resources(job.spec, {"CPU": math.inf, "GPU": math.inf})
+        except InsufficientResources as exc:
+            print(f"grpo-cluster: {exc} (the local Ray cluster `run` starts without --address has no custom "
+                  f"resources: pass --address of a cluster whose nodes advertise them, or remove rollout.resources "
+                  f"/ train.resources)", file=sys.stderr)
+            return 2
+    else:
         import ray
 
         from cluster.ray_init import AddressError, init_ray

@@ -89,3 +89,16 @@ def test_input_errors_name_the_spec_file_and_line_of_the_field(tmp_path, tiny_mo
     assert capsys.readouterr().err.startswith(f"grpo-cluster: {spec}:{line}: data.train_path: data file "
                                               f"{tmp_path / 'train.jsonl'} not found")
     assert not (tmp_path / "out").exists()
+
+
+def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Without --address, `run` starts a local cluster with no custom resources (cluster/ray_init.py), where pools
+    reserving ``rollout.resources`` could never be placed; validate said "valid" and run stopped after starting Ray."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    spec = _spec_file(tmp_path, tiny_model_dir)
+    assert main(["validate", str(spec), "--set", "rollout.resources={rollout_node: 1}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs rollout_node 1 (rollout 1 x 1), cluster has 0" in err
+    assert "the local Ray cluster `run` starts without --address has no custom resources" in err
+    assert main(["validate", str(spec)]) == 0
+    assert not (tmp_path / "out").exists()
