@@ -172,11 +172,11 @@ def test_names_that_are_a_reserved_metric_in_prometheus_are_refused(name):
 def test_two_functions_with_one_prometheus_name_are_refused():
     before = dict(REWARD_FUNCTIONS)
     try:
-        register_reward_function("h8_len_penalty")(lambda c, r: [0.0] * len(c))
-        with pytest.raises(ValueError, match=r"'h8-len-penalty' is the same name as the registered 'h8_len_penalty' "
-                                             r"once used as a metric name \('h8_len_penalty'\)"):
-            register_reward_function("h8-len-penalty")(lambda c, r: [1.0] * len(c))
-        register_reward_function("H8_len_penalty")(lambda c, r: [1.0] * len(c))  # another series: case counts
+        register_reward_function("tmp_len_penalty")(lambda c, r: [0.0] * len(c))
+        with pytest.raises(ValueError, match=r"'tmp-len-penalty' is the same name as the registered 'tmp_len_penalty' "
+                                             r"once used as a metric name \('tmp_len_penalty'\)"):
+            register_reward_function("tmp-len-penalty")(lambda c, r: [1.0] * len(c))
+        register_reward_function("TMP_len_penalty")(lambda c, r: [1.0] * len(c))  # another series: case counts
     finally:
         for name in set(REWARD_FUNCTIONS) - set(before):
             dict.__delitem__(REWARD_FUNCTIONS, name)
