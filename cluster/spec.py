@@ -397,6 +397,15 @@ _SpecLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
+class _SpecDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper with :class:`_SpecLoader`'s float rule, so a string like "1e5" is written quoted and
+    read back as a string."""
+
+
+_SpecDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _safe_load(text: str) -> Any:
     """``yaml.safe_load`` with :class:`_SpecLoader` (a SafeLoader: no arbitrary objects)."""
     return yaml.load(text, Loader=_SpecLoader)
@@ -467,7 +476,7 @@ def locate_field_error(message: str, path: str | Path, overrides: Sequence[str] 
 
 def spec_to_yaml(spec: JobSpec) -> str:
     """Serialise a spec to YAML text that :func:`load_spec_text` reads back into an equal spec."""
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    return yaml.dump(spec.model_dump(mode="json"), Dumper=_SpecDumper, sort_keys=False, allow_unicode=True)
 
 
 def _yaml_error_message(exc: yaml.YAMLError, source: str) -> str:

@@ -122,3 +122,14 @@ def test_exponent_floats_without_a_dot_are_numbers():
     assert spec.train.lr == 5e-7
     with pytest.raises(SpecError, match=r"rollout.top_k: Input should be a valid integer"):
         _load("", "rollout.top_k=1e3")  # an exponent float is still no integer
+
+
+
+def test_strings_that_look_like_exponent_floats_round_trip():
+    """A quoted "1e5" stays a string, and spec_to_yaml quotes it so that it reads back as one (a resumed job reloads
+    the spec it saved)."""
+    spec = load_spec_text("name: '2E3'\noutput_dir: '1e5'\ntotal_steps: 3\ndata:\n  train_path: t.jsonl\n")
+    assert (spec.name, spec.output_dir) == ("2E3", "1e5")
+    text = spec_to_yaml(spec)
+    assert "name: '2E3'" in text and "output_dir: '1e5'" in text
+    assert load_spec_text(text) == spec
