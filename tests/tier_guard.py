@@ -5,7 +5,8 @@ holds at least one ``*.py`` file; tiers are discovered from the filesystem, so a
 a list. When a run asks for the whole tests root (``pytest tests``, or plain ``pytest`` through ``testpaths``) or
 names a tier folder itself, every such tier must contribute at least one collected item — counted before ``-m`` /
 ``-k`` / ``--deselect`` deselection, so skipped and deselected tests (GPU tests on a CPU machine) still count, as
-do test files skipped whole at collection (``pytest.importorskip("flash_attn")`` at module level).
+do test files skipped whole at collection (``pytest.importorskip("flash_attn")`` at module level); a test file that
+fails to import is pytest's own collection error, not reported again as an empty tier.
 
 A tier can collect nothing because pytest never enters it (the default ``norecursedirs`` skips folders named
 ``dist``, ``build``, ``venv``, ...), because its files do not match ``python_files``, or because its test files
@@ -89,11 +90,13 @@ def empty_tiers(root: Path, requested: Iterable[Path], collected: Iterable[Path]
             and per_tier.get(tier.name, 0) == 0 and tier.resolve() not in ignored]
 
 
-def _skipped_at_collection(config: pytest.Config) -> list[Path]:
-    """Resolved paths of the test files skipped whole while collecting (a module-level ``pytest.skip`` or
-    ``pytest.importorskip``), from the terminal reporter's collect reports (none without it, ``-p no:terminal``)."""
+def _entered_without_items(config: pytest.Config) -> list[Path]:
+    """Resolved paths of the test files pytest entered but took no item from: skipped whole while collecting (a
+    module-level ``pytest.skip`` or ``pytest.importorskip``) or failing to import (pytest reports that error itself
+    and fails the run; the tier is not empty), from the terminal reporter's collect reports (none without it,
+    ``-p no:terminal``)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    reports = reporter.stats.get("skipped", []) if reporter is not None else []
+    reports = [*reporter.stats.get("skipped", []), *reporter.stats.get("error", [])] if reporter is not None else []
     return [(config.rootpath / report.nodeid.split("::")[0]).resolve()
             for report in reports if isinstance(report, pytest.CollectReport) and report.nodeid]
 
@@ -107,7 +110,7 @@ def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> 
     """
     if config.getoption("lf", False):
         return
-    collected = [Path(item.path).resolve() for item in items] + _skipped_at_collection(config)
+    collected = [Path(item.path).resolve() for item in items] + _entered_without_items(config)
     empty = empty_tiers(root, _requested_paths(config), collected, _ignored_tiers(config, discover_tiers(root)))
     if not empty:
         return

@@ -133,3 +133,12 @@ def test_a_tier_skipped_whole_at_collection_counts_as_collected(tmp_path):
     make_tree(tmp_path / "other", {"unit": {"test_a.py": PASSING}, "gpu": {"helpers.py": "X = 1\n"}})
     still_empty = run_pytest(tmp_path / "other", "suite")
     assert still_empty.returncode == pytest.ExitCode.USAGE_ERROR, still_empty.stdout + still_empty.stderr
+
+
+def test_an_import_error_is_reported_as_itself_not_as_an_empty_tier(tmp_path):
+    broken = "import no_such_module_for_this_test\n\n\ndef test_x():\n    pass\n"
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "ray": {"test_r.py": broken}})
+    result = run_pytest(tmp_path, "suite")
+    assert result.returncode == pytest.ExitCode.INTERRUPTED, result.stdout + result.stderr
+    assert "ModuleNotFoundError: No module named 'no_such_module_for_this_test'" in result.stdout
+    assert "collected no tests" not in result.stdout + result.stderr
