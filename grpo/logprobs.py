@@ -88,7 +88,11 @@ def filter_logits_(
 
     Returns:
         ``z`` (the same tensor), removed entries −inf.
+
+    Raises:
+        ValueError: a filter out of range (top_k not an int >= -1, top_p outside (0, 1], min_p outside [0, 1)).
     """
+    _check_filters(top_k, top_p, min_p)
     vocab = z.shape[-1]
     if not _filtering(vocab, top_k, top_p, min_p):
         return z

@@ -118,13 +118,16 @@ def test_target_outside_the_kept_set_stays_finite():
     assert out == pytest.approx(-40.0 - math.log1p(math.exp(-40.0)), abs=1e-5)
 
 
-@pytest.mark.parametrize("bad", [{"top_k": -2}, {"top_k": 1.5}, {"top_p": 0.0}, {"top_p": 1.1}, {"min_p": 1.0},
-                                 {"min_p": -0.1}])
+@pytest.mark.parametrize("bad", [{"top_k": -2}, {"top_k": 1.5}, {"top_k": True}, {"top_p": 0.0}, {"top_p": 1.1},
+                                 {"top_p": math.nan}, {"min_p": 1.0}, {"min_p": -0.1}])
 def test_out_of_range_filters_raise(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         logprobs_from_logits(LOGITS, torch.tensor([0]), **bad)
     with pytest.raises(ValueError, match=next(iter(bad))):
         linear_logprobs(torch.ones(1, 1), torch.ones(4, 1), torch.tensor([0]), **bad)
+    # the public in-place filter too: top_k=True filtered as k=1, top_p=0 kept only the largest, top_p=1.1 nothing
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        filter_logits_(LOGITS.clone(), None, **bad)
 
 
 M, H, V = 11, 6, 30
