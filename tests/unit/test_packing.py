@@ -270,15 +270,16 @@ def test_group_ids_and_advantages_survive_any_reordering():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.float64, 1e-6, 0.0)])
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.float64, 2e-5, 0.0)])
 def test_packed_equals_alone_equals_left_padded_smollm2(gsm8k_train_path, dtype, atol, rtol):
     """The same parity on the real SmolLM2-135M-Instruct (30 layers) with real chat prompts and GSM8K answers.
 
     fp32: within 1e-5 + 1e-5·|logprob| (measured max 2.3e-5 on a logprob of ≈ −2, i.e. 1.1e-5 relative: 30 layers
-    of fp32 rounding in different GEMM shapes; the tiny model meets 1e-5 absolute). fp64 model: all agree to 1e-6
-    (the log-softmax runs in fp64 too, ``grpo.logprobs``), so the fp32 gap is rounding, not attention leaking across
-    sequences or into padding (a leak moves logprobs by > 1e-4:
-    ``test_neighbours_do_not_leak_into_a_packed_sequence``)."""
+    of fp32 rounding in different GEMM shapes; the tiny model meets 1e-5 absolute). fp64 model: within 2e-5
+    absolute (measured max 5.4e-6 on the varlen path, 5.5e-7 relative): transformers' ``LlamaRMSNorm`` and rotary
+    embedding compute in float32 even for a float64 model, so fp64 runs still carry fp32 rounding in those two ops.
+    Both bounds stay 5x below what a leak does (attention crossing sequences or into padding moves logprobs by
+    > 1e-4: ``test_neighbours_do_not_leak_into_a_packed_sequence``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.data import build_chat_prompt, load_jsonl_examples
