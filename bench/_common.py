@@ -13,7 +13,7 @@ DEFAULT_GSM8K = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 def resolve_model(path: str) -> str:
     """``builtin:...`` alias or folder → local HF folder (prepared once under ~/.cache/grpo-cluster)."""
-    from cluster.models import resolve_model_path
+    from cluster.data.models import resolve_model_path
 
     return resolve_model_path(path)
 

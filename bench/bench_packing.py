@@ -12,7 +12,7 @@ Length distributions (N sequences of prompt + response tokens):
 
 Token ids are random (they do not change the cost). Layouts compared, each over ``--world-size`` ranks (default 2):
 
-- ``packed``: :func:`cluster.scheduler.plan_microbatches` (Karmarkar–Karp over ranks, first-fit-decreasing under
+- ``packed``: :func:`cluster.loop.scheduler.plan_microbatches` (Karmarkar–Karp over ranks, first-fit-decreasing under
   ``max_tokens_per_microbatch``, ``oversize="own"``), each micro-batch one row with restarting position ids
   (:func:`train_workers.packing.pack_microbatch`), scored by :class:`train_workers.policy.ResponseLogprobModel` with
   transformers' ``sdpa`` attention (a dense block-diagonal [L, L] mask: O(L²) attention per row).
@@ -130,7 +130,7 @@ class Layout:
 
 
 def packed_layout(lengths: list[int], world_size: int, budget: int, varlen: bool = False) -> Layout:
-    from cluster.scheduler import plan_microbatches
+    from cluster.loop.scheduler import plan_microbatches
     from train_workers.packing import register_varlen_sdpa
 
     plan = plan_microbatches(lengths, world_size, budget, oversize="own")
@@ -300,7 +300,7 @@ def run_distribution(model, name: str, pairs: list[tuple[int, int]], world_size:
 
 def partition_cost(sizes: list[int], world_size: int = 64, budget: int = 16384, repeats: int = 5) -> list[dict]:
     from bench.bench_partition import lognormal_lengths
-    from cluster.scheduler import plan_microbatches
+    from cluster.loop.scheduler import plan_microbatches
 
     out = []
     for n in sizes:

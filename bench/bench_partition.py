@@ -1,4 +1,4 @@
-"""Time :func:`cluster.scheduler.plan_microbatches` on lognormal sequence lengths; print a table.
+"""Time :func:`cluster.loop.scheduler.plan_microbatches` on lognormal sequence lengths; print a table.
 
 Lengths ~ lognormal(mu=6.4, sigma=1.0) tokens (median ≈ 600), clipped to [50, 4000], seed 0; 64 ranks, budget
 16384 tokens per micro-batch. Each row: median of 5 wall-clock runs (ms), micro-batches per rank, rank imbalance
@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from cluster.scheduler import padded_tokens, plan_microbatches
+from cluster.loop.scheduler import padded_tokens, plan_microbatches
 
 
 def lognormal_lengths(n: int, seed: int = 0, lo: int = 50, hi: int = 4000) -> list[int]:

@@ -6,7 +6,7 @@ policy (``kl_coef`` > 0, default 0.04) and AdamW exactly as the driver's train p
 The batch is synthetic but shaped like a GRPO step: N sequences (default 16) of a prompt of ``--prompt-len`` ± 10
 random tokens plus a response of uniform(``--resp-min``, ``--resp-max``) random tokens (default 32..128), random
 normal advantages and behaviour logprobs. It is balanced over ranks and packed into micro-batches with the driver's
-code path (``cluster.scheduler.plan_microbatches`` + ``train_workers.packing.pack_microbatch``, budget
+code path (``cluster.loop.scheduler.plan_microbatches`` + ``train_workers.packing.pack_microbatch``, budget
 ``--max-tokens-per-microbatch``). Every step trains on the same batch.
 
 Timed: one ``train_step`` (reference forward, policy forward + backward, grad clip, metric all-reduce, AdamW step),
@@ -57,7 +57,7 @@ def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab
 
 def rank_microbatches(batch: dict, world_size: int, budget: int):
     """The driver's balancing + packing (``GRPOJob._microbatches``): per-rank lists of packed micro-batches."""
-    from cluster.scheduler import plan_microbatches
+    from cluster.loop.scheduler import plan_microbatches
     from train_workers.packing import pack_rank_microbatches
 
     lengths = [len(p) + len(r) for p, r in zip(batch["prompt_ids"], batch["response_ids"])]

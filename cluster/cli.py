@@ -5,7 +5,7 @@
     grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N]
 
-Ray Jobs API (cluster/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
+Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
 
     grpo-cluster submit SPEC.yaml [--set k=v ...] [--pip REQ ...] [--env K=V ...] [--follow]   # prints the job id
     grpo-cluster status JOB | logs JOB [--follow] | stop JOB
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from cluster.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
+from cluster.ops.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
 
 
 DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
@@ -39,7 +39,7 @@ def missing_dependency() -> str | None:
     missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
     if not missing:
         return None
-    from cluster.control import JOB_ID_ENV
+    from cluster.ops.control import JOB_ID_ENV
 
     if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
         fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
@@ -88,9 +88,9 @@ def prepare_job(args, dry_run: bool = False):
         return 2
     from cluster.data import DataError
     from cluster.driver import GRPOJob, SetupError
-    from cluster.metrics import MetricsError
-    from cluster.models import ModelError
-    from cluster.ray_init import AddressError, job_address
+    from cluster.ops.metrics import MetricsError
+    from cluster.data.models import ModelError
+    from cluster.ops.ray_init import AddressError, job_address
 
     try:  # the cluster address is checked before anything heavy is loaded
         address, source = job_address(args.address, spec)
@@ -112,8 +112,8 @@ def _cmd_run(args) -> int:
     job, address, source = prepared
     spec = job.spec
     from cluster.driver import NumericsError, StaleSamplesError, run_with_restarts
-    from cluster.pools import InsufficientResources
-    from cluster.ray_init import AddressError, init_ray
+    from cluster.loop.pools import InsufficientResources
+    from cluster.ops.ray_init import AddressError, init_ray
 
     import ray
 
@@ -122,7 +122,7 @@ def _cmd_run(args) -> int:
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
-    from cluster.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
+    from cluster.loop.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
     from weight_sync.coordinator import SyncMemberError
 
     try:
@@ -146,8 +146,8 @@ def _cmd_run(args) -> int:
 
 def _cmd_eval(args) -> int:
     from cluster.data import DataError
-    from cluster.evaluate import evaluate_gsm8k
-    from cluster.models import ModelError
+    from cluster.data.evaluate import evaluate_gsm8k
+    from cluster.data.models import ModelError
 
     try:
         result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
@@ -193,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
-    from cluster.cli_jobs import add_job_commands
-    from cluster.cli_validate import add_validate_command
+    from cluster.ops.cli_jobs import add_job_commands
+    from cluster.ops.cli_validate import add_validate_command
 
     add_validate_command(sub)
     add_job_commands(sub)

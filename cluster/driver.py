@@ -4,7 +4,7 @@
 
 Notation: B prompts per step, G completions per prompt (a group), N = B·G sequences.
 
-With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.sampling``) until the
+With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.loop.sampling``) until the
 batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
 
 Reliability: every group is sampled with its own seed (spec seed, step, group id), so a group sampled again — after
@@ -30,16 +30,16 @@ import ray
 import torch
 from tqdm import tqdm
 
-from cluster.checkpoints import (  # noqa: F401 - TRAINER_STATE, latest_checkpoint are re-exported
+from cluster.loop.checkpoints import (  # noqa: F401 - TRAINER_STATE, latest_checkpoint are re-exported
     TRAINER_STATE, complete_checkpoints, latest_checkpoint, set_aside, truncate_jsonl, write_atomic,
 )
 from cluster.data import DataError, PromptSampler, chat_prompt_ids, load_jsonl_examples
-from cluster.metrics import MetricsLogger, format_console_line
-from cluster.models import ModelError, resolve_model_path
-from cluster.pools import (EngineFailure, RolloutPool, TrainPool, TrainWorkerFailure, WeightSync, WorkerTimeout,
+from cluster.ops.metrics import MetricsLogger, format_console_line
+from cluster.data.models import ModelError, resolve_model_path
+from cluster.loop.pools import (EngineFailure, RolloutPool, TrainPool, TrainWorkerFailure, WeightSync, WorkerTimeout,
                            check_cluster_resources)
-from cluster.sampling import GroupSizeController, RolloutBatch, sample_groups
-from cluster.scheduler import plan_microbatches
+from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
+from cluster.loop.scheduler import plan_microbatches
 from cluster.spec import JobSpec, spec_to_yaml
 from weight_sync.coordinator import SyncMemberError
 from grpo.advantages import compute_multi_reward_advantages
@@ -173,7 +173,7 @@ class GRPOJob:
         except BaseException:
             self.shutdown()
             raise
-        from cluster.control import current_job_id, start_control
+        from cluster.ops.control import current_job_id, start_control
 
         self.control = start_control(current_job_id(self.spec.name), len(self.rollout.engines))
         where = f" from {ckpt} (step {self.step}, policy version {self.policy_version})" if ckpt else ""

@@ -241,7 +241,7 @@ def _check_exprs(exprs: list[tuple[str, str]], known_names: set[str] | None) -> 
             continue
         if known_names is not None:
             unknown = sorted(n for n in names if n.startswith("grpo_") and n not in known_names)
-            problems += [f"{where}: metric {n} is not exported by cluster/metrics.py" for n in unknown]
+            problems += [f"{where}: metric {n} is not exported by cluster/ops/metrics.py" for n in unknown]
     return problems
 
 

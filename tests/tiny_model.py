@@ -16,7 +16,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from cluster.driver import TOKENIZER_FILES
-    from cluster.models import resolve_model_path
+    from cluster.data.models import resolve_model_path
 
     out = Path(out_dir)
     if (out / "config.json").is_file():

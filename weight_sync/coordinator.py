@@ -46,7 +46,7 @@ class SyncMemberError(RuntimeError):
 
 
 def _pools_get(refs, timeout_s: float, what: str):
-    from cluster.pools import get  # late: cluster.pools re-exports this module
+    from cluster.loop.pools import get  # late: cluster.loop.pools re-exports this module
 
     return get(refs, timeout_s, what)
 

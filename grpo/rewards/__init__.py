@@ -66,7 +66,7 @@ RESERVED_REWARD_NAMES: frozenset[str] = frozenset({*REWARD_SUMMARY_METRICS, OVER
 
 
 def prometheus_safe_name(name: str) -> str:
-    """A reward name as it appears in its Prometheus series ``grpo_reward_<name>`` (cluster.metrics.prometheus_name:
+    """A reward name as it appears in its Prometheus series ``grpo_reward_<name>`` (cluster.ops.metrics.prometheus_name:
     characters outside [a-zA-Z0-9_:] become ``_``), so ``none-fraction`` is the ``none_fraction`` series."""
     return re.sub(r"[^a-zA-Z0-9_:]", "_", name)
 

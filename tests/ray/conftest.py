@@ -53,6 +53,6 @@ def ray_head():
 @pytest.fixture(scope="module")
 def client(ray_head):
     """A Jobs API client for :func:`ray_head` (sends the Ray token when the head uses token authentication)."""
-    from cluster.jobs import connect
+    from cluster.ops.jobs import connect
 
     return connect(ray_head.dashboard)

@@ -219,7 +219,7 @@ def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make
     """No node joins to replace the lost one: the replacement engine waits ``min(rollout.timeout_s, 120)`` s for
     room (here 90 s), then the job stops with ``EngineFailure`` naming the engine, its dead node and what is missing."""
     from cluster.driver import GRPOJob
-    from cluster.pools import EngineFailure
+    from cluster.loop.pools import EngineFailure
 
     if two_nodes.rollout_node is None:
         two_nodes.add_rollout_node()

@@ -62,7 +62,7 @@ def _trained_prompts(spec) -> list[list[int]]:
 
 
 def _metrics(spec) -> list[dict]:
-    from cluster.metrics import read_metrics_jsonl
+    from cluster.ops.metrics import read_metrics_jsonl
 
     rows = read_metrics_jsonl(Path(spec.output_dir) / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"
@@ -93,7 +93,7 @@ def _kill_train_rank_at(job, step: int, rank: int, monkeypatch, killed: list) ->
     """Kill train rank ``rank`` with ``ray.kill`` just before step ``step`` trains (once per test)."""
     import ray
 
-    from cluster.pools import TrainPool
+    from cluster.loop.pools import TrainPool
 
     original = TrainPool.train_step
 
@@ -132,7 +132,7 @@ def test_restart_on_failure_resumes_exactly(make_spec, reference_run, monkeypatc
 
 def test_train_failure_names_rank_then_resume(make_spec, reference_run, monkeypatch):
     from cluster.driver import GRPOJob
-    from cluster.pools import TrainWorkerFailure
+    from cluster.loop.pools import TrainWorkerFailure
 
     spec = make_spec("resume")
     job, killed = GRPOJob(spec, progress=False), []
@@ -187,7 +187,7 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
     import ray
 
     from cluster.driver import GRPOJob
-    from cluster.pools import EngineFailure
+    from cluster.loop.pools import EngineFailure
 
     spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
     job = GRPOJob(spec, progress=False)

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.pools import RolloutPool, WorkerTimeout
-from cluster.scheduler import assign_groups
+from cluster.loop.pools import RolloutPool, WorkerTimeout
+from cluster.loop.scheduler import assign_groups
 from rollout_workers.engine import GroupRequest, GroupResult
 
 MAX_RESPONSE_TOKENS = 10

@@ -26,7 +26,7 @@ FAKE_DRIVER = textwrap.dedent("""
 
     import ray
 
-    from cluster.control import current_job_id, start_control
+    from cluster.ops.control import current_job_id, start_control
 
     ray.init(address="auto")
     control = start_control(current_job_id("fake"), 1)  # the Ray Jobs submission id (RAY_JOB_CONFIG_JSON_ENV_VAR)
@@ -60,7 +60,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
 
 
 def test_scale_through_the_control_actor(head, client, tmp_path):
-    from cluster import jobs
+    from cluster.ops import jobs
     from cluster.spec import load_spec
 
     (tmp_path / "fake_driver.py").write_text(FAKE_DRIVER)
@@ -103,7 +103,7 @@ def _trained_lines(path: Path) -> list[dict]:
 
 
 def test_scale_rollout_mid_job(head, client, tiny_model_dir, gsm8k_train_path, tmp_path):
-    from cluster import jobs
+    from cluster.ops import jobs
 
     out, steps, prompts_per_step = tmp_path / "out", 60, 2  # tiny steps take ≈ 0.5–1 s
     submitted = cli("submit", EXAMPLE, "--set", f"model.path={tiny_model_dir}", "--set", f"output_dir={out}",

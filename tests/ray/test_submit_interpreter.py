@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import jobs
+from cluster.ops import jobs
 from tests.ray.test_submit import EXAMPLE, PARITY, cli
 from tests.ray_head import RayHead
 

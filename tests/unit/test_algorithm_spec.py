@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.algorithm_spec import AlgorithmSpec
+from cluster.spec.algorithm import AlgorithmSpec
 from cluster.spec import SpecError, load_spec_text, spec_to_yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.metrics import MetricsLogger
+from cluster.ops.metrics import MetricsLogger
 from tests.deploy_checks import (
     CRD_DIR,
     DEPLOY,

@@ -11,8 +11,8 @@ import pytest
 from cluster.cli import _reachable, main
 from cluster.data import DataError
 from cluster.driver import GRPOJob, SetupError
-from cluster.models import ModelError, resolve_model_path
-from cluster.pools import InsufficientResources, check_cluster_resources
+from cluster.data.models import ModelError, resolve_model_path
+from cluster.loop.pools import InsufficientResources, check_cluster_resources
 from cluster.spec import load_spec_text
 
 

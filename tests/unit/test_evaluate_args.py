@@ -1,4 +1,4 @@
-"""``cluster.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine context
+"""``cluster.data.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine context
 length sized from the longest tokenized prompt, prompts handed to vLLM as token ids (vLLM and the tokenizer replaced
 by fakes)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.evaluate import check_eval_args, engine_max_model_len, evaluate_gsm8k
+from cluster.data.evaluate import check_eval_args, engine_max_model_len, evaluate_gsm8k
 
 
 @pytest.mark.parametrize("limit, max_tokens, message", [
@@ -72,10 +72,10 @@ def install_fakes(monkeypatch) -> dict:
     monkeypatch.setitem(sys.modules, "vllm.inputs", fake_inputs)
     import transformers
 
-    import cluster.models
+    import cluster.data.models
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: FakeTokenizer()))
-    monkeypatch.setattr(cluster.models, "resolve_model_path", lambda model: model)
+    monkeypatch.setattr(cluster.data.models, "resolve_model_path", lambda model: model)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         monkeypatch.delenv(name, raising=False)
     return seen

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import jobs
+from cluster.ops import jobs
 
 MIB = 2**20
 

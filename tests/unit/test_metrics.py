@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from cluster.metrics import MetricsLogger, format_console_line, pool_of, prometheus_name, read_metrics_jsonl
+from cluster.ops.metrics import MetricsLogger, format_console_line, pool_of, prometheus_name, read_metrics_jsonl
 from tests.prometheus_scrape import scrape
 
 

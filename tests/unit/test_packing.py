@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from cluster.scheduler import plan_microbatches
+from cluster.loop.scheduler import plan_microbatches
 from grpo.advantages import compute_advantages
 from grpo.logprobs import logprobs_from_logits
 from train_workers.packing import (
@@ -283,7 +283,7 @@ def test_packed_equals_alone_equals_left_padded_smollm2(gsm8k_train_path, dtype,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cluster.data import build_chat_prompt, load_jsonl_examples
-    from cluster.models import resolve_model_path
+    from cluster.data.models import resolve_model_path
     from cluster.spec import DEFAULT_SYSTEM_PROMPT
 
     path = resolve_model_path("builtin:SmolLM2-135M-Instruct")

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from cluster.scheduler import plan_microbatches
+from cluster.loop.scheduler import plan_microbatches
 from grpo.advantages import compute_advantages
 from grpo.losses import policy_loss
 from train_workers.packing import pack_rank_microbatches

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.pools import InsufficientResources, check_cluster_resources
+from cluster.loop.pools import InsufficientResources, check_cluster_resources
 from cluster.spec import SpecError, load_spec_text, spec_to_yaml
 from weight_sync.coordinator import choose_transport
 
@@ -100,7 +100,7 @@ def test_ipc_across_nodes_is_refused_naming_the_engine():
 
 
 def test_where_names_each_engine_node_and_its_state(monkeypatch):
-    from cluster.pools import RolloutPool, _fmt_resources
+    from cluster.loop.pools import RolloutPool, _fmt_resources
 
     pool = RolloutPool.__new__(RolloutPool)  # only ``infos`` is read: no engines are started
     pool.infos = [{"node_id": "a" * 56}, {"node_id": "b" * 56}, {"node_id": "c" * 56}, {"node_id": None}]

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.data import chat_prompt_ids, load_jsonl_examples
 from cluster.driver import GRPOJob
-from cluster.evaluate import evaluate_gsm8k
+from cluster.data.evaluate import evaluate_gsm8k
 from cluster.spec import DEFAULT_SYSTEM_PROMPT, load_spec_text
 from rollout_workers.engine import GroupRequest, RolloutEngine
 from tests.double_bos import BOS, make_double_bos_model

@@ -1,4 +1,4 @@
-"""Which cluster a job runs on (cluster/ray_init.py) and the driver's dependency check (cluster/cli.py), without
+"""Which cluster a job runs on (cluster/ops/ray_init.py) and the driver's dependency check (cluster/cli.py), without
 starting Ray."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.control import JOB_ID_ENV
-from cluster.ray_init import AddressError, job_address
+from cluster.ops.control import JOB_ID_ENV
+from cluster.ops.ray_init import AddressError, job_address
 from cluster.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_run_with_an_interpreter_without_the_project_exits_2_in_one_line(tmp_pat
 
 def test_submit_default_interpreter(monkeypatch):
     """A cluster on this machine runs the job with this interpreter; another machine with its ``python``."""
-    from cluster.jobs import default_python
+    from cluster.ops.jobs import default_python
 
     for local in ("http://127.0.0.1:8265", "localhost:8265", "http://[::1]:8265"):
         assert default_python(local)[0] == sys.executable, local

@@ -157,9 +157,9 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
 @pytest.mark.parametrize("name", ["none-fraction", "none fraction", "none.fraction", "overlong-penalty",
                                   "overlong/penalty"])
 def test_names_that_are_a_reserved_metric_in_prometheus_are_refused(name):
-    """``reward/none-fraction`` is the Prometheus series grpo_reward_none_fraction (cluster.metrics.prometheus_name),
+    """``reward/none-fraction`` is the Prometheus series grpo_reward_none_fraction (cluster.ops.metrics.prometheus_name),
     the driver's own; the gauge would be overwritten as for ``none_fraction`` itself."""
-    from cluster.metrics import prometheus_name
+    from cluster.ops.metrics import prometheus_name
 
     reserved = name.replace("-", "_").replace(" ", "_").replace(".", "_").replace("/", "_")
     assert prometheus_name(f"reward/{name}") == prometheus_name(f"reward/{reserved}")

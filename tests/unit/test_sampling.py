@@ -1,10 +1,10 @@
-"""Unit tests for cluster.sampling: DAPO dynamic sampling rounds and their bound, the group-size schedule and its
+"""Unit tests for cluster.loop.sampling: DAPO dynamic sampling rounds and their bound, the group-size schedule and its
 adaptive rise, and RolloutBatch select/concat."""
 
 import pytest
 import torch
 
-from cluster.sampling import GroupSizeController, RolloutBatch, informative_group_ids, sample_groups
+from cluster.loop.sampling import GroupSizeController, RolloutBatch, informative_group_ids, sample_groups
 
 G = 2  # completions per group in the fake rounds
 

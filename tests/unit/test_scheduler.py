@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from cluster.scheduler import MicroBatchPlan, assign_groups, karmarkar_karp, padded_tokens, plan_microbatches
+from cluster.loop.scheduler import MicroBatchPlan, assign_groups, karmarkar_karp, padded_tokens, plan_microbatches
 
 
 def lognormal_lengths(n: int, seed: int, lo: int = 50, hi: int = 4000) -> list[int]:

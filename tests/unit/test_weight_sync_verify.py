@@ -50,7 +50,7 @@ def test_spec_sync_fields():
 
 
 def test_checksum_mismatch_names_tensor_engine_and_both_checksums():
-    from cluster.pools import SyncVerificationError as from_pools
+    from cluster.loop.pools import SyncVerificationError as from_pools
     from weight_sync.coordinator import SyncVerificationError, _compare_checksums
 
     assert from_pools is SyncVerificationError  # re-exported where the driver imports it

@@ -23,7 +23,7 @@ def _cmd_validate(args) -> int:
     if isinstance(prepared, int):
         return prepared
     job, address, source = prepared
-    from cluster.pools import InsufficientResources, check_cluster_resources
+    from cluster.loop.pools import InsufficientResources, check_cluster_resources
 
     have = None
     if address is None:  # the local cluster `run` starts has CPUs (checked in the spec), its GPUs, no custom resource
@@ -37,7 +37,7 @@ def _cmd_validate(args) -> int:
     else:
         import ray
 
-        from cluster.ray_init import AddressError, init_ray
+        from cluster.ops.ray_init import AddressError, init_ray
 
         try:
             init_ray(job.spec, address, source, log_to_driver=False)
@@ -59,7 +59,7 @@ def _cmd_validate(args) -> int:
 
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
-    from cluster.pools import resources_needed
+    from cluster.loop.pools import resources_needed
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
     need = resources_needed(s)

@@ -51,7 +51,7 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     check_eval_args(limit, max_tokens)
     import torch
 
-    from cluster.models import resolve_model_path
+    from cluster.data.models import resolve_model_path
 
     examples, _ = load_jsonl_examples(data)
     examples = examples if limit is None else examples[:limit]

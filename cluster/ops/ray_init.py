@@ -79,7 +79,7 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
     import ray
 
     if address is not None:
-        from cluster.jobs import _use_token_if_available
+        from cluster.ops.jobs import _use_token_if_available
 
         _use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
         try:

@@ -33,8 +33,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.algorithm_spec import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, algorithm_conflicts
-from cluster.algorithm_spec import FieldConflict as _FieldConflict
+from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, algorithm_conflicts
+from cluster.spec.algorithm import FieldConflict as _FieldConflict
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",

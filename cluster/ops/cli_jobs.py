@@ -1,4 +1,4 @@
-"""``grpo-cluster submit / status / logs / stop / scale``: the Ray Jobs API subcommands (logic in cluster/jobs.py).
+"""``grpo-cluster submit / status / logs / stop / scale``: the Ray Jobs API subcommands (logic in cluster/ops/jobs.py).
 
 Every command takes ``--address http://HOST:8265`` (the dashboard / Jobs API address; default
 ``$RAY_API_SERVER_ADDRESS``, ``$RAY_ADDRESS`` or ``http://127.0.0.1:8265``). Problems the user can fix (unreachable
@@ -46,8 +46,8 @@ def _env_pairs(pairs) -> dict[str, str]:
 
 
 def _python(args) -> str:
-    """``--python``, else :func:`cluster.jobs.default_python` for the address (said on stderr)."""
-    from cluster import jobs
+    """``--python``, else :func:`cluster.ops.jobs.default_python` for the address (said on stderr)."""
+    from cluster.ops import jobs
 
     if args.python:
         return args.python
@@ -62,7 +62,7 @@ def _finished(status: str, job_id: str) -> int:
 
 
 def _cmd_submit(args) -> int:
-    from cluster import jobs
+    from cluster.ops import jobs
 
     spec = _load("submit", args.spec, args.set, args.imports)
     if isinstance(spec, int):
@@ -94,7 +94,7 @@ def _cmd_submit(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from cluster import jobs
+    from cluster.ops import jobs
 
     try:
         details = jobs.job_details(jobs.connect(args.address), args.job)
@@ -118,7 +118,7 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_logs(args) -> int:
-    from cluster import jobs
+    from cluster.ops import jobs
 
     try:
         client = jobs.connect(args.address)
@@ -131,7 +131,7 @@ def _cmd_logs(args) -> int:
 
 
 def _cmd_stop(args) -> int:
-    from cluster import jobs
+    from cluster.ops import jobs
 
     try:
         client = jobs.connect(args.address)
@@ -147,7 +147,7 @@ def _cmd_stop(args) -> int:
 
 
 def _cmd_scale(args) -> int:
-    from cluster import control, jobs
+    from cluster.ops import control, jobs
 
     if (args.rollout_replicas is None) == (args.spec is None):
         return _fail("scale", "give exactly one of --rollout-replicas N or a changed SPEC.yaml")

@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.scheduler import assign_groups
+from cluster.loop.scheduler import assign_groups
 from rollout_workers.engine import GroupRequest, GroupResult, RolloutEngine
 from train_workers.fsdp_worker import FSDPTrainWorker
 from weight_sync.coordinator import SyncVerificationError, WeightSync, _compare_checksums  # noqa: F401
@@ -143,7 +143,7 @@ def _dead_actor_index(actors: list, exc: BaseException) -> int | None:
 class RolloutPool:
     """``rollout.replicas`` vLLM engine actors.
 
-    Groups are dispatched by load (:func:`cluster.scheduler.assign_groups`): each prompt's whole group goes to the
+    Groups are dispatched by load (:func:`cluster.loop.scheduler.assign_groups`): each prompt's whole group goes to the
     engine with the fewest tokens in flight (prompt + G × max_response_tokens), heaviest first, so engines finish
     together and a group's G samples share one engine's prefix cache. Each engine lives in its own STRICT_PACK
     placement group; ``add``/``remove``/``replace`` change membership between steps.
@@ -282,7 +282,7 @@ class RolloutPool:
                  on_groups: Callable[[list[GroupResult]], None] | None = None) -> tuple[list[GroupResult], dict]:
         """Sample one group per request across the engines; results come back in request order.
 
-        Dispatch: :func:`cluster.scheduler.assign_groups` (whole groups, by tokens in flight, heaviest first). Each
+        Dispatch: :func:`cluster.loop.scheduler.assign_groups` (whole groups, by tokens in flight, heaviest first). Each
         engine gets one call; ``ray.wait`` collects the calls as they finish, and ``on_groups`` (when given) is called
         with each finished engine's groups at once, in completion order, so the caller can score them while the other
         engines still sample.
