@@ -46,7 +46,7 @@ from grpo.advantages import compute_multi_reward_advantages
 from grpo.eos import eos_token_ids, response_valid_lengths
 from grpo.kl import AdaptiveKLController, FixedKLController
 from grpo.rewards import OVERLONG_PENALTY_KEY, CombinedRewards, combine_rewards, overlong_penalty, reward_metrics
-from rollout_workers.engine import GroupRequest, GroupResult
+from cluster.messages import GroupRequest, GroupResult
 from train_workers.packing import pack_rank_microbatches
 
 #: Key of the DAPO overlong penalty among the reward components (``reward/overlong_penalty``).

@@ -13,47 +13,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
+from cluster.messages import GroupRequest, GroupResult
+
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
-
-
-@dataclass(frozen=True)
-class GroupRequest:
-    """One prompt to sample a group for. ``group_id`` is unique within a step; ``group_size`` (G for this prompt)
-    overrides the ``group_size`` argument of ``RolloutEngine.generate`` when set (adaptive group size). ``seed``
-    (when set) seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
-    and the seed — not on which engine samples it or what else is in the batch's queue. The driver derives it from
-    (spec seed, step, sampling round, group id), which makes resumed runs and re-sampled groups reproducible.
-    ``prompt_ids`` come from ``cluster.data.chat_prompt_ids`` (the chat template's own BOS, nothing added) and reach
-    vLLM as a token prompt, which it does not tokenize again: the engine samples from exactly the ids training uses."""
-
-    group_id: int
-    prompt_ids: list[int]
-    group_size: int | None = None
-    seed: int | None = None
-
-
-@dataclass
-class GroupResult:
-    """The G completions of one prompt.
-
-    response_ids: G lists of R_i token ids (int); the EOS token, when sampled, is the last one.
-    behaviour_logprobs: G float32 tensors [R_i], natural log, under the sampling distribution.
-    finish_reasons: G of ``"stop"`` (EOS or stop string) or ``"length"`` (hit ``max_response_tokens``).
-    texts: G decoded completions (special tokens skipped).
-    policy_version: version of the weights that sampled every token of the group.
-    """
-
-    group_id: int
-    prompt_ids: list[int]
-    response_ids: list[list[int]]
-    behaviour_logprobs: list[torch.Tensor]
-    finish_reasons: list[str]
-    texts: list[str]
-    policy_version: int
 
 
 def configure_cpu_env(kv_cache_gib: float, num_threads: int | None = None) -> None:

@@ -15,7 +15,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.loop.scheduler import assign_groups
-from rollout_workers.engine import GroupRequest, GroupResult, RolloutEngine
+from cluster.messages import GroupRequest, GroupResult
+from rollout_workers.engine import RolloutEngine
 from train_workers.fsdp_worker import FSDPTrainWorker
 from weight_sync.coordinator import SyncVerificationError, WeightSync, _compare_checksums  # noqa: F401
 

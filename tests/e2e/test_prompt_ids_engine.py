@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent("""
 
         from cluster.data import chat_prompt_ids, load_jsonl_examples
         from cluster.spec import load_spec
-        from rollout_workers.engine import GroupRequest, RolloutEngine
+        from cluster.messages import GroupRequest
+        from rollout_workers.engine import RolloutEngine
 
         spec = load_spec(spec_path)
         tok = AutoTokenizer.from_pretrained(path)

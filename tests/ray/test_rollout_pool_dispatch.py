@@ -15,7 +15,7 @@ import pytest
 
 from cluster.loop.pools import RolloutPool, WorkerTimeout
 from cluster.loop.scheduler import assign_groups
-from rollout_workers.engine import GroupRequest, GroupResult
+from cluster.messages import GroupRequest, GroupResult
 
 MAX_RESPONSE_TOKENS = 10
 

@@ -57,7 +57,7 @@ def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray
                                                                        monkeypatch):
     import ray
 
-    from rollout_workers.engine import GroupRequest
+    from cluster.messages import GroupRequest
     from weight_sync import coordinator
     from weight_sync.coordinator import SyncMemberError, WeightSync
 

@@ -10,7 +10,7 @@ import torch
 from cluster.driver import OVERLONG, GRPOJob, _model_eos_ids
 from cluster.spec import load_spec_text
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-from rollout_workers.engine import GroupResult
+from cluster.messages import GroupResult
 from train_workers.packing import pack_microbatch
 from train_workers.policy import ResponseLogprobModel
 

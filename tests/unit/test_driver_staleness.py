@@ -9,7 +9,7 @@ import torch
 
 from cluster.driver import GRPOJob, StaleSamplesError, request_seed
 from cluster.spec import load_spec_text
-from rollout_workers.engine import GroupRequest, GroupResult
+from cluster.messages import GroupRequest, GroupResult
 
 SPEC = """\
 output_dir: runs/test

@@ -31,7 +31,7 @@ def test_prompt_eos_does_not_count_in_the_driver():
 
     from cluster.driver import GRPOJob
     from cluster.spec import load_spec_text
-    from rollout_workers.engine import GroupResult
+    from cluster.messages import GroupResult
 
     job = GRPOJob.__new__(GRPOJob)
     job.spec = load_spec_text("output_dir: o\ntotal_steps: 1\ndata: {train_path: t.jsonl}\n"

@@ -1,0 +1,208 @@
+"""Typed messages that cross a Ray actor boundary, in one module every side imports.
+
+The control plane (``cluster/``) and its workers (``rollout_workers/``, ``train_workers/``) speak only these types:
+a request goes out, a typed result comes back, and a metrics dict carries nothing but metrics (numbers the driver
+logs). Control data — a policy version, why an update was skipped, where a worker runs, what a sync checked — has
+its own field. Workers may import this module and nothing else from ``cluster/`` (``tests/unit/test_import_layering.py``).
+
+Plain dataclasses (pickled by Ray as they are): no Ray, no torch.distributed here; ``GroupResult`` holds CPU tensors.
+
+Notation: G completions per prompt (a group), R_i tokens in completion i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# ---- rollout: driver → engine → driver -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One prompt to sample a group for.
+
+    Attributes:
+        group_id: unique within a step (sampling rounds continue the count).
+        prompt_ids: the chat-templated prompt (``cluster.data.chat_prompt_ids``: the template's own BOS, nothing
+            added); vLLM gets it as a token prompt and does not tokenize again, so the engine samples from exactly
+            the ids training scores.
+        group_size: G for this prompt; None uses the ``group_size`` argument of ``RolloutEngine.generate``
+            (adaptive group size sets it).
+        seed: seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
+            and the seed — not on the engine or the rest of the batch. The driver derives it from (spec seed, step,
+            group id) (``cluster.loop.fleet.request_seed``), which makes re-sampled groups and resumed runs
+            reproducible.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    group_size: int | None = None
+    seed: int | None = None
+
+
+@dataclass
+class GroupResult:
+    """The G completions of one prompt.
+
+    Attributes:
+        response_ids: G lists of R_i token ids (int); the EOS token, when sampled, is the last one.
+        behaviour_logprobs: G float32 tensors [R_i], natural log, under the sampling distribution.
+        finish_reasons: G of ``"stop"`` (EOS or stop string) or ``"length"`` (hit ``max_response_tokens``).
+        texts: G decoded completions (special tokens skipped).
+        policy_version: the version of the weights that sampled every token of the group.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    behaviour_logprobs: list[torch.Tensor]
+    finish_reasons: list[str]
+    texts: list[str]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class GenerateStats:
+    """One engine's figures for one ``generate`` call.
+
+    Attributes:
+        seconds: wall seconds the engine was busy with the call.
+        tokens: response tokens sampled.
+        kv_cache_usage: estimated peak fraction [0, 1] of the engine's KV cache the call used (prompt + completion
+            tokens of all its requests over the cache's token capacity); None when the capacity is unknown.
+    """
+
+    seconds: float
+    tokens: int
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a rollout engine reports about itself (``RolloutEngine.ready``, also the liveness probe).
+
+    Attributes:
+        policy_version: the version its weights hold; None after a failed sync (it refuses to generate).
+        pid: process id. node_id: Ray node id (None outside Ray). gpu_ids: the GPU ids Ray gave the process.
+    """
+
+    policy_version: int | None
+    pid: int
+    node_id: str | None = None
+    gpu_ids: list[str] = field(default_factory=list)
+
+
+# ---- training: driver → train ranks → driver ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainRankInfo:
+    """What a train rank reports once its process group, policy and optimizer are built.
+
+    Attributes:
+        rank: its rank in the train group. backend: ``gloo`` or ``nccl``. num_parameters: of the policy (all ranks).
+        pid: process id. device: e.g. ``cpu``, ``cuda:0``. node_id: Ray node id (None outside Ray).
+        gpu_ids: the GPU ids Ray gave the process.
+    """
+
+    rank: int
+    backend: str
+    num_parameters: int
+    pid: int
+    device: str
+    node_id: str | None = None
+    gpu_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """One train step's outcome, identical on every rank.
+
+    Attributes:
+        policy_version: the trainer's policy version after the step (one more than before when any optimizer step
+            was applied; unchanged when every iteration was skipped).
+        skipped: at least one iteration's update was skipped for a NaN/Inf loss or gradient norm.
+        skip_reason: ``""``, or the first non-finite metric: ``"actor/loss"`` or ``"actor/grad_norm"``.
+        metrics: ``actor/*``, ``rollout/logprob_diff``, ``perf/train_tokens``, ``timing/*``, ``memory/*`` — numbers
+            only (float), averaged over ranks and iterations as each metric documents.
+    """
+
+    policy_version: int
+    skipped: bool
+    skip_reason: str
+    metrics: dict[str, float]
+
+
+# ---- weight sync: train rank 0 and engines → coordinator → driver --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendReport:
+    """A train rank's side of one streamed sync (``broadcast_weights``); bytes, checksums and memory from rank 0.
+
+    Attributes:
+        policy_version: the version of the weights sent. seconds: wall seconds of the send.
+        bytes: bytes streamed (engine dtype). checksums: CRC-32 per checked tensor name (rank 0; empty elsewhere).
+        peak_extra_bytes: measured memory growth of the sender during the stream (``weight_sync.sender``).
+        peak_extra_bytes_accounted: the buffers the sender held at its peak, counted from their sizes.
+    """
+
+    policy_version: int
+    seconds: float
+    bytes: int
+    checksums: dict[str, int]
+    peak_extra_bytes: int
+    peak_extra_bytes_accounted: int
+
+
+@dataclass(frozen=True)
+class ReceiveReport:
+    """An engine's side of one sync (``receive_weights``).
+
+    Attributes:
+        policy_version: the version the engine now serves. seconds: its first worker's wall seconds.
+        bytes: bytes received by its first worker. worker_checksums: per engine worker (tensor-parallel shard
+            owner), CRC-32 per checked tensor name of the bytes it received.
+    """
+
+    policy_version: int
+    seconds: float
+    bytes: int
+    worker_checksums: list[dict[str, int]]
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One verified sync of the policy to every engine (``cluster.loop.sync.WeightSync.sync``).
+
+    Attributes:
+        policy_version: the version every engine of the group now holds.
+        verified: every checked tensor matched on every engine worker (False when none was checked).
+        verified_tensors: tensors checked per worker. bytes: bytes streamed. buckets: buckets per sync.
+        seconds_sender: train rank 0's wall seconds. gb_per_s: bytes / slowest member's seconds / 1e9.
+        sender_peak_extra_bytes, sender_peak_extra_bytes_accounted: train rank 0's memory (``SendReport``).
+        engines: engines synced. ipc: the transport was an IPC one (``shm``/``cuda_ipc``) rather than a broadcast.
+    """
+
+    policy_version: int
+    verified: bool
+    verified_tensors: int
+    bytes: int
+    buckets: int
+    seconds_sender: float
+    gb_per_s: float
+    sender_peak_extra_bytes: int
+    sender_peak_extra_bytes_accounted: int
+    engines: int
+    ipc: bool
+
+    def metrics(self) -> dict[str, float]:
+        """The ``sync/*`` metrics of this sync (names as logged since the first release)."""
+        return {"sync/verified": self.verified, "sync/verified_tensors": self.verified_tensors,
+                "sync/bytes": float(self.bytes), "sync/buckets": self.buckets,
+                "sync/seconds_sender": self.seconds_sender, "sync/gb_per_s": self.gb_per_s,
+                "sync/sender_peak_extra_bytes": float(self.sender_peak_extra_bytes),
+                "sync/sender_peak_extra_bytes_accounted": float(self.sender_peak_extra_bytes_accounted),
+                "sync/engines": self.engines, "sync/ipc": float(self.ipc)}
