@@ -19,90 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-from cluster.ops.ray_init import reachable as _reachable  # noqa: F401 - the name tests/unit use
-
-
-DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
-                  "filelock", "psutil")
-"""Import names of the packages the job's driver process imports (core dependencies in pyproject.toml); vLLM runs in
-the engine actors only."""
-
-
-def missing_dependency() -> str | None:
-    """One line naming the first of DRIVER_MODULES this interpreter cannot import (and the interpreter), with what
-    to do; None when all are there. Only looks them up (``importlib.util.find_spec``), imports nothing."""
-    import importlib.util
-
-    missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
-    if not missing:
-        return None
-    from cluster.ops.control import JOB_ID_ENV
-
-    if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
-        fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
-               "--pip REQUIREMENT")
-    else:
-        fix = "install the project's dependencies (scripts/setup.sh) or use the interpreter that has them"
-    return f"missing dependency: {', '.join(missing)} (interpreter {sys.executable}); {fix}"
-
-
-def _import_modules(modules) -> str | None:
-    """Import ``--import`` modules (e.g. ones registering reward functions); an error message, or None."""
-    import importlib
-
-    for name in modules or ():
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            return f"--import {name}: {exc}"
-    return None
-
-
-def prepare_job(args, dry_run: bool = False):
-    """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
-    interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
-    address is usable, and the job's inputs are (:class:`cluster.driver.GRPOJob`: output folders, model, tokenizer,
-    data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
-
-    Returns:
-        (job, address or None for a local cluster, where the address came from); or the exit code 2 after the
-        problem was printed on stderr.
-    """
-    problem = missing_dependency()
-    if problem:
-        print(f"grpo-cluster: {problem}", file=sys.stderr)
-        return 2
-    from cluster.spec import SpecError, load_spec, locate_field_error
-
-    problem = _import_modules(args.imports)
-    if problem:
-        print(f"grpo-cluster: {problem}", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec(args.spec, args.set or ())
-    except SpecError as exc:
-        print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
-        return 2
-    from cluster.data import DataError
-    from cluster.driver import GRPOJob, SetupError
-    from cluster.ops.metrics import MetricsError
-    from cluster.data.models import ModelError
-    from cluster.ops.ray_init import AddressError, job_address
-
-    try:  # the cluster address is checked before anything heavy is loaded
-        address, source = job_address(args.address, spec)
-    except AddressError as exc:
-        print(f"grpo-cluster: {exc}", file=sys.stderr)
-        return 2
-    try:  # data, model and output-folder problems surface here, before any cluster starts
-        job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run)
-    except (DataError, ModelError, MetricsError, SetupError) as exc:
-        print(f"grpo-cluster: {locate_field_error(str(exc), args.spec, args.set or ())}", file=sys.stderr)
-        return 2
-    return job, address, source
+from cluster.ops.cli_jobs import add_job_commands
+from cluster.ops.cli_validate import add_validate_command
+from cluster.ops.prepare import prepare_job
 
 
 def _cmd_run(args) -> int:
@@ -111,8 +32,10 @@ def _cmd_run(args) -> int:
         return prepared
     job, address, source = prepared
     spec = job.spec
-    from cluster.driver import NumericsError, StaleSamplesError, run_with_restarts
+    from cluster.driver import run_with_restarts
+    from cluster.loop.fleet import StaleSamplesError
     from cluster.loop.pools import InsufficientResources
+    from cluster.loop.training import NumericsError
     from cluster.ops.ray_init import AddressError, init_ray
 
     import ray
@@ -193,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
-    from cluster.ops.cli_jobs import add_job_commands
-    from cluster.ops.cli_validate import add_validate_command
-
     add_validate_command(sub)
     add_job_commands(sub)
     return parser

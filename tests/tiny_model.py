@@ -15,7 +15,7 @@ def make_tiny_model(out_dir: str | Path, seed: int = 0) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from cluster.driver import TOKENIZER_FILES
+    from cluster.loop.checkpoint_state import TOKENIZER_FILES
     from cluster.data.models import resolve_model_path
 
     out = Path(out_dir)

@@ -12,6 +12,8 @@ import argparse
 import sys
 from datetime import datetime
 
+from cluster.ops.prepare import import_modules
+
 PREFIX = "grpo-cluster"
 
 
@@ -23,10 +25,9 @@ def _fail(command: str, message: str) -> int:
 def _load(command: str, spec_path: str, overrides, imports):
     """The validated spec (the cluster is joined with address auto, so ``ray.address=auto`` is implied); or an exit
     code 2 after printing the problem."""
-    from cluster.cli import _import_modules
     from cluster.spec import SpecError, load_spec
 
-    problem = _import_modules(imports)
+    problem = import_modules(imports)
     if problem:
         return _fail(command, problem)
     try:

@@ -1,6 +1,6 @@
 """``grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]``: every check ``run`` makes before
-it starts anything (cluster/cli.py :func:`~cluster.cli.prepare_job`: dependencies, spec, cluster address, output
-folders, model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
+it starts anything (:func:`cluster.ops.prepare.prepare_job`: dependencies, spec, cluster address, output folders,
+model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
 (``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs, GPUs and custom resources
 the pools reserve; for the local cluster ``run`` would start, that no custom resource (``rollout.resources``,
 ``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once.
@@ -15,10 +15,10 @@ import math
 import sys
 from pathlib import Path
 
+from cluster.ops.prepare import prepare_job
+
 
 def _cmd_validate(args) -> int:
-    from cluster.cli import prepare_job
-
     prepared = prepare_job(args, dry_run=True)
     if isinstance(prepared, int):
         return prepared

@@ -32,7 +32,7 @@ def make_answering_model(tiny_model_dir: str, out: Path) -> tuple[str, list[int]
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from cluster.driver import TOKENIZER_FILES
+    from cluster.loop.checkpoint_state import TOKENIZER_FILES
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     chain = tok.encode(ANSWER_TEXT, add_special_tokens=False)

@@ -202,7 +202,8 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
 
 
 def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
-    from cluster.driver import GRPOJob, latest_checkpoint
+    from cluster.driver import GRPOJob
+    from cluster.loop.checkpoints import latest_checkpoint
 
     spec = make_spec("ckpt", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "total_steps=3")
     _run_to_end(GRPOJob(spec, progress=False))
@@ -222,7 +223,8 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray):
     """A NaN loss skips the update (weights and version unchanged, nothing broadcast); K in a row stop the job."""
     import ray
 
-    from cluster.driver import GRPOJob, NumericsError
+    from cluster.driver import GRPOJob
+    from cluster.loop.training import NumericsError
 
     spec = make_spec("nan", "train.max_skipped_updates=2", "total_steps=3")
     job = GRPOJob(spec, progress=False)

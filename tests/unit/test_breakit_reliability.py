@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.driver import TRAINER_STATE, GRPOJob, SetupError, latest_checkpoint
+from cluster.driver import GRPOJob
+from cluster.loop.checkpoints import TRAINER_STATE, latest_checkpoint
+from cluster.loop.setup import SetupError
 from cluster.spec import SpecError, load_spec_text
 
 BASE = "output_dir: /tmp/x\ntotal_steps: 2\ndata: {train_path: t.jsonl}\n"

@@ -1,5 +1,5 @@
-"""The driver's score stage (rewards, EOS and truncation masks, overlong penalty, reward failures, advantages) on
-hand-made groups, and the trainer's tempered logprobs; no Ray, no engine."""
+"""The driver's score stage (``cluster.loop.scoring``: rewards, EOS and truncation masks, overlong penalty, reward
+failures, advantages) on hand-made groups, and the trainer's tempered logprobs; no Ray, no engine."""
 
 import math
 from types import SimpleNamespace
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.driver import OVERLONG, GRPOJob, _model_eos_ids
+from cluster.loop.scoring import OVERLONG, Scoring
+from cluster.loop.setup import model_eos_ids
 from cluster.spec import load_spec_text
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 from cluster.messages import GroupResult
@@ -27,11 +28,9 @@ algorithm:
 """
 
 
-def job(*overrides: str) -> GRPOJob:
-    j = GRPOJob.__new__(GRPOJob)  # only what _score needs: the spec and the EOS ids
-    j.spec = load_spec_text(SPEC, overrides=overrides)
-    j.eos_ids = frozenset({EOS})
-    return j
+def job(*overrides: str) -> Scoring:
+    spec = load_spec_text(SPEC, overrides=overrides)  # only what scoring needs: the spec and the EOS ids
+    return Scoring(spec.algorithm, spec.rollout.max_response_tokens, frozenset({EOS}))
 
 
 def group(gid: int, responses: list[list[int]], texts: list[str]) -> GroupResult:
@@ -47,7 +46,7 @@ REFS = ["#### 3", "#### 7"]
 
 
 def test_eos_masks_and_termination():
-    batch = job()._score(GROUPS, REFS)
+    batch = job().score(GROUPS, REFS)
     assert batch.terminated == [True, True, False, True, True]
     assert batch.valid_lengths == [3, 2, 4, 2, 3]
     assert batch.group_ids.tolist() == [0, 0, 0, 1, 1]
@@ -61,14 +60,14 @@ def test_eos_masks_and_termination():
 
 
 def test_mask_truncated_masks_the_whole_completion_but_keeps_it_in_the_group():
-    batch = job("algorithm.mask_truncated=true")._score(GROUPS, REFS)
+    batch = job("algorithm.mask_truncated=true").score(GROUPS, REFS)
     assert batch.valid_lengths == [3, 2, 0, 2, 3]
     assert batch.advantages[2].item() == pytest.approx(0.57735, abs=1e-4)
 
 
 def test_overlong_penalty_is_added_to_the_reward():
     # L_max 4, buffer 2: lengths 3 → −0.5·f, 2 → 0, 4 (cut) → −f, with f = 0.4
-    batch = job("algorithm.overlong_buffer_tokens=2", "algorithm.overlong_penalty_factor=0.4")._score(GROUPS, REFS)
+    batch = job("algorithm.overlong_buffer_tokens=2", "algorithm.overlong_penalty_factor=0.4").score(GROUPS, REFS)
     torch.testing.assert_close(batch.per_function[OVERLONG], torch.tensor([-0.2, 0.0, -0.4, 0.0, -0.2]))
     torch.testing.assert_close(batch.rewards, torch.tensor([0.8, 0.0, 0.6, 0.0, -0.2]))
     assert (batch.advantages[3:] != 0).all()  # the penalty separates group 1's completions
@@ -81,9 +80,9 @@ def test_failing_reward_function_counts_or_raises():
     register_reward_function("test_grader_down")(grader_down)
     try:
         with pytest.raises(RuntimeError, match="'test_grader_down' raised ConnectionError"):
-            job("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}")._score(GROUPS, REFS)
+            job("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}").score(GROUPS, REFS)
         batch = job("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}",
-                    "algorithm.reward_on_error=none")._score(GROUPS, REFS)
+                    "algorithm.reward_on_error=none").score(GROUPS, REFS)
         assert batch.num_failed == 5
         assert torch.isnan(batch.rewards).all() and (batch.advantages == 0).all()
     finally:
@@ -92,16 +91,16 @@ def test_failing_reward_function_counts_or_raises():
 
 def test_normalise_then_sum_is_selected_by_the_spec():
     spec = ("algorithm.rewards={accuracy: 1.0, format: 1.0}", "algorithm.reward_combine=normalise-then-sum")
-    batch = job(*spec)._score(GROUPS, REFS)
+    batch = job(*spec).score(GROUPS, REFS)
     assert set(batch.per_function) == {"accuracy", "format"}
     torch.testing.assert_close(batch.advantages[:3], torch.tensor([0.57735, -1.1547, 0.57735]), atol=1e-4, rtol=0)
 
 
 def test_model_eos_ids_from_generation_config_and_tokenizer(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [128001, 128009]}')
-    assert _model_eos_ids(str(tmp_path), SimpleNamespace(eos_token_id=128008)) == {128001, 128008, 128009}
+    assert model_eos_ids(str(tmp_path), SimpleNamespace(eos_token_id=128008)) == {128001, 128008, 128009}
     (tmp_path / "generation_config.json").unlink()
-    assert _model_eos_ids(str(tmp_path), SimpleNamespace(eos_token_id=2)) == {2}
+    assert model_eos_ids(str(tmp_path), SimpleNamespace(eos_token_id=2)) == {2}
 
 
 class _Decoder(torch.nn.Module):
@@ -140,10 +139,10 @@ def test_groups_scored_as_they_arrive_equal_batch_scoring():
     from grpo.rewards import combine_rewards
 
     j = job("algorithm.rewards={accuracy: 1.0, format: 0.5}")
-    alg = j.spec.algorithm
+    alg = j.algorithm
     early = [combine_rewards(g.texts, [ref] * len(g.texts), alg.rewards, on_error=alg.reward_on_error)
              for g, ref in zip(GROUPS, REFS)]
-    whole, joined = j._score(GROUPS, REFS), j._score(GROUPS, REFS, early)
+    whole, joined = j.score(GROUPS, REFS), j.score(GROUPS, REFS, early)
     torch.testing.assert_close(joined.rewards, whole.rewards)
     torch.testing.assert_close(joined.advantages, whole.advantages)
     assert joined.per_function.keys() == whole.per_function.keys()

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import _reachable, main
+from cluster.cli import main
 from cluster.data import DataError
-from cluster.driver import GRPOJob, SetupError
+from cluster.driver import GRPOJob
 from cluster.data.models import ModelError, resolve_model_path
+from cluster.loop.setup import SetupError
 from cluster.loop.pools import InsufficientResources, check_cluster_resources
+from cluster.ops.ray_init import reachable as _reachable
 from cluster.spec import load_spec_text
 
 
@@ -33,7 +35,7 @@ def test_prompts_are_tokenized_once_and_counted(tmp_path, tiny_model_dir):
     job = GRPOJob(_spec(tmp_path, tiny_model_dir), progress=False)
     try:
         assert job.prompts_filtered == 0 and len(job.prompt_ids) == 5
-        examples, requests = job._next_requests(3, 4)
+        examples, requests = job.requests.draw(3, 4)
         assert [r.prompt_ids for r in requests] == [job.prompt_ids[e.index] for e in examples]
         assert (Path(job.spec.output_dir) / "spec.yaml").is_file()
     finally:

@@ -1,4 +1,4 @@
-"""The driver's version checks on sampled groups (``GRPOJob._generate``) with stand-in pools: no Ray, no engine.
+"""The driver's version checks on sampled groups (``EngineFleet.generate``) with stand-in pools: no Ray, no engine.
 
 Each group carries the policy version that sampled it; groups older than ``rollout.max_staleness`` are refused, the
 engines are synced again, and the same requests are sampled again (same seeds, so the same groups)."""
@@ -7,7 +7,8 @@ engines are synced again, and the same requests are sampled again (same seeds, s
 import pytest
 import torch
 
-from cluster.driver import GRPOJob, StaleSamplesError, request_seed
+from cluster.loop.fleet import EngineFleet, StaleSamplesError
+from cluster.loop.requests import PromptQueue, request_seed
 from cluster.spec import load_spec_text
 from cluster.messages import GroupRequest, GroupResult
 
@@ -51,41 +52,38 @@ class FakeSync:
         return []
 
 
-def job(versions: list[int], policy_version: int, *overrides: str) -> GRPOJob:
-    j = GRPOJob.__new__(GRPOJob)
-    j.spec = load_spec_text(SPEC, overrides=overrides)
-    j.rollout, j.sync, j.policy_version, j.stale_refused = FakeRollout(versions), FakeSync(), policy_version, 0
-    j._status = lambda message: None
-    return j
+def job(versions: list[int], *overrides: str) -> EngineFleet:
+    return EngineFleet(load_spec_text(SPEC, overrides=overrides), FakeRollout(versions), FakeSync(),
+                       lambda message: None)
 
 
 REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]
 
 
 def test_current_samples_are_accepted_without_resync():
-    j = job([3], 3)
-    groups, _ = j._generate(REQUESTS)
-    assert [g.policy_version for g in groups] == [3, 3] and j.sync.syncs == 0 and j.stale_refused == 0
+    j = job([3])
+    groups = j.generate(REQUESTS, 3)
+    assert [g.policy_version for g in groups] == [3, 3] and j.sync.syncs == 0 and j.figures.stale_refused == 0
 
 
 def test_stale_samples_are_refused_resynced_and_sampled_again():
-    j = job([2, 3], 3)  # the first call comes from an engine one version behind
-    groups, _ = j._generate(REQUESTS)
+    j = job([2, 3])  # the first call comes from an engine one version behind
+    groups = j.generate(REQUESTS, 3)
     assert [g.policy_version for g in groups] == [3, 3]
-    assert j.rollout.calls == 2 and j.stale_refused == 2 and j.sync.rebuilds == 1 and j.sync.syncs == 1
+    assert j.rollout.calls == 2 and j.figures.stale_refused == 2 and j.sync.rebuilds == 1 and j.sync.syncs == 1
     assert j.rollout.seen == [[(0, 1), (1, 2)]] * 2  # sampled again with the same seeds, so the same groups
 
 
 def test_max_staleness_allows_older_samples():
-    j = job([2], 3, "rollout.max_staleness=1")
-    groups, _ = j._generate(REQUESTS)
+    j = job([2], "rollout.max_staleness=1")
+    groups = j.generate(REQUESTS, 3)
     assert [g.policy_version for g in groups] == [2, 2] and j.sync.syncs == 0
 
 
 def test_engines_that_stay_stale_stop_the_job():
-    j = job([0], 3, "rollout.max_engine_restarts=0")
+    j = job([0], "rollout.max_engine_restarts=0")
     with pytest.raises(StaleSamplesError, match="stale"):
-        j._generate(REQUESTS)
+        j.generate(REQUESTS, 3)
 
 
 def test_request_seeds_are_crc32_of_seed_step_group():
@@ -107,12 +105,11 @@ def test_next_requests_seed_each_group_from_spec_seed_step_and_group_id():
 
     from cluster.data import Example
 
-    j = job([0], 0, "seed=7")
-    j.step, j._group_counter, j._step_prompts = 4, 0, {}
-    j._pending = deque(Example(index=i, question=f"q{i}", answer="#### 1", reference="1") for i in range(3))
-    j.prompt_ids = {0: [10], 1: [11], 2: [12]}
-    _, first = j._next_requests(2, 4)
-    _, second = j._next_requests(1, 4)
+    j = PromptQueue(sampler=None, prompt_ids={0: [10], 1: [11], 2: [12]}, seed=7)
+    j.begin_step(4)
+    j.pending = deque(Example(index=i, question=f"q{i}", answer="#### 1", reference="1") for i in range(3))
+    _, first = j.draw(2, 4)
+    _, second = j.draw(1, 4)
     assert [(q.group_id, q.prompt_ids, q.group_size) for q in first + second] == [(0, [10], 4), (1, [11], 4),
                                                                                    (2, [12], 4)]
     assert [q.seed for q in first + second] == [request_seed(7, 4, g) for g in range(3)]

@@ -29,18 +29,17 @@ def test_prompt_eos_does_not_count_in_the_driver():
     (a chat template ending in an EOS-like id) terminates nothing."""
     import torch
 
-    from cluster.driver import GRPOJob
+    from cluster.loop.scoring import Scoring
     from cluster.spec import load_spec_text
     from cluster.messages import GroupResult
 
-    job = GRPOJob.__new__(GRPOJob)
-    job.spec = load_spec_text("output_dir: o\ntotal_steps: 1\ndata: {train_path: t.jsonl}\n"
-                              "algorithm: {mask_truncated: false}\n")
-    job.eos_ids = eos_token_ids(2, None)
+    spec = load_spec_text("output_dir: o\ntotal_steps: 1\ndata: {train_path: t.jsonl}\n"
+                          "algorithm: {mask_truncated: false}\n")
+    scoring = Scoring(spec.algorithm, spec.rollout.max_response_tokens, eos_token_ids(2, None))
     responses = [[4, 5, 6], [4, 2, 6], [7]]
     group = GroupResult(0, [2, 2, 2], responses, [torch.zeros(len(r)) for r in responses], ["length", "stop", "length"],
                         ["#### 1", "#### 2", "#### 3"], 0)
-    batch = job._score([group], ["#### 1"])
+    batch = scoring.score([group], ["#### 1"])
     assert batch.terminated == [False, True, False]
     assert batch.valid_lengths == [3, 2, 1]
     assert batch.prompt_ids == [[2, 2, 2]] * 3 and batch.response_ids == responses

@@ -1,5 +1,5 @@
-"""Which cluster a job runs on (cluster/ops/ray_init.py) and the driver's dependency check (cluster/cli.py), without
-starting Ray."""
+"""Which cluster a job runs on (cluster/ops/ray_init.py) and the driver's dependency check (cluster/ops/prepare.py),
+without starting Ray."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cli
+from cluster.ops import prepare
 from cluster.ops.control import JOB_ID_ENV
 from cluster.ops.ray_init import AddressError, job_address
 from cluster.spec import load_spec
@@ -44,16 +44,16 @@ def test_a_jobs_api_url_is_refused_with_the_submit_command(spec, monkeypatch):
 
 
 def test_missing_dependency_is_one_line_naming_interpreter_and_fix(monkeypatch):
-    monkeypatch.setattr(cli, "DRIVER_MODULES", ("json", "no_such_module_h5", "torch"))
+    monkeypatch.setattr(prepare, "DRIVER_MODULES", ("json", "no_such_module_h5", "torch"))
     monkeypatch.delenv(JOB_ID_ENV, raising=False)
-    line = cli.missing_dependency()
+    line = prepare.missing_dependency()
     assert line == (f"missing dependency: no_such_module_h5 (interpreter {sys.executable}); install the project's "
                     f"dependencies (scripts/setup.sh) or use the interpreter that has them")
     monkeypatch.setenv(JOB_ID_ENV, "job-1")
-    assert cli.missing_dependency().endswith("submit with --python PATH (an interpreter on the cluster that has the "
-                                             "project's dependencies) or --pip REQUIREMENT")
-    monkeypatch.setattr(cli, "DRIVER_MODULES", ("json",))
-    assert cli.missing_dependency() is None
+    assert prepare.missing_dependency().endswith("submit with --python PATH (an interpreter on the cluster that has "
+                                                 "the project's dependencies) or --pip REQUIREMENT")
+    monkeypatch.setattr(prepare, "DRIVER_MODULES", ("json",))
+    assert prepare.missing_dependency() is None
 
 
 def test_run_with_an_interpreter_without_the_project_exits_2_in_one_line(tmp_path):

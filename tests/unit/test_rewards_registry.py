@@ -139,7 +139,7 @@ def test_reserved_names_refused_at_registration(name):
 def test_reserved_names_are_the_summary_metrics_the_driver_emits():
     """One source of truth: the reserved set is what `reward_metrics` (used by the driver) writes besides one key per
     component, plus the driver's overlong-penalty component."""
-    from cluster import driver
+    from cluster.loop import scoring, step_metrics
     from grpo.rewards import OVERLONG_PENALTY_KEY, RESERVED_REWARD_NAMES, reward_metrics
 
     total = torch.tensor([1.0, math.nan, 0.0, 0.5])
@@ -149,7 +149,7 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
                        "reward/std": 0.5, "reward/failed": 2, "reward/none_fraction": 0.25}
     summaries = {k.removeprefix("reward/") for k in metrics} - set(per_function)
     assert RESERVED_REWARD_NAMES == summaries | {OVERLONG_PENALTY_KEY} == set(RESERVED)
-    assert driver.OVERLONG == OVERLONG_PENALTY_KEY and driver.reward_metrics is reward_metrics
+    assert scoring.OVERLONG == OVERLONG_PENALTY_KEY and step_metrics.reward_metrics is reward_metrics
     with pytest.raises(ValueError, match=r"would overwrite the summary metrics reward/mean"):
         reward_metrics(total, {"mean": total}, 0)
 

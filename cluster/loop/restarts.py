@@ -1,0 +1,50 @@
+"""Restart on failure: run a job and, when a worker fails, resume it from its latest checkpoint, up to
+``spec.restart_on_failure`` times.
+
+The job class is passed in (:func:`cluster.driver.run_with_restarts` passes :class:`cluster.driver.GRPOJob`); a job
+is built as ``job_class(spec, progress=..., resume=...)`` and offers ``run()``, ``completed`` (step → metrics of the
+steps it ran), ``close()``, ``shutdown()`` and ``_status(message)``.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.loop.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
+from weight_sync.coordinator import SyncMemberError
+
+#: Failures a restart from the latest checkpoint can get past (a worker, an engine, a timeout, a sync member).
+RESTARTABLE = (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError)
+
+
+def run_with_restarts(job_class, spec, progress: bool = True, resume: bool = False, first_job=None):
+    """Run a job; when a worker fails, resume from the latest checkpoint up to ``spec.restart_on_failure`` times.
+
+    ``first_job`` is an already constructed (not started) job for the first attempt (the CLI builds one before Ray
+    starts, so bad data or model paths fail early).
+
+    Returns (the last job, every completed step's metrics in step order).
+
+    Raises:
+        TrainWorkerFailure | EngineFailure | WorkerTimeout | NumericsError: the failure, once restarts are used up
+            (``NumericsError`` is never retried: the same data would give the same NaN).
+    """
+    history: dict[int, dict] = {}
+    attempt = 0
+    while True:
+        job = first_job if attempt == 0 and first_job is not None else job_class(
+            spec, progress=progress, resume=resume or attempt > 0)
+        try:
+            job.run()
+            history.update(job.completed)
+            return job, [history[k] for k in sorted(history)]
+        except RESTARTABLE as exc:
+            history.update(job.completed)
+            if attempt >= spec.restart_on_failure:
+                raise
+            attempt += 1
+            job._status(f"failure: {type(exc).__name__}: {exc}; restarting from the latest checkpoint "
+                        f"({attempt}/{spec.restart_on_failure})")
+        finally:
+            job.close()
+            job.shutdown()

@@ -1,0 +1,105 @@
+"""What a job checks and loads before any worker starts: writable output folders, the tokenizer, the model's EOS ids,
+and the training prompts as token ids.
+
+Every problem is raised here, naming the spec field, so ``grpo-cluster run`` and ``validate`` stop before Ray starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
+from cluster.data.models import ModelError
+from grpo.eos import eos_token_ids
+
+
+class SetupError(RuntimeError):
+    """The job cannot start here (an output folder that cannot be written, missing cluster resources)."""
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The training prompts a job samples from.
+
+    Attributes:
+        examples: the rows kept (within ``data.max_prompt_tokens``), in file order.
+        ids: example index → chat-templated prompt token ids.
+        bad_rows: rows of the file skipped as unreadable (``data.on_bad_row: skip``).
+        filtered: rows dropped for being longer than ``data.max_prompt_tokens`` tokens.
+    """
+
+    examples: list[Example]
+    ids: dict[int, list[int]]
+    bad_rows: int
+    filtered: int
+
+
+def ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
+    """Create ``path`` and prove it is writable now, before any worker starts; with ``create=False``, only check
+    that it could be: the deepest folder of ``path`` that exists is a folder this process may write into.
+
+    Raises:
+        SetupError: naming the spec field, the path and the OS error.
+    """
+    if not create:
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            what = "not a folder" if not existing.is_dir() else "not writable"
+            raise SetupError(f"{field}: cannot write to {path}: {existing} is {what}")
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise SetupError(f"{field}: cannot write to {path}: {exc.strerror or exc}") from None
+
+
+def load_tokenizer(model_path: str):
+    """The model folder's HF tokenizer.
+
+    Raises:
+        ModelError: naming ``model.path`` and why the tokenizer cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"model.path: cannot load a tokenizer from {model_path}: {exc}") from None
+
+
+def model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
+    """Every EOS id of the model: ``generation_config.json``'s ``eos_token_id`` (int or list) + the tokenizer's."""
+    path = Path(model_path) / "generation_config.json"
+    config_eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return eos_token_ids(config_eos, tokenizer.eos_token_id)
+
+
+def load_prompts(data, tokenizer) -> Prompts:
+    """Read ``data.train_path``, chat-template and tokenize every prompt once, and drop (and count) those over
+    ``data.max_prompt_tokens``.
+
+    Args:
+        data: the spec's ``data`` section.
+        tokenizer: the model's tokenizer (its chat template builds the prompts).
+
+    Raises:
+        DataError: the file cannot be read (prefixed ``data.train_path:``), or every prompt is too long.
+    """
+    try:
+        examples, bad_rows = load_jsonl_examples(data.train_path, question_field=data.question_field,
+                                                 answer_field=data.answer_field, on_bad_row=data.on_bad_row)
+    except DataError as exc:
+        raise DataError(f"data.train_path: {exc}") from None
+    ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
+    kept = [(ex, tok) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
+    if not kept:
+        raise DataError(f"{data.train_path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="
+                        f"{data.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))}); raise it")
+    return Prompts(examples=[ex for ex, _ in kept], ids={ex.index: list(tok) for ex, tok in kept}, bad_rows=bad_rows,
+                   filtered=len(examples) - len(kept))

@@ -1,0 +1,142 @@
+"""One step's records: the phase clock, the metrics row (``metrics.jsonl``, Prometheus, console) and the
+``trained_prompts.jsonl`` line.
+
+Every key, value and type of the row is a contract (dashboards, alerts, ``tests/ray/test_fixed_seed_metrics.py``):
+``policy_version``, ``reward/*``, ``groups/*``, ``response_length/*``, ``rollout/*``, ``workers/restarts``,
+``actor/*`` (the trainer's), ``sync/*``, ``packing/*``, ``data/*``, ``timing/*``, ``perf/*``, ``memory/*``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from cluster.loop.fleet import FleetFigures
+from cluster.loop.sampling import SamplingResult
+from cluster.messages import TrainResult
+from grpo.rewards import reward_metrics
+
+#: The phases a step times (``timing/<phase>_s``).
+PHASES = ("generate", "score", "train", "sync")
+
+
+class StepClock:
+    """Wall seconds of one step and of its phases; shows the current phase on the progress bar.
+
+    Args:
+        bar: a tqdm bar (its postfix names the phase), or None.
+    """
+
+    def __init__(self, bar=None):
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    def show(self, phase: str) -> None:
+        """Name ``phase`` on the progress bar."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(phase)
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        """Add the wall seconds of the ``with`` body to ``phase``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """:meth:`show` ``phase``, then :meth:`measure` the ``with`` body."""
+        self.show(phase)
+        with self.measure(phase):
+            yield
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add ``seconds`` measured elsewhere (e.g. rewards computed while engines sample) to ``phase``."""
+        self.seconds[phase] += seconds
+
+    def step_s(self) -> float:
+        """Wall seconds since the step started."""
+        return time.perf_counter() - self.started
+
+
+def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_train: int) -> dict:
+    """Rewards, group, length and sampling figures of every group sampled (``sampling.sampled``) and of the groups
+    trained on (``sampling.batch``); staleness is the trainer's version at train time minus each row's."""
+    sampled, batch = sampling.sampled, sampling.batch
+    lengths = torch.tensor([len(r) for r in sampled.response_ids], dtype=torch.float32)
+    staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
+    return {
+        **reward_metrics(sampled.rewards, sampled.per_function, sampled.num_failed),
+        "groups/all_equal_fraction": sampling.all_equal_fraction,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": 1.0 - sum(sampled.terminated) / len(sampled),
+        "rollout/group_size": group_size,
+        "rollout/sampling_rounds": sampling.rounds,
+        "rollout/groups_sampled": sampling.num_groups_sampled,
+        "rollout/sequences_trained": len(batch),
+        "rollout/sample_policy_version_min": min(sampled.versions),
+        "rollout/staleness_max": float(staleness.max()),
+        "rollout/staleness_mean": float(staleness.mean()),
+    }
+
+
+def step_metrics(*, policy_version: int, sampling: SamplingResult, group_size: int, version_at_train: int,
+                 fleet: FleetFigures, engines: int, restarts: int, train: TrainResult, skipped_total: int,
+                 sync: dict, packing: dict, epoch: int, prompts_filtered: int, bad_rows: int,
+                 clock: StepClock) -> dict:
+    """The step's metrics row.
+
+    Args:
+        policy_version: the trainer's version after the step; version_at_train: before it.
+        sampling: the step's sampling rounds; group_size: G this step.
+        fleet: the fleet's figures of the step; engines: engines serving now; restarts: engines replaced so far.
+        train: the train step's result; skipped_total: updates skipped for NaN/Inf so far.
+        sync: the sync's ``sync/*`` metrics (``{"sync/skipped": 1.0}`` alone when nothing was sent).
+        packing: the micro-batch plan's ``packing/*`` metrics.
+        epoch, prompts_filtered, bad_rows: the data's position and what set-up dropped.
+        clock: the step's clock (read last, for ``timing/step_s``).
+    """
+    generate_s, train_s = clock.seconds["generate"], clock.seconds["train"]
+    return {
+        "policy_version": policy_version,
+        **_sampling_metrics(sampling, group_size, version_at_train),
+        "rollout/stale_groups_refused": fleet.stale_refused,
+        "rollout/nonfinite_logprobs": sampling.batch.num_nonfinite_logprobs(),
+        "rollout/engines": engines,
+        "rollout/engine_idle_fraction": fleet.idle_fraction,
+        "workers/restarts": restarts,
+        "actor/update_skipped": float(train.skipped),
+        "actor/updates_skipped_total": skipped_total,
+        **train.metrics,
+        "actor/update_skipped_reason": train.skip_reason,
+        **sync,
+        **packing,
+        "data/epoch": epoch,
+        "data/prompts_filtered": prompts_filtered,
+        "data/bad_rows_skipped": bad_rows,
+        "timing/generate_s": generate_s,
+        "timing/score_s": clock.seconds["score"],
+        "timing/train_s": train_s,
+        "timing/sync_s": clock.seconds["sync"],
+        "timing/step_s": clock.step_s(),
+        "perf/rollout_tokens_per_s": fleet.tokens / max(generate_s, 1e-9),
+        "perf/train_tokens_per_s": train.metrics["perf/train_tokens"] / max(train_s, 1e-9),
+    }
+
+
+def record_trained_prompts(output_dir: Path, step: int, policy_version: int, prompts: list[int],
+                           engines: int) -> None:
+    """Append the step's trained prompts (example indices, one per group) to ``trained_prompts.jsonl``:
+    ``{"step", "policy_version", "prompts", "engines"}``."""
+    row = {"step": step, "policy_version": policy_version, "prompts": prompts, "engines": engines}
+    with open(output_dir / "trained_prompts.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")

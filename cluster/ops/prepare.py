@@ -1,0 +1,92 @@
+"""The checks every job command makes before it starts or joins a Ray cluster: this interpreter has the driver's
+dependencies, ``--import`` modules import, and (``run``, ``validate``) the spec, the cluster address and the job's
+inputs are usable.
+
+Imports only the standard library at module level, so a bare interpreter reaches :func:`missing_dependency` and
+gets one line saying what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
+                  "filelock", "psutil")
+"""Import names of the packages the job's driver process imports (core dependencies in pyproject.toml); vLLM runs in
+the engine actors only."""
+
+
+def missing_dependency() -> str | None:
+    """One line naming the first of DRIVER_MODULES this interpreter cannot import (and the interpreter), with what
+    to do; None when all are there. Only looks them up (``importlib.util.find_spec``), imports nothing."""
+    import importlib.util
+
+    missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    from cluster.ops.control import JOB_ID_ENV
+
+    if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
+        fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
+               "--pip REQUIREMENT")
+    else:
+        fix = "install the project's dependencies (scripts/setup.sh) or use the interpreter that has them"
+    return f"missing dependency: {', '.join(missing)} (interpreter {sys.executable}); {fix}"
+
+
+def import_modules(modules) -> str | None:
+    """Import ``--import`` modules (e.g. ones registering reward functions); an error message, or None."""
+    import importlib
+
+    for name in modules or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            return f"--import {name}: {exc}"
+    return None
+
+
+def prepare_job(args, dry_run: bool = False):
+    """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
+    interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
+    address is usable, and the job's inputs are (:class:`cluster.driver.GRPOJob`: output folders, model, tokenizer,
+    data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
+
+    Returns:
+        (job, address or None for a local cluster, where the address came from); or the exit code 2 after the
+        problem was printed on stderr.
+    """
+    problem = missing_dependency()
+    if problem:
+        print(f"grpo-cluster: {problem}", file=sys.stderr)
+        return 2
+    from cluster.spec import SpecError, load_spec, locate_field_error
+
+    problem = import_modules(args.imports)
+    if problem:
+        print(f"grpo-cluster: {problem}", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec, args.set or ())
+    except SpecError as exc:
+        print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
+        return 2
+    from cluster.data import DataError
+    from cluster.data.models import ModelError
+    from cluster.driver import GRPOJob
+    from cluster.loop.setup import SetupError
+    from cluster.ops.metrics import MetricsError
+    from cluster.ops.ray_init import AddressError, job_address
+
+    try:  # the cluster address is checked before anything heavy is loaded
+        address, source = job_address(args.address, spec)
+    except AddressError as exc:
+        print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
+    try:  # data, model and output-folder problems surface here, before any cluster starts
+        job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run)
+    except (DataError, ModelError, MetricsError, SetupError) as exc:
+        print(f"grpo-cluster: {locate_field_error(str(exc), args.spec, args.set or ())}", file=sys.stderr)
+        return 2
+    return job, address, source
