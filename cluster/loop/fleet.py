@@ -6,12 +6,13 @@ keeps the two in step: an engine that dies is replaced, the sync group rebuilt o
 brought to the trainer's policy version before it samples again. The policy version itself is the caller's and is
 passed in.
 
-Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a
-replacement or a resync gives the same groups.
+Reliability: groups carry their own seeds (:func:`request_seed`), so re-sampling after a replacement or a resync
+gives the same groups.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,6 +32,14 @@ ENGINE_ERRORS = (ray.exceptions.RayError, WorkerTimeout, SyncMemberError)
 
 class StaleSamplesError(RuntimeError):
     """Engines kept returning samples older than ``rollout.max_staleness`` after being synced again."""
+
+
+def request_seed(seed: int, step: int, group_id: int) -> int:
+    """The sampling seed of one group: a CRC-32 mix of (spec seed, step, group id), in [0, 2**31).
+
+    Each group's completions then depend only on the policy weights, its prompt and this seed — not on the engine,
+    the batch it shares, or what ran before — so re-sampled groups (engine replaced, job resumed) are identical."""
+    return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
 
 
 def first_line(exc: BaseException) -> str:

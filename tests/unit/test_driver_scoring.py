@@ -151,6 +151,26 @@ def test_groups_scored_as_they_arrive_equal_batch_scoring():
     assert joined.num_failed == whole.num_failed
 
 
+def test_round_scorer_joins_groups_scored_as_engines_finish():
+    """``RoundScorer`` (the rollout pool's ``on_groups`` callback): groups scored as their engines finish, in any
+    order, then joined in request order, give the batch of scoring the round at once."""
+    from cluster.data import Example
+    from cluster.loop.scoring import RoundScorer
+    from cluster.messages import GroupRequest
+
+    j = job("algorithm.rewards={accuracy: 1.0, format: 0.5}")
+    requests = [GroupRequest(g.group_id, g.prompt_ids, len(g.texts), seed=0) for g in GROUPS]
+    examples = [Example(index=i, question="q", answer=ref, reference=ref) for i, ref in enumerate(REFS)]
+    scorer = RoundScorer(j, requests, examples)
+    scorer.on_groups([GROUPS[1]])  # the engine holding group 1 finishes first
+    scorer.on_groups([GROUPS[0]])
+    joined, whole = scorer.batch(GROUPS), j.score(GROUPS, REFS)
+    assert joined.references == whole.references and joined.group_ids.tolist() == whole.group_ids.tolist()
+    torch.testing.assert_close(joined.rewards, whole.rewards)
+    torch.testing.assert_close(joined.advantages, whole.advantages)
+    assert scorer.seconds > 0
+
+
 def test_trainer_logprobs_use_the_sampling_filters():
     """Logits [2, 1, 0], p = 0.665, 0.245, 0.090: top-k 2 keeps {0, 1}; top-p 0.8 keeps {0, 1} (ascending cumulative
     mass 0.090 <= 0.2 removed), top-p 0.6 keeps {0} (0.090, 0.335 <= 0.4); min-p 0.5 keeps {0}; a target outside the

@@ -7,8 +7,8 @@ engines are synced again, and the same requests are sampled again (same seeds, s
 import pytest
 import torch
 
-from cluster.loop.fleet import EngineFleet, StaleSamplesError
-from cluster.loop.requests import PromptQueue, request_seed
+from cluster.loop.fleet import EngineFleet, StaleSamplesError, request_seed
+from cluster.loop.requests import PromptQueue
 from cluster.spec import load_spec_text
 from cluster.messages import GroupRequest, GroupResult
 
