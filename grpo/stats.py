@@ -1,0 +1,158 @@
+"""Accuracy estimates for held-out evaluation: pass@1, mean@k, unbiased pass@k, and the Wilson score interval.
+
+Notation: P problems, k samples per problem, c correct samples of one problem. A sample's score is 1.0 (correct) or
+0.0 (wrong); scores in [0, 1] are accepted where noted.
+
+- pass@1 (greedy, one sample per problem): the fraction of problems answered correctly.
+- mean@k: the mean over problems of the fraction of that problem's k samples that are correct. It equals the unbiased
+  pass@1 estimate from k samples (Chen et al. 2021, eq. 1 with k = 1).
+- pass@k: the unbiased estimator 1 − C(n − c, k) / C(n, k) of the probability that at least one of k samples is
+  correct, from n ≥ k samples of which c are correct (Chen et al. 2021, "Evaluating Large Language Models Trained on
+  Code", arXiv:2107.03374, eq. 1 and its numerically stable product form in Fig. 3).
+- Wilson score interval (E. B. Wilson 1927, "Probable inference, the law of succession, and statistical inference",
+  JASA 22:209; recommended over the Wald interval by Agresti & Coull 1998, "Approximate is better than 'exact' for
+  interval estimation of binomial proportions", Am. Stat. 52:119), with p̂ = s/n and z the two-sided normal quantile:
+      centre = (p̂ + z²/(2n)) / (1 + z²/n)
+      half   = z / (1 + z²/n) · sqrt(p̂(1 − p̂)/n + z²/(4n²))
+  It stays inside [0, 1] and is not degenerate at s = 0 or s = n.
+
+Pure Python (`statistics.NormalDist` for z); no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral, Real
+from statistics import NormalDist
+from typing import NamedTuple
+
+__all__ = ["AccuracyEstimate", "accuracy_estimate", "mean_at_k", "pass_at_1", "pass_at_k", "wilson_interval"]
+
+
+def _check_confidence(confidence: float) -> None:
+    if not isinstance(confidence, Real) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
+
+
+def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (formula in the module docstring).
+
+    Args:
+        successes: correct samples, in [0, n]; a fractional count (e.g. the sum of per-problem fractions, see
+            `accuracy_estimate`) is accepted.
+        n: samples (trials), an int > 0.
+        confidence: two-sided coverage in (0, 1); z = Φ⁻¹(1 − (1 − confidence)/2) (1.959964 at 0.95).
+
+    Returns:
+        (low, high), proportions in [0, 1]; low = 0 exactly when successes = 0, high = 1 exactly when successes = n.
+
+    Raises:
+        ValueError: n not an int > 0, successes not a number in [0, n], confidence not in (0, 1).
+    """
+    if isinstance(n, bool) or not isinstance(n, Integral) or n <= 0:
+        raise ValueError(f"n must be an int > 0 (the number of samples), got {n!r}")
+    if isinstance(successes, bool) or not isinstance(successes, Real) or not 0 <= successes <= n:
+        raise ValueError(f"successes must be a number in [0, n={n}], got {successes!r}")
+    _check_confidence(confidence)
+    z = NormalDist().inv_cdf(1.0 - (1.0 - confidence) / 2.0)
+    p = successes / n
+    denominator = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1.0 - p) / n + z * z / (4 * n * n))
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return low, high
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem: 1 − C(n − c, k) / C(n, k) (Chen et al. 2021, eq. 1), computed as
+    1 − Π_{i = n−c+1}^{n} (1 − k/i) (their Fig. 3), which never forms large binomials.
+
+    Args:
+        n: samples drawn for the problem (int ≥ 1); c: correct samples among them (0 ≤ c ≤ n); k: 1 ≤ k ≤ n.
+
+    Raises:
+        ValueError: an argument not an int, or out of those ranges.
+    """
+    for name, value in (("n", n), ("c", c), ("k", k)):
+        if isinstance(value, bool) or not isinstance(value, Integral):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if n < 1 or not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need n >= 1, 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def _scores(values: Sequence[float], what: str) -> list[float]:
+    out = [float(v) for v in values]
+    bad = [v for v in out if not 0.0 <= v <= 1.0]  # also catches NaN
+    if bad:
+        raise ValueError(f"{what} must be scores in [0, 1] (1.0 = correct), got {bad[0]!r}")
+    return out
+
+
+def pass_at_1(correct: Sequence[float]) -> float:
+    """pass@1 with one sample per problem (greedy decoding): the fraction of problems answered correctly.
+
+    Args:
+        correct: [P] one score per problem, 1.0/True correct, 0.0/False wrong (values in [0, 1] accepted).
+
+    Raises:
+        ValueError: no problems, or a score outside [0, 1] or NaN.
+    """
+    if len(correct) == 0:
+        raise ValueError("pass_at_1 needs at least one problem, got none")
+    scores = _scores(correct, "pass_at_1 values")
+    return sum(scores) / len(scores)
+
+
+def mean_at_k(per_problem: Sequence[Sequence[float]]) -> float:
+    """mean@k: the mean over problems of the fraction of each problem's k samples that are correct.
+
+    Args:
+        per_problem: [P][k] scores (1.0 correct, 0.0 wrong; values in [0, 1] accepted), the same k ≥ 1 for every
+            problem.
+
+    Raises:
+        ValueError: no problems, a problem without samples, problems with different k, a score outside [0, 1].
+    """
+    if len(per_problem) == 0:
+        raise ValueError("mean_at_k needs at least one problem, got none")
+    k = len(per_problem[0])
+    for i, samples in enumerate(per_problem):
+        if len(samples) != k or k == 0:
+            raise ValueError(f"mean_at_k needs the same k >= 1 samples for every problem: problem 0 has {k}, "
+                             f"problem {i} has {len(samples)}")
+    return sum(sum(_scores(s, f"problem {i}'s samples")) / k for i, s in enumerate(per_problem)) / len(per_problem)
+
+
+class AccuracyEstimate(NamedTuple):
+    """A held-out accuracy with its interval, as the ``eval/*`` metrics report it."""
+
+    accuracy: float  #: pass@1 (k = 1) or mean@k, a proportion in [0, 1]
+    ci_low: float  #: Wilson lower bound
+    ci_high: float  #: Wilson upper bound
+    problems: int  #: P, problems scored
+    samples: int  #: P · k, completions scored
+
+
+def accuracy_estimate(per_problem: Sequence[Sequence[float]], confidence: float = 0.95) -> AccuracyEstimate:
+    """mean@k (pass@1 when k = 1) with a Wilson interval over the P problems.
+
+    The interval treats each problem's fraction correct as one trial with that fractional success (successes =
+    P · mean@k, n = P). A score in [0, 1] with mean μ has variance ≤ μ(1 − μ), the Bernoulli variance, so for k > 1
+    this is conservative (at least as wide as needed); for k = 1 it is the exact Wilson interval. Treating the P · k
+    samples as independent trials would be too narrow: samples of one problem are correlated.
+
+    Args:
+        per_problem: [P][k] scores as in `mean_at_k`. confidence: in (0, 1).
+
+    Raises:
+        ValueError: as `mean_at_k` and `wilson_interval`.
+    """
+    accuracy = mean_at_k(per_problem)
+    problems = len(per_problem)
+    low, high = wilson_interval(min(accuracy * problems, problems), problems, confidence)
+    return AccuracyEstimate(accuracy, low, high, problems, problems * len(per_problem[0]))
