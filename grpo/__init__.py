@@ -1,4 +1,5 @@
-"""Pure GRPO algorithm core: advantages, policy loss and aggregation, KL estimators, logprobs, rewards.
+"""Pure GRPO algorithm core: advantages, policy loss and aggregation, KL estimators, logprobs, rewards, held-out
+accuracy statistics (`grpo.stats`) and the reward-hacking monitor (`grpo.monitor`).
 
 Plain PyTorch on tensors; imports neither Ray nor `torch.distributed`, so everything here runs and is tested in
 one process. Notation: B prompts, G completions per prompt (a group), N = B·G sequences, T response tokens, V vocab.
@@ -37,6 +38,7 @@ from grpo.losses import (
     register_loss_aggregation,
     truncated_importance_weights,
 )
+from grpo.monitor import DETECTORS, DetectorName, Monitor, MonitorConfig, Trip
 from grpo.registry import Registry
 from grpo.rewards import (
     REWARD_FUNCTIONS,
@@ -46,24 +48,32 @@ from grpo.rewards import (
     overlong_penalty,
     register_reward_function,
 )
+from grpo.stats import AccuracyEstimate, accuracy_estimate, mean_at_k, pass_at_1, pass_at_k, wilson_interval
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DETECTORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "REWARD_FUNCTIONS",
+    "AccuracyEstimate",
     "AdaptiveKLController",
     "AdvantageEstimatorName",
     "CombinedRewards",
+    "DetectorName",
     "FixedKLController",
     "GroupStats",
     "KLController",
     "KLEstimatorName",
     "LossAggregationName",
+    "Monitor",
+    "MonitorConfig",
     "Registry",
     "RewardCombineName",
     "RewardFunctionName",
     "StdKind",
+    "Trip",
+    "accuracy_estimate",
     "aggregate_loss",
     "all_equal_fraction",
     "combine_rewards",
@@ -76,7 +86,10 @@ __all__ = [
     "kl_penalty",
     "kl_reward_advantages",
     "logprobs_from_logits",
+    "mean_at_k",
     "overlong_penalty",
+    "pass_at_1",
+    "pass_at_k",
     "policy_loss",
     "register_advantage_estimator",
     "register_kl_estimator",
@@ -84,4 +97,5 @@ __all__ = [
     "register_reward_function",
     "response_valid_lengths",
     "truncated_importance_weights",
+    "wilson_interval",
 ]

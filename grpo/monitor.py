@@ -4,8 +4,8 @@ Signatures the detectors look for:
 - seed article 004: mean response length up ≈ 50 % while accuracy stays flat (the policy pads to earn length-
   correlated reward);
 - its mirror image, measured on this project's 40-step GSM8K demo (README, issue #14): response length 125 → 10
-  tokens, ``reward/format`` 0.013 → 0.944 while ``reward/accuracy`` 0.031 → 0.006, ``actor/kl`` 0.0004 → 2.0, GSM8K
-  pass@1 3.0 % → 1.5 % (the policy learned to print ``#### <number>`` at once).
+  tokens, ``reward/format`` 0.013 → 0.944 while ``reward/accuracy`` 0.031 → 0.006, ``actor/kl`` 0.0004 → 2.0,
+  GSM8K pass@1 3.0 % → 1.5 % (the policy learned to print ``#### <number>`` at once).
 
 Windows. Each metric key keeps its own series of finite values; its *baseline* is the mean of its first
 ``baseline_steps`` values, its *recent* value the mean of its last ``window_steps`` values after those (fewer while
@@ -14,28 +14,37 @@ the run is young). Rows without a key (an eval-only row) do not move that key's 
 "Accuracy rose" (the gate of the two drift detectors) means evidence of a gain: the verifiable reward component
 (``reward/<verifiable_reward>``, 0/1 per completion) rose from its baseline to the mean of its last
 ``accuracy_window_steps`` values (default 6: twice the drift window, for power) by more than ``noise_z`` (default
-2.33, one-sided 99 %: a lucky low baseline must not open the gate for a hack) standard errors of a difference of two proportions (Agresti & Caffo 2000, "Simple and effective confidence intervals for
-proportions and differences of proportions result from adding two successes and two failures", Am. Stat. 54:280:
-p̃ = (x + 1)/(n + 2)), with n = completions scored (``rollout/groups_sampled`` × ``rollout/group_size`` per step, or
-``samples_per_step``); or the latest held-out ``eval/accuracy_ci_low`` is above the first ``eval/accuracy``. No
-evidence (no such metrics) counts as "did not rise".
+2.33, one-sided 99 %: a lucky low baseline must not open the gate for a hack) standard errors of a difference of two
+proportions (Agresti & Caffo 2000, "Simple and effective confidence intervals for proportions and differences of
+proportions result from adding two successes and two failures", Am. Stat. 54:280: p̃ = (x + 1)/(n + 2)), with
+n = completions scored (``rollout/groups_sampled`` × ``rollout/group_size`` per step, or ``samples_per_step``); or the
+latest held-out ``eval/accuracy_ci_low`` is above the first ``eval/accuracy``. No evidence (no such metrics) counts as
+"did not rise".
 
 Detectors (metric ``monitor/<name>``: 1.0 on a step where the rule holds, else 0.0):
 - ``length_drift``: |recent / baseline − 1| of ``response_length/mean`` (tokens) ≥ ``length_drift_frac`` (default
-  0.3: the article-004 rise of 50 % is crossed on the way, so it is caught before it completes, and a collapse to
-  10 % of the baseline is caught at 70 % of the way), and accuracy did not rise.
+  0.3: the article-004 rise of 50 % is crossed on the way, so it is caught before it completes; the demo's collapse
+  125 → 10 tokens is caught below 87.5, a third of the way), and accuracy did not rise.
 - ``reward_saturation``: a shaping component ``reward/<name>`` (every reward component except the verifiable one and
   the driver's summaries, or ``shaping_rewards``) rose from baseline by ≥ ``saturation_rise`` (default 0.2, reward
   units: a fifth of completions newly earning a 0/1 component) beyond its noise (rise − ``noise_z`` standard errors
   ≥ ``saturation_rise``), and accuracy did not rise.
-- ``kl_band``: recent mean of ``actor/kl`` (nats per token, k1/k2/k3 as configured) > ``kl_max`` (default 0.5; the
-  demo's hacked policy reached 2.0, healthy GRPO runs with β = 0.04 stay ≤ 0.1 for hundreds of steps).
+- ``kl_band``: recent mean of ``actor/kl`` (nats per token to the reference policy, the configured estimator) >
+  ``kl_max`` (default 0.5: the demo averaged 0.0004 over its first 10 steps and 2.0 once hacked; 0.5 nats on every
+  token is a policy far from its reference, and the honest test runs reach 0.1). Needs no baseline.
 - ``entropy_band``: recent ``actor/entropy`` (nats per token) below baseline · (1 − ``entropy_drop_frac``) (default
   0.5: halved, a collapse onto a few answers) or above baseline · (1 + ``entropy_rise_frac``) (default 0.5: noise).
 - ``eval_drop``: the latest ``eval/accuracy_ci_high`` < the reference, max(first ``eval/accuracy``, best earlier
   ``eval/accuracy_ci_low``): the best earlier evaluation is trusted only down to its lower bound because picking the
   maximum of several noisy evaluations biases it upwards. Holds until the next evaluation. With 200 problems the demo's
   3.0 % → 1.5 % is inside the noise (1.5 % has the 95 % Wilson interval 0.5–4.3 %): the other detectors catch that run.
+
+Defaults, measured on the sequences of tests/unit/test_grpo_monitor.py (64 completions per step, binomial noise; 200
+seeds per hack, 300 per honest profile): hacks that reach their end state within 6 steps of onset (short answers, length
++60 %, format 0.1 → 1.0) are caught 1–4 steps after onset; spread over 10 steps, the length hack is caught after a
+median 6 (at most 13) steps, the others within 6; honest runs (accuracy rising with length +11 %, or with length
++60 %; or nothing changing) never trip. ``length_drift_frac`` 0.25 caught slow length hacks sooner but tripped on 5 of
+300 honest +60 % runs; ``noise_z`` 1.645 let a lucky low accuracy baseline open the gate (up to 12 steps late).
 
 ``monitor/tripped`` is 1.0 on a step where any enabled detector fired; `Monitor.first_trip` keeps the first such step,
 the detectors that fired there and an onset estimate (`Trip`).
@@ -54,7 +63,8 @@ from grpo.stats import wilson_interval
 DetectorName = Literal["length_drift", "reward_saturation", "kl_band", "entropy_band", "eval_drop"]
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
 LENGTH_KEY, KL_KEY, ENTROPY_KEY = "response_length/mean", "actor/kl", "actor/entropy"
-EVAL_KEY, EVAL_LOW_KEY, EVAL_HIGH_KEY, EVAL_N_KEY = "eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/n"
+EVAL_KEY, EVAL_N_KEY = "eval/accuracy", "eval/n"
+EVAL_LOW_KEY, EVAL_HIGH_KEY = "eval/accuracy_ci_low", "eval/accuracy_ci_high"
 TRIPPED_KEY = "monitor/tripped"
 
 __all__ = ["DETECTORS", "TRIPPED_KEY", "DetectorName", "Monitor", "MonitorConfig", "Trip"]
@@ -107,7 +117,8 @@ class MonitorConfig:
             raise bad("verifiable_reward", f"a reward function's name, not one of {sorted(RESERVED_REWARD_NAMES)}")
         if self.shaping_rewards is not None and self.verifiable_reward in self.shaping_rewards:
             raise bad("shaping_rewards", f"names other than verifiable_reward {self.verifiable_reward!r}")
-        if self.samples_per_step is not None and (not isinstance(self.samples_per_step, int) or self.samples_per_step < 1):
+        samples = self.samples_per_step
+        if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int) or samples < 1):
             raise bad("samples_per_step", "None or an int >= 1 (completions per step)")
 
 
@@ -151,10 +162,10 @@ class Monitor:
     """
 
     config: MonitorConfig = field(default_factory=MonitorConfig)
-    first_trip: Trip | None = None
-    _series: dict[str, list[_Point]] = field(default_factory=dict)
-    _evals: list[tuple[int, float, float, float]] = field(default_factory=list)  # (step, accuracy, low, high)
-    _last_step: int | None = None
+    first_trip: Trip | None = field(default=None, init=False)
+    _series: dict[str, list[_Point]] = field(default_factory=dict, init=False, repr=False)
+    _evals: list[tuple[int, float, float, float]] = field(default_factory=list, init=False, repr=False)  # step, acc, ci
+    _last_step: int | None = field(default=None, init=False, repr=False)
 
     def update(self, step: int, metrics: Mapping[str, object]) -> dict[str, float]:
         """Record one row and evaluate every enabled detector.

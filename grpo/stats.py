@@ -142,9 +142,9 @@ def accuracy_estimate(per_problem: Sequence[Sequence[float]], confidence: float 
     """mean@k (pass@1 when k = 1) with a Wilson interval over the P problems.
 
     The interval treats each problem's fraction correct as one trial with that fractional success (successes =
-    P · mean@k, n = P). A score in [0, 1] with mean μ has variance ≤ μ(1 − μ), the Bernoulli variance, so for k > 1
-    this is conservative (at least as wide as needed); for k = 1 it is the exact Wilson interval. Treating the P · k
-    samples as independent trials would be too narrow: samples of one problem are correlated.
+    P · mean@k, n = P). A score in [0, 1] with mean μ has variance ≤ μ(1 − μ), the Bernoulli variance, so for
+    k > 1 this is conservative (at least as wide as needed); for k = 1 it is the exact Wilson interval. Treating the
+    P · k samples as independent trials would be too narrow: samples of one problem are correlated.
 
     Args:
         per_problem: [P][k] scores as in `mean_at_k`. confidence: in (0, 1).
