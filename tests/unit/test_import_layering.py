@@ -5,7 +5,8 @@ level, inside a function (lazy imports), under ``if TYPE_CHECKING:``; relative i
 file's package, and ``importlib.import_module("literal.name")`` counts as an import of that name. The rules:
 
 1. ``grpo/`` (the pure algorithm core) imports no other project package, nor Ray, nor ``torch.distributed``.
-2. ``rollout_workers/`` and ``train_workers/`` do not import each other.
+2. ``rollout_workers/`` and ``train_workers/`` do not import each other, and from ``cluster/`` they import only
+   ``cluster.messages`` (the typed messages that cross actor boundaries).
 3. ``weight_sync/`` (transport only) does not import ``cluster/``.
 4. The loop (``cluster/driver.py`` and ``cluster/loop/**``) does not import a concrete train backend module
    (``train_workers.fsdp_*``, ``train_workers.megatron*``); it reaches a backend through the registry/protocol.
@@ -35,31 +36,46 @@ CONCRETE_TRAIN_BACKENDS = ("train_workers.fsdp*", "train_workers.megatron*")
 
 @dataclass(frozen=True)
 class Import:
-    """One imported module name found in a file: ``name`` is absolute (``cluster.loop.pools``); ``statement`` is the
-    source text of the statement that imports it; ``line`` is 1-based."""
+    """One import found in a file: ``name`` is the absolute module (``cluster.loop.pools``; for ``from a import b, c``
+    it is ``a`` and ``members`` is ``("b", "c")``, each possibly a submodule); ``statement`` is the source text of the
+    statement; ``line`` is 1-based."""
 
     name: str
     line: int
     statement: str
+    members: tuple[str, ...] = ()
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """``a.b`` matches ``a.b`` and ``a.b.c``; ``a.b*`` matches any name starting with ``a.b``."""
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p or name.startswith(p + ".") for p in patterns)
 
 
 @dataclass(frozen=True)
 class Rule:
     """``name``: the rule's test id. Files whose repository-relative path equals or starts with one of ``files`` must
-    import no module equal to or inside one of ``forbidden`` (``a.b`` forbids ``a.b`` and ``a.b.c``; ``a.b*`` any
-    name starting with ``a.b``); ``why`` is printed with each violation."""
+    import no module that matches ``forbidden`` unless it also matches ``allowed`` (see :func:`_matches`); ``why``
+    is printed with each violation."""
 
     name: str
     files: tuple[str, ...]
     forbidden: tuple[str, ...]
     why: str
+    allowed: tuple[str, ...] = ()
 
     def applies_to(self, rel_path: str) -> bool:
         return any(rel_path == f or rel_path.startswith(f) for f in self.files)
 
-    def breaks(self, name: str) -> bool:
-        return any(name.startswith(f[:-1]) if f.endswith("*") else name == f or name.startswith(f + ".")
-                   for f in self.forbidden)
+    def offending(self, imp: Import) -> str | None:
+        """The first module ``imp`` brings in that breaks the rule, or None. ``from a import b`` brings in ``a`` and
+        ``a.b``; when every ``a.b`` is allowed, ``a`` is only the path to them (``from cluster import messages``)."""
+        def bad(name: str) -> bool:
+            return _matches(name, self.forbidden) and not _matches(name, self.allowed)
+
+        members = [f"{imp.name}.{m}" for m in imp.members]
+        if members and self.allowed and all(_matches(m, self.allowed) for m in members):
+            return None
+        return next((name for name in (imp.name, *members) if bad(name)), None)
 
 
 _WORKERS_APART = "rollout_workers/ and train_workers/ do not import each other"
@@ -68,6 +84,8 @@ RULES = (
          "grpo/ is the pure algorithm core: it imports no other project package, nor Ray, nor torch.distributed"),
     Rule("rollout_workers_not_train", ("rollout_workers/",), ("train_workers",), _WORKERS_APART),
     Rule("train_workers_not_rollout", ("train_workers/",), ("rollout_workers",), _WORKERS_APART),
+    Rule("workers_use_only_messages", ("rollout_workers/", "train_workers/"), ("cluster",),
+         "workers import from cluster/ only cluster.messages (the typed messages)", allowed=("cluster.messages",)),
     Rule("weight_sync_not_cluster", ("weight_sync/",), ("cluster",),
          "weight_sync/ is transport only: it does not import cluster/"),
     Rule("loop_not_concrete_backend", ("cluster/driver.py", "cluster/loop/"), CONCRETE_TRAIN_BACKENDS,
@@ -77,17 +95,16 @@ RULES = (
 
 
 def imports_in(rel_path: str, source: str) -> list[Import]:
-    """Every module a file imports, lazy ones included, as absolute dotted names.
+    """Every import in a file, lazy ones included, with absolute module names, in line order.
 
-    ``from a.b import c`` yields ``a.b`` and ``a.b.c`` (``c`` may be a submodule); relative imports are resolved
-    against ``rel_path``'s package. Raises SyntaxError when ``source`` does not parse.
+    Relative imports are resolved against ``rel_path``'s package. Raises SyntaxError when ``source`` does not parse.
     """
     tree = ast.parse(source, filename=rel_path)
     found: list[Import] = []
     for node in ast.walk(tree):
         is_import_call = isinstance(node, ast.Call) and _is_import_module(node.func) and node.args
         if isinstance(node, (ast.Import, ast.ImportFrom)) or is_import_call:
-            text = ast.get_source_segment(source, node) or ""
+            text = " ".join((ast.get_source_segment(source, node) or "").split())
         if isinstance(node, ast.Import):
             found += [Import(alias.name, node.lineno, text) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -96,13 +113,12 @@ def imports_in(rel_path: str, source: str) -> list[Import]:
                 package = Path(rel_path).parts[:-1]
                 anchor = package[: len(package) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            found.append(Import(base, node.lineno, text))
-            found += [Import(f"{base}.{alias.name}", node.lineno, text) for alias in node.names if alias.name != "*"]
+            found.append(Import(base, node.lineno, text, tuple(a.name for a in node.names if a.name != "*")))
         elif is_import_call:
             arg = node.args[0]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 found.append(Import(arg.value, node.lineno, text))
-    return found
+    return sorted(found, key=lambda imp: imp.line)
 
 
 def _is_import_module(func: ast.expr) -> bool:
@@ -113,17 +129,12 @@ def _is_import_module(func: ast.expr) -> bool:
 
 
 def rule_violations(rule: Rule, rel_path: str, source: str) -> list[str]:
-    """``file:line: `statement` imports name: why`` for each import statement in ``source`` that breaks ``rule``
-    (one line per statement, naming its first offending module); [] when the rule does not apply to the file."""
+    """``file:line: `statement` imports module: why`` for each import in ``source`` that breaks ``rule``; [] when the
+    rule does not apply to the file."""
     if not rule.applies_to(rel_path):
         return []
-    out: list[str] = []
-    seen: set[tuple[int, str]] = set()
-    for imp in sorted(imports_in(rel_path, source), key=lambda imp: imp.line):
-        if rule.breaks(imp.name) and (imp.line, imp.statement) not in seen:
-            seen.add((imp.line, imp.statement))
-            out.append(f"{rel_path}:{imp.line}: `{' '.join(imp.statement.split())}` imports {imp.name}: {rule.why}")
-    return out
+    return [f"{rel_path}:{imp.line}: `{imp.statement}` imports {bad}: {rule.why}"
+            for imp in imports_in(rel_path, source) if (bad := rule.offending(imp)) is not None]
 
 
 def violations(rel_path: str, source: str) -> list[str]:
@@ -164,6 +175,9 @@ def test_import_layering(rule: Rule):
     ("grpo/x.py", "import importlib\nm = importlib.import_module('bench._common')\n", "bench._common"),
     ("rollout_workers/engine.py", "from train_workers.packing import pack\n", "train_workers.packing"),
     ("train_workers/fsdp_worker.py", "def f():\n    import rollout_workers.engine\n", "rollout_workers.engine"),
+    ("rollout_workers/engine.py", "from cluster.loop.pools import RolloutPool\n", "cluster.loop.pools"),
+    ("train_workers/fsdp_step.py", "from cluster import messages, spec\n", "cluster"),
+    ("train_workers/fsdp_step.py", "import cluster.spec\n", "cluster.spec"),
     ("weight_sync/sender.py", "def f():\n    from cluster.loop.pools import get\n", "cluster.loop.pools"),
     ("weight_sync/sender.py", "from cluster import messages\n", "cluster"),
     ("cluster/driver.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n", "train_workers.fsdp_worker"),
@@ -181,6 +195,7 @@ def test_checker_finds_each_kind_of_violation(rel_path, source, offending):
 @pytest.mark.parametrize(("rel_path", "source"), [
     ("grpo/losses.py", "import torch\nfrom grpo.kl import kl\nfrom . import rewards\n"),
     ("rollout_workers/engine.py", "from cluster.messages import GroupResult\nfrom weight_sync.buckets import b\n"),
+    ("train_workers/fsdp_step.py", "from cluster import messages\nimport cluster.messages as m\n"),
     ("weight_sync/sender.py", "from weight_sync.buckets import Bucket\nimport torch.distributed\n"),
     ("cluster/loop/pools.py", "from train_workers.registry import train_backend\nfrom train_workers.base import W\n"),
     ("cluster/loop/training.py", "from train_workers.packing import pack_rank_microbatches\n"),
@@ -192,8 +207,8 @@ def test_checker_accepts_allowed_imports(rel_path, source):
 
 
 def test_relative_imports_resolve_against_the_files_package():
-    names = {imp.name for imp in imports_in("cluster/loop/pools.py", "from . import fleet\nfrom ..spec import x\n")}
-    assert names == {"cluster.loop", "cluster.loop.fleet", "cluster.spec", "cluster.spec.x"}
+    found = imports_in("cluster/loop/pools.py", "from . import fleet\nfrom ..spec import x\n")
+    assert [(imp.name, imp.members) for imp in found] == [("cluster.loop", ("fleet",)), ("cluster.spec", ("x",))]
     # three dots from weight_sync/sub/ reach the top level
     assert violations("weight_sync/sub/x.py", "from ...cluster import pools\n")
 
