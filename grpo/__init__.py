@@ -2,7 +2,9 @@
 accuracy statistics (`grpo.stats`) and the reward-hacking monitor (`grpo.monitor`).
 
 Plain PyTorch on tensors; imports neither Ray nor `torch.distributed`, so everything here runs and is tested in
-one process. Notation: B prompts, G completions per prompt (a group), N = B·G sequences, T response tokens, V vocab.
+one process. It imports no other package of this project (``cluster``, workers, ``weight_sync``, ...): they import it
+(``tests/unit/test_import_layering.py``). Notation: B prompts, G completions per prompt (a group), N = B·G sequences,
+T response tokens, V vocab.
 """
 
 from grpo.advantages import (

@@ -1,0 +1,7 @@
+"""Weight-sync transport: bucket plans, the sync process group, transports (broadcast, shared memory, CUDA IPC), the
+sender's streaming and checksum verification; one sync moves a policy's weights from train rank 0 to every engine.
+
+Transport only: it knows no pools, membership or policy-version bookkeeping (the coordinator is
+``cluster.loop.sync``). May import torch, ``torch.distributed`` and Ray; never ``cluster``
+(``tests/unit/test_import_layering.py``).
+"""

@@ -8,6 +8,10 @@ The reference (final) answer is the text after the last ``####`` in the answer, 
 number (``grpo.rewards.gsm8k.parse_reference``, which the accuracy reward uses), else the row is bad. GSM8K (MIT)
 is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project machines, or from
 https://github.com/openai/grade-school-math (``grade_school_math/data/``).
+
+The package also holds model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation
+(``evaluate``: pass@1 with the engine). May import ``grpo.rewards`` (answer parsing), ``cluster.spec``, transformers
+and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""Field types, bounds and validators shared by the job spec's sections.
+
+- :data:`SPEC_CONFIG`: every spec model rejects unknown keys, is frozen after validation and refuses inf/NaN.
+- Bounds (``MAX_*``, :data:`MIN_TEMPERATURE`) that catch a mistyped extra digit before any resource is reserved.
+- :data:`ByteSize` (``"64MiB"`` → 67108864 via :func:`parse_byte_size`) and :data:`CustomResources` (a pool's custom
+  Ray resources per actor, checked by :func:`check_custom_resources`).
+
+Imports only pydantic and the standard library.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ConfigDict, Field
+
+__all__ = [
+    "SPEC_CONFIG", "MAX_SEQUENCE_TOKENS", "MAX_SEED", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TIMEOUT_S",
+    "MAX_CUSTOM_RESOURCE", "CustomResources", "check_custom_resources", "parse_byte_size", "ByteSize",
+]
+
+#: Model config of every spec section: unknown keys rejected, frozen after validation, no inf/NaN.
+SPEC_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+# Integer fields are strict: YAML (and --set) ints are accepted, but not true/false, "4" or 4.0. Upper bounds catch
+# typos (an extra digit) before any resource is reserved.
+MAX_SEQUENCE_TOKENS = 1_048_576
+MAX_SEED = 2**31 - 1
+MAX_TOP_K = 16_777_216  # far above any vocabulary; catches a mistyped extra digit
+#: Lowest rollout temperature: vLLM's SamplingParams raises any temperature in (0, 0.01) to 0.01 (``_MAX_TEMP``,
+#: with only a log warning), so a lower spec value would make the trainer's logprobs (at the spec's temperature)
+#: describe another distribution than the one the engine sampled from.
+MIN_TEMPERATURE = 0.01
+#: Upper bound of every timeout (7 days): larger values overflow datetime.timedelta in torch.distributed.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+#: Ray's builtin resources (lower case) → the field that sets each per actor; None: not settable per pool.
+_BUILTIN_RESOURCES = {"cpu": "num_cpus", "gpu": "num_gpus", "memory": None, "object_store_memory": None}
+#: Largest custom-resource amount per actor (a typo guard, like the bounds on counts).
+MAX_CUSTOM_RESOURCE = 1_000_000.0
+#: A pool's custom resources: strict names and amounts (``"1"`` or ``true`` are refused, ints are taken as floats).
+CustomResources = dict[Annotated[str, Field(strict=True)], Annotated[float, Field(strict=True)]]
+
+
+def check_custom_resources(resources: dict[str, float], section: str, per: str) -> dict[str, float]:
+    """Validate a pool's custom Ray resources per actor (``{name: amount}``), e.g. ``{"rollout_node": 1}``.
+
+    Checked here so that a mistake fails at spec load naming the field, not at actor creation (Ray's own rules plus
+    typo guards): names are non-empty without whitespace and are not Ray's builtin ``CPU``/``GPU``/``memory``/
+    ``object_store_memory`` in any letter case (CPUs and GPUs have their own fields, e.g.
+    ``rollout.num_cpus_per_replica``); amounts are > 0, at most :data:`MAX_CUSTOM_RESOURCE`, and whole multiples of
+    0.0001 (Ray's resource unit), at least one unit (an amount like 1.0e-11 passes a rounding tolerance but is 0
+    units).
+
+    Raises:
+        ValueError: naming the resource, what was expected and what was given.
+    """
+    for name, amount in resources.items():
+        if not name or any(c.isspace() for c in name):
+            raise ValueError(f"resource name {name!r}: expected a non-empty name without whitespace")
+        if name.lower() in _BUILTIN_RESOURCES:
+            field = _BUILTIN_RESOURCES[name.lower()]
+            hint = f"set {section}.{field}_per_{per} instead" if field else "it cannot be reserved per pool"
+            raise ValueError(f"resource {name!r} is one of Ray's builtin resources: {hint}")
+        if not 0 < amount <= MAX_CUSTOM_RESOURCE:
+            raise ValueError(f"resource {name!r}: expected an amount in (0, {MAX_CUSTOM_RESOURCE:g}], got {amount!r}")
+        units = amount * 10_000
+        if round(units) == 0 or abs(units - round(units)) > 1e-6:  # 1e-11 is 0 units: Ray would reserve nothing
+            raise ValueError(f"resource {name!r}: expected a multiple of 0.0001 (Ray's resource unit), got {amount!r}")
+    return resources
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> Any:
+    """Turn ``"64MiB"``, ``"512MB"``, ``"1GiB"`` or ``"4096"`` into an int number of bytes.
+
+    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024). Non-strings are
+    returned unchanged for the int validator to judge. Raises ValueError for unknown units or fractional bytes.
+    """
+    if not isinstance(value, str):
+        return value
+    match = _BYTE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"expected a byte size such as 67108864, '64MiB', '512MB' or '1GiB', got {value!r}")
+    number = float(match.group(1)) * _BYTE_UNITS[unit]
+    if number != int(number):
+        raise ValueError(f"expected a whole number of bytes, got {value!r} = {number} bytes")
+    return int(number)
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]

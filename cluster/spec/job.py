@@ -1,0 +1,67 @@
+"""The top-level job spec, :class:`JobSpec`: every section, and the checks that involve more than one section.
+
+Imports only pydantic and :mod:`cluster.spec` modules.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
+from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
+from cluster.spec.sections import (
+    CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
+)
+
+__all__ = ["JobSpec"]
+
+
+class JobSpec(BaseModel):
+    """A whole GRPO job: model, data, rollout, training, algorithm, weight sync, metrics, checkpoints, Ray."""
+
+    model_config = SPEC_CONFIG
+    name: str = Field("grpo", min_length=1, description="Job name (metrics label, Ray job name).")
+    seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description=(
+        "Root seed; per-step and per-sample seeds derive from it (replica and rank offsets are added, and numpy "
+        "seeds must be < 2**32)."))
+    output_dir: str = Field(min_length=1, description="Folder for metrics.jsonl, logs and checkpoints.")
+    total_steps: int = Field(ge=1, le=10_000_000, strict=True, description=(
+        "Number of training steps (policy versions) to run."))
+    model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
+    data: DataSpec = Field(description=DataSpec.__doc__)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
+    train: TrainSpec = Field(default_factory=TrainSpec, description=TrainSpec.__doc__)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description=AlgorithmSpec.__doc__)
+    sync: SyncSpec = Field(default_factory=SyncSpec, description=SyncSpec.__doc__)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=CheckpointSpec.__doc__)
+    ray: RaySpec = Field(default_factory=RaySpec, description=RaySpec.__doc__)
+    resume: Literal["never", "auto"] = Field("never", description=(
+        "'auto' continues from the latest complete checkpoint in checkpoint.dir when there is one "
+        "(same as `grpo-cluster run --resume`)."))
+    restart_on_failure: int = Field(0, ge=0, le=1000, strict=True, description=(
+        "When a worker fails, tear the pools down and resume from the latest checkpoint, up to this many times."))
+
+    @model_validator(mode="after")
+    def _cross_field_checks(self) -> JobSpec:
+        rollout, train = self.rollout, self.train
+        needed = self.data.max_prompt_tokens + rollout.max_response_tokens
+        if rollout.max_model_len is not None and needed > rollout.max_model_len:
+            raise FieldConflict("rollout.max_model_len", (
+                f"expected max_model_len >= data.max_prompt_tokens + rollout.max_response_tokens = "
+                f"{self.data.max_prompt_tokens} + {rollout.max_response_tokens} = {needed}, "
+                f"got {rollout.max_model_len}"))
+        cpus = rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
+        if self.ray.address is None and self.ray.num_cpus is not None and cpus > self.ray.num_cpus:
+            raise FieldConflict("ray.num_cpus", (
+                f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
+                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
+                f"{self.ray.num_cpus}; Ray would wait forever"))
+        if train.reduce_dtype not in ("float32", self.model.dtype):
+            raise FieldConflict("train.reduce_dtype", (
+                f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))
+        for conflict in algorithm_conflicts(self.algorithm, rollout):
+            raise conflict
+        return self

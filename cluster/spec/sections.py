@@ -1,0 +1,234 @@
+"""The job spec's sections other than ``algorithm`` (see :mod:`cluster.spec.algorithm`): model, data, rollout,
+train, sync, metrics, checkpoint and Ray.
+
+Each section is a frozen pydantic model that rejects unknown keys; its own field checks are here, checks across
+sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
+from cluster.spec.fields import (
+    MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CustomResources,
+    check_custom_resources,
+)
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "SyncSpec", "MetricsSpec",
+    "CheckpointSpec", "RaySpec",
+]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem by reasoning step by step. "
+    "End your reply with a final line of the form '#### <number>', where <number> is the final answer."
+)
+
+
+class ModelSpec(BaseModel):
+    """Which policy model to train and how to hold its weights."""
+
+    model_config = SPEC_CONFIG
+    path: str = Field("builtin:SmolLM2-135M-Instruct", min_length=1, description=(
+        "Model to start from: a builtin alias ('builtin:<name>'), a local Hugging Face folder, or a hub id."))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description=(
+            "Rollout engine dtype and the policy's compute dtype. float32: pure float32 training. bfloat16/float16: "
+            "mixed precision (float32 parameters and AdamW state, forward/backward in this dtype, weights sent to "
+            "the engines in this dtype); the frozen reference policy is held in this dtype."))
+    cache_dir: str | None = Field(None, description=(
+        "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
+
+
+class DataSpec(BaseModel):
+    """Prompt data: GSM8K-style jsonl rows with a question and an answer ending in '#### <final answer>'."""
+
+    model_config = SPEC_CONFIG
+    train_path: str = Field(min_length=1, description="Training jsonl file (one JSON object per line).")
+    test_path: str | None = Field(None, description="Optional held-out jsonl file for evaluation.")
+    question_field: str = Field("question", min_length=1, description="JSON field holding the question.")
+    answer_field: str = Field("answer", min_length=1, description="JSON field holding the worked answer.")
+    system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
+        "System message placed before every question; null sends no system message."))
+    prompt_suffix: str = Field("", description="Text appended directly after the question in the user message.")
+    max_prompt_tokens: int = Field(512, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Prompts longer than this many tokens are dropped."))
+    shuffle: bool = Field(True, description="Shuffle prompts each epoch (permutation derived from seed and epoch).")
+    on_bad_row: Literal["error", "skip"] = Field("error", description=(
+        "Malformed rows: 'error' stops with file:line, 'skip' drops and counts them."))
+
+
+class RolloutSpec(BaseModel):
+    """Rollout engine replicas (vLLM) and sampling: B prompts × G completions per step."""
+
+    model_config = SPEC_CONFIG
+    replicas: int = Field(1, ge=1, le=4096, strict=True, description="Number of rollout engine replicas (Ray actors).")
+    num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs Ray reserves per rollout replica.")
+    num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs Ray reserves per rollout replica.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
+        "Tensor-parallel ranks inside one engine replica."))
+    prompts_per_step: int = Field(4, ge=1, le=65536, strict=True, description="B: prompts sampled per training step.")
+    group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
+        "G: completions per prompt (a group); advantages compare them."))
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10, description=(
+        "Sampling temperature, at least 0.01: vLLM raises a lower one to 0.01 (SamplingParams), so the engine would "
+        "sample at another temperature than the trainer's logprobs assume."))
+    top_p: float = Field(1.0, gt=0, le=1, description=(
+        "Nucleus sampling probability mass; 1 is off. The trainer's logprobs are renormalised over the same kept set "
+        "(grpo.logprobs.filter_logits_)."))
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K, strict=True, description=(
+        "Sample from the k most likely tokens (ties with the k-th kept, as in vLLM); 0 or -1 is off (vLLM's "
+        "semantics), as is k >= vocabulary size."))
+    min_p: float = Field(0.0, ge=0, lt=1, description=(
+        "Drop tokens whose probability is below min_p times the most likely token's; 0 is off. vLLM applies it "
+        "after the temperature, before top-k and top-p."))
+    max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Completion length cap in tokens."))
+    kv_cache_gib: float = Field(2.0, gt=0, description="CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description=(
+        "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))
+    enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
+    max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Engine context length in tokens; null lets the engine use the model's own."))
+    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds to wait for one step's rollouts before failing."))
+    max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
+        "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
+        "refused and sampled again."))
+    max_engine_restarts: int = Field(3, ge=0, le=1_000_000, strict=True, description=(
+        "Engines that die are replaced and synced before they serve; more than this many replacements in one job "
+        "stop it with the cause."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray placement-group strategy across engine replicas (each multi-GPU engine's own bundles are always "
+        "STRICT_PACK, i.e. on one node)."))
+    resources: CustomResources = Field(default_factory=dict, description=(
+        "Custom Ray resources each engine replica reserves besides CPUs/GPUs, e.g. {rollout_node: 1} to place the "
+        "engines only on nodes started with `ray start --resources '{\"rollout_node\": 8}'`; {} reserves none."))
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources, "rollout", "replica")
+
+
+class TrainSpec(BaseModel):
+    """Train workers (FSDP2 ranks) and the AdamW optimizer."""
+
+    model_config = SPEC_CONFIG
+    world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
+        "Number of train ranks (Ray actors in one process group)."))
+    num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per train rank.")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves per train rank.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
+        "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
+    num_threads: int | None = Field(None, ge=1, le=4096, strict=True, description=(
+        "torch intra-op threads per rank; null keeps torch's."))
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
+        "dtype in which FSDP2 reduces (averages) gradients over the train ranks. With model.dtype bfloat16/float16 "
+        "the policy trains in mixed precision: float32 parameters and AdamW state, forward/backward in model.dtype, "
+        "gradients reduced in this dtype; it must be float32 or model.dtype."))
+    max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
+        "Token budget of one forward/backward pass."))
+    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds to wait for one train step before failing."))
+    oversize_sequences: Literal["own", "error"] = Field("own", description=(
+        "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
+        "stops the step naming it."))
+    strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
+        "Data-parallel training strategy; 'megatron' is reserved and rejected until its workers exist."))
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Ray placement-group strategy for the train ranks' bundles."))
+    resources: CustomResources = Field(default_factory=dict, description=(
+        "Custom Ray resources each train rank reserves besides CPUs/GPUs, e.g. {train_node: 1} to place the ranks "
+        "only on nodes that advertise that resource; {} reserves none."))
+    max_skipped_updates: int = Field(3, ge=1, le=1_000_000, strict=True, description=(
+        "Updates with a NaN/Inf loss or gradient are skipped (weights unchanged, nothing broadcast); this many in a "
+        "row stop the job naming the step and the metric."))
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy_available(cls, strategy: str) -> str:
+        if strategy != "fsdp":
+            raise ValueError(f"strategy {strategy!r} is not available yet; use 'fsdp'")
+        return strategy
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
+        return check_custom_resources(resources, "train", "worker")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"expected each beta in [0, 1), got {list(betas)}")
+        return betas
+
+    @model_validator(mode="after")
+    def _backend_matches_devices(self) -> TrainSpec:
+        if self.backend == "nccl" and self.num_gpus_per_worker == 0:
+            raise FieldConflict("train.backend", (
+                "backend 'nccl' needs GPUs, but train.num_gpus_per_worker is 0; "
+                "use 'gloo' or 'auto' on CPU, or reserve GPUs"))
+        return self
+
+
+class SyncSpec(BaseModel):
+    """Streaming trainer weights into the rollout engines after each step."""
+
+    model_config = SPEC_CONFIG
+    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, strict=True, description=(
+        "Bytes per broadcast bucket; ints or strings like '64MiB', '512MB', '1GiB'."))
+    verify: bool | Literal["sample"] = Field(True, description=(
+        "Compare every engine's per-tensor CRC-32 of the received weights with the trainer's: true after every "
+        "sync, false never, 'sample' a rotating 1/verify_full_every of the tensors every sync and all of them "
+        "every verify_full_every-th policy version."))
+    verify_full_every: int = Field(10, ge=1, strict=True, description=(
+        "With verify 'sample': policy versions between full checks (K); sampled checks cover every tensor once "
+        "per K consecutive versions."))
+    timeout_s: float = Field(300, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds one weight sync (and forming the sync group) may take; an engine that dies or stalls becomes an "
+        "error naming it within this limit."))
+    mode: Literal["broadcast", "ipc", "auto"] = Field("broadcast", description=(
+        "How buckets reach the engines: 'broadcast' (gloo/NCCL group), 'ipc' (same host only: shared memory on CPU, "
+        "CUDA IPC handles on GPU), 'auto' (ipc when every engine is on the trainer rank 0's Ray node)."))
+
+
+class MetricsSpec(BaseModel):
+    """metrics.jsonl in output_dir, console lines, and a Prometheus endpoint."""
+
+    model_config = SPEC_CONFIG
+    host: str = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
+    port: int | None = Field(9300, ge=0, le=65535, strict=True, description=(
+        "Prometheus port; 0 picks a free one, null disables."))
+    log_every_steps: int = Field(1, ge=1, strict=True, description="Print a console line every this many steps.")
+
+
+class CheckpointSpec(BaseModel):
+    """Saving the policy as a Hugging Face folder."""
+
+    model_config = SPEC_CONFIG
+    every_steps: int = Field(0, ge=0, strict=True, description="Save every this many steps; 0 saves only at the end.")
+    save_final: bool = Field(True, description="Save after the last step.")
+    dir: str | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
+    keep_last: int | None = Field(None, ge=1, le=1_000_000, strict=True, description=(
+        "Keep only this many newest complete checkpoints (older ones are deleted after a new one is complete); "
+        "null keeps all."))
+
+
+class RaySpec(BaseModel):
+    """Which Ray cluster to run on."""
+
+    model_config = SPEC_CONFIG
+    address: str | None = Field(None, description="Existing cluster address ('auto', 'ray://h:p'); null starts one.")
+    num_cpus: int | None = Field(None, ge=1, strict=True, description=(
+        "CPUs of a locally started cluster; null uses all."))
+    dashboard_host: str = Field("127.0.0.1", description="Address the Ray dashboard binds to (local cluster).")
+

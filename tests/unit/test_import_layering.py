@@ -1,0 +1,220 @@
+"""Import layering of the project's packages (docs/architecture.md, "Allowed imports"), read from source with ast.
+
+Every ``import``/``from ... import`` in every .py file of the packages counts, wherever it is written: at module
+level, inside a function (lazy imports), under ``if TYPE_CHECKING:``; relative imports are resolved against the
+file's package, and ``importlib.import_module("literal.name")`` counts as an import of that name. The rules:
+
+1. ``grpo/`` (the pure algorithm core) imports no other project package, nor Ray, nor ``torch.distributed``.
+2. ``rollout_workers/`` and ``train_workers/`` do not import each other, and from ``cluster/`` they import only
+   ``cluster.messages`` (the typed messages that cross actor boundaries).
+3. ``weight_sync/`` (transport only) does not import ``cluster/``.
+4. The loop (``cluster/driver.py`` and ``cluster/loop/**``) does not import a concrete train backend module
+   (``train_workers.fsdp_*``, ``train_workers.megatron*``); it reaches a backend through the registry/protocol.
+
+A failure names ``file:line``, the offending import statement and the rule it breaks. The self-tests at the end feed
+the checker synthetic sources, one per rule, so each rule is shown to fail.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Packages whose files are checked (the installable ones, pyproject's ``packages.find``).
+CHECKED_PACKAGES = ("grpo", "cluster", "rollout_workers", "train_workers", "weight_sync")
+#: Every top-level package/folder of this repository that a module could import.
+PROJECT_PACKAGES = (*CHECKED_PACKAGES, "deploy", "bench", "tests", "scripts", "examples")
+#: Train-backend implementation modules the loop must not name (it uses train_workers' registry and protocol); a
+#: trailing ``*`` matches any module whose dotted name starts so (``train_workers.fsdp_worker``, ``..._step``, ...).
+CONCRETE_TRAIN_BACKENDS = ("train_workers.fsdp*", "train_workers.megatron*")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import found in a file: ``name`` is the absolute module (``cluster.loop.pools``; for ``from a import b, c``
+    it is ``a`` and ``members`` is ``("b", "c")``, each possibly a submodule); ``statement`` is the source text of the
+    statement; ``line`` is 1-based."""
+
+    name: str
+    line: int
+    statement: str
+    members: tuple[str, ...] = ()
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """``a.b`` matches ``a.b`` and ``a.b.c``; ``a.b*`` matches any name starting with ``a.b``."""
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p or name.startswith(p + ".") for p in patterns)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``name``: the rule's test id. Files whose repository-relative path equals or starts with one of ``files`` must
+    import no module that matches ``forbidden`` unless it also matches ``allowed`` (see :func:`_matches`); ``why``
+    is printed with each violation."""
+
+    name: str
+    files: tuple[str, ...]
+    forbidden: tuple[str, ...]
+    why: str
+    allowed: tuple[str, ...] = ()
+
+    def applies_to(self, rel_path: str) -> bool:
+        return any(rel_path == f or rel_path.startswith(f) for f in self.files)
+
+    def offending(self, imp: Import) -> str | None:
+        """The first module ``imp`` brings in that breaks the rule, or None. ``from a import b`` brings in ``a`` and
+        ``a.b``; when every ``a.b`` is allowed, ``a`` is only the path to them (``from cluster import messages``)."""
+        def bad(name: str) -> bool:
+            return _matches(name, self.forbidden) and not _matches(name, self.allowed)
+
+        members = [f"{imp.name}.{m}" for m in imp.members]
+        if members and self.allowed and all(_matches(m, self.allowed) for m in members):
+            return None
+        return next((name for name in (imp.name, *members) if bad(name)), None)
+
+
+_WORKERS_APART = "rollout_workers/ and train_workers/ do not import each other"
+RULES = (
+    Rule("grpo_is_pure", ("grpo/",), (*(p for p in PROJECT_PACKAGES if p != "grpo"), "ray", "torch.distributed"),
+         "grpo/ is the pure algorithm core: it imports no other project package, nor Ray, nor torch.distributed"),
+    Rule("rollout_workers_not_train", ("rollout_workers/",), ("train_workers",), _WORKERS_APART),
+    Rule("train_workers_not_rollout", ("train_workers/",), ("rollout_workers",), _WORKERS_APART),
+    Rule("workers_use_only_messages", ("rollout_workers/", "train_workers/"), ("cluster",),
+         "workers import from cluster/ only cluster.messages (the typed messages)", allowed=("cluster.messages",)),
+    Rule("weight_sync_not_cluster", ("weight_sync/",), ("cluster",),
+         "weight_sync/ is transport only: it does not import cluster/"),
+    Rule("loop_not_concrete_backend", ("cluster/driver.py", "cluster/loop/"), CONCRETE_TRAIN_BACKENDS,
+         "the loop (cluster/driver.py, cluster/loop/) reaches train backends through train_workers' registry and "
+         "protocol, never a concrete backend module"),
+)
+
+
+def imports_in(rel_path: str, source: str) -> list[Import]:
+    """Every import in a file, lazy ones included, with absolute module names, in line order.
+
+    Relative imports are resolved against ``rel_path``'s package. Raises SyntaxError when ``source`` does not parse.
+    """
+    tree = ast.parse(source, filename=rel_path)
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        is_import_call = isinstance(node, ast.Call) and _is_import_module(node.func) and node.args
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or is_import_call:
+            text = " ".join((ast.get_source_segment(source, node) or "").split())
+        if isinstance(node, ast.Import):
+            found += [Import(alias.name, node.lineno, text) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: level 1 is the file's own package, each further dot one package up
+                package = Path(rel_path).parts[:-1]
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.append(Import(base, node.lineno, text, tuple(a.name for a in node.names if a.name != "*")))
+        elif is_import_call:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append(Import(arg.value, node.lineno, text))
+    return sorted(found, key=lambda imp: imp.line)
+
+
+def _is_import_module(func: ast.expr) -> bool:
+    """``importlib.import_module(...)``, ``import_module(...)`` or ``__import__(...)``."""
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def rule_violations(rule: Rule, rel_path: str, source: str) -> list[str]:
+    """``file:line: `statement` imports module: why`` for each import in ``source`` that breaks ``rule``; [] when the
+    rule does not apply to the file."""
+    if not rule.applies_to(rel_path):
+        return []
+    return [f"{rel_path}:{imp.line}: `{imp.statement}` imports {bad}: {rule.why}"
+            for imp in imports_in(rel_path, source) if (bad := rule.offending(imp)) is not None]
+
+
+def violations(rel_path: str, source: str) -> list[str]:
+    """:func:`rule_violations` of every rule."""
+    return [v for rule in RULES for v in rule_violations(rule, rel_path, source)]
+
+
+def project_files() -> list[Path]:
+    """Every .py file of the checked packages."""
+    return sorted(path for package in CHECKED_PACKAGES for path in (ROOT / package).rglob("*.py"))
+
+
+def test_checked_packages_exist_and_parse():
+    files = project_files()
+    for package in CHECKED_PACKAGES:
+        assert (ROOT / package / "__init__.py").is_file(), f"expected package {package}/ at {ROOT}"
+    assert len(files) > 20, f"expected the project's modules, found only {len(files)} .py files"
+    for path in files:  # a file that does not parse would hide its imports from the rules
+        imports_in(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.name)
+def test_import_layering(rule: Rule):
+    problems = []
+    for path in project_files():
+        rel = path.relative_to(ROOT).as_posix()
+        problems += rule_violations(rule, rel, path.read_text(encoding="utf-8"))
+    assert not problems, "imports that break the layering:\n" + "\n".join(problems)
+
+
+# --------------------------------------------------------------------------------------------- checker self-tests
+
+@pytest.mark.parametrize(("rel_path", "source", "offending"), [
+    ("grpo/losses.py", "import torch\ndef f():\n    from cluster.spec import JobSpec\n", "cluster.spec"),
+    ("grpo/losses.py", "import ray\n", "ray"),
+    ("grpo/losses.py", "import torch.distributed as dist\n", "torch.distributed"),
+    ("grpo/losses.py", "from torch import distributed\n", "torch.distributed"),
+    ("grpo/x.py", "import importlib\nm = importlib.import_module('bench._common')\n", "bench._common"),
+    ("rollout_workers/engine.py", "from train_workers.packing import pack\n", "train_workers.packing"),
+    ("train_workers/fsdp_worker.py", "def f():\n    import rollout_workers.engine\n", "rollout_workers.engine"),
+    ("rollout_workers/engine.py", "from cluster.loop.pools import RolloutPool\n", "cluster.loop.pools"),
+    ("train_workers/fsdp_step.py", "from cluster import messages, spec\n", "cluster"),
+    ("train_workers/fsdp_step.py", "import cluster.spec\n", "cluster.spec"),
+    ("weight_sync/sender.py", "def f():\n    from cluster.loop.pools import get\n", "cluster.loop.pools"),
+    ("weight_sync/sender.py", "from cluster import messages\n", "cluster"),
+    ("cluster/driver.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n", "train_workers.fsdp_worker"),
+    ("cluster/loop/pools.py", "from train_workers import fsdp_step\n", "train_workers.fsdp_step"),
+    ("cluster/loop/pools.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from train_workers.fsdp_sync import x\n", "train_workers.fsdp_sync"),
+])
+def test_checker_finds_each_kind_of_violation(rel_path, source, offending):
+    found = violations(rel_path, source)
+    assert found, f"expected a violation for {offending} in {rel_path}"
+    assert all(v.startswith(f"{rel_path}:") for v in found), found
+    assert any(f" imports {offending}:" in v for v in found), found
+
+
+@pytest.mark.parametrize(("rel_path", "source"), [
+    ("grpo/losses.py", "import torch\nfrom grpo.kl import kl\nfrom . import rewards\n"),
+    ("rollout_workers/engine.py", "from cluster.messages import GroupResult\nfrom weight_sync.buckets import b\n"),
+    ("train_workers/fsdp_step.py", "from cluster import messages\nimport cluster.messages as m\n"),
+    ("weight_sync/sender.py", "from weight_sync.buckets import Bucket\nimport torch.distributed\n"),
+    ("cluster/loop/pools.py", "from train_workers.registry import train_backend\nfrom train_workers.base import W\n"),
+    ("cluster/loop/training.py", "from train_workers.packing import pack_rank_microbatches\n"),
+    ("cluster/ops/cli_jobs.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n"),
+    ("train_workers/registry.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n"),
+])
+def test_checker_accepts_allowed_imports(rel_path, source):
+    assert violations(rel_path, source) == []
+
+
+def test_relative_imports_resolve_against_the_files_package():
+    found = imports_in("cluster/loop/pools.py", "from . import fleet\nfrom ..spec import x\n")
+    assert [(imp.name, imp.members) for imp in found] == [("cluster.loop", ("fleet",)), ("cluster.spec", ("x",))]
+    # three dots from weight_sync/sub/ reach the top level
+    assert violations("weight_sync/sub/x.py", "from ...cluster import pools\n")
+
+
+def test_violation_names_file_line_and_statement():
+    source = "import os\n\n\ndef late():\n    from cluster.loop.pools import get  # lazy\n"
+    assert violations("weight_sync/coordinator.py", source) == [
+        "weight_sync/coordinator.py:5: `from cluster.loop.pools import get` imports cluster.loop.pools: "
+        "weight_sync/ is transport only: it does not import cluster/"]
