@@ -47,8 +47,8 @@ one, must carry the weight (the demo: accuracy 1.0, format 0.2).
 Cost: extraction and both rewards are linear in the completion length (no quadratic regex backtracking, one pass
 for \\boxed{} brace matching); a 1 MB completion is scored in well under a second (a vulgar fraction counts as
 the up to 4 characters it is read as: "½" is " 1/2"; the format rule's slowest measured case, 70,000 distinct
-fractions all equal to the answer ("10/2 15/3 ..."), takes about 1 s: each distinct number is compared once). ``accuracy_reward`` and ``format_reward`` never raise
-for a str completion.
+fractions all equal to the answer ("10/2 15/3 ..."), takes about 1 s: each distinct number is compared once).
+``accuracy_reward`` and ``format_reward`` never raise for a str completion.
 
 Why not HF ``math-verify`` (0.9.0, with latex2sympy2-extended 1.11.0), measured by ``python -m
 bench.bench_answer_checker`` on this 2-core CPU: on issue #12's cases plus the accuracy table of
