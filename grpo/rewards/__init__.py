@@ -128,7 +128,8 @@ def _accuracy(completions: list[str], references: list[str]) -> list[float | Non
 
 @register_reward_function("format")
 def _format(completions: list[str], references: list[str]) -> list[float | None]:
-    """1.0 when the completion ends with "#### <number>" (`grpo.rewards.gsm8k.format_reward`); ignores references."""
+    """1.0 for a worked solution ending in one "#### <number>" line, never for the answer line alone (rules F1-F5 of
+    `grpo.rewards.gsm8k`, `format_reward`); ignores references."""
     return [format_reward(c) for c in completions]
 
 

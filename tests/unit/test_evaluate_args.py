@@ -59,7 +59,8 @@ def install_fakes(monkeypatch) -> dict:
 
         def generate(self, prompts, params, use_tqdm):
             seen["prompts"] = prompts
-            out = types.SimpleNamespace(text="so #### 5", token_ids=[1, 2, 3], finish_reason="stop")
+            out = types.SimpleNamespace(text="2 + 3 = 5 apples in the basket, so 5 in all.\n#### 5",
+                                        token_ids=[1, 2, 3], finish_reason="stop")
             return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
 
     fake_vllm = types.ModuleType("vllm")

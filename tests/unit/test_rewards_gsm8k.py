@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from grpo.rewards.gsm8k import (MAX_DIGITS, accuracy_reward, extract_answer, format_reward, normalize_number,
-                                parse_reference)
+from grpo.rewards.gsm8k import (MAX_DIGITS, MIN_REASONING_CHARS, MIN_REASONING_NUMBERS, accuracy_reward,
+                                extract_answer, format_reward, normalize_number, parse_reference)
 
-GSM8K_TEST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+GSM8K_TEST = GSM8K_DIR / "test.jsonl"
+# Reasoning that meets the format rule (34 non-whitespace characters, 5 numbers), before an answer line under test.
+WORK = "She buys 3 packs of 4 pens, so 3 * 4 = 12 pens.\n"
 NATALIA = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
@@ -110,14 +113,14 @@ def test_accuracy_reward(completion, reference, expected):
 @pytest.mark.parametrize(
     "completion, expected",
     [
-        ("reasoning\n#### 72", 1.0),
-        ("reasoning\n#### 72  \n\n  ", 1.0),
-        ("reasoning\n#### 72.", 1.0),
-        ("reasoning\nSo the answer is #### -1,234.5", 1.0),
-        ("reasoning\n#### $18", 1.0),
+        (WORK + "#### 72", 1.0),
+        (WORK + "#### 72  \n\n  ", 1.0),
+        (WORK + "#### 72.", 1.0),
+        (WORK + "So the answer is #### -1,234.5", 1.0),
+        (WORK + "#### $18", 1.0),
         ("#### 72\nmore text", 0.0),
-        ("reasoning\n#### 18 dollars", 0.0),
-        ("reasoning\n#### ", 0.0),
+        (WORK + "#### 18 dollars", 0.0),
+        (WORK + "#### ", 0.0),
         ("The answer is 72", 0.0),
         ("", 0.0),
         ("   \n  ", 0.0),
@@ -225,6 +228,10 @@ ONE_MB = 1_000_000
     ("whole and spaces", lambda n: "1" + " " * n + "1/"),
     ("signed currency", lambda n: "-$" * (n // 2) + "5"),
     ("digit frac", lambda n: "2\\frac12" * (n // 8)),
+    ("restated answer", lambda n: "5 " * (n // 2) + "\n#### 5"),
+    ("distinct numbers", lambda n: " ".join(map(str, range(n // 7))) + "\n#### 5"),
+    ("long digit runs", lambda n: ("1" * (MAX_DIGITS + 1) + " ") * (n // (MAX_DIGITS + 2)) + "\n#### 5"),
+    ("filler", lambda n: "x" * n + "\n#### 5"),
 ])
 def test_one_megabyte_completion_is_scored_in_under_a_second(name, make):
     assert score(make(ONE_MB)) < 1.0, name
@@ -269,7 +276,7 @@ def test_mixed_number_is_not_its_whole_part():
     assert accuracy_reward("It takes 2 1/2 hours.\n#### 2 1/2", "2.5") == 1.0
     assert accuracy_reward("\\boxed{2\\frac{1}{2}}", "2.5") == 1.0
     assert accuracy_reward("\\boxed{2\\frac{1}{2}}", "21/2") == 0.0
-    assert format_reward("reasoning\n#### 2 1/2") == 1.0
+    assert format_reward(WORK + "#### 2 1/2") == 1.0
 
 
 @pytest.mark.parametrize("completion", ["#### -$5", "#### \u2212$5", "#### -\\$5", "#### -$ 5", "#### $-5"])
@@ -277,7 +284,7 @@ def test_sign_before_currency_belongs_to_the_number(completion):
     assert extract_answer(completion) == "-5"
     assert accuracy_reward(completion, "5") == 0.0
     assert accuracy_reward(completion, "#### -5") == 1.0
-    assert format_reward("reasoning\n" + completion) == 1.0
+    assert format_reward(WORK + completion) == 1.0
 
 
 def test_minus_between_numbers_before_currency_is_subtraction():
@@ -299,8 +306,8 @@ def test_unicode_vulgar_fractions_are_fractions(completion, reference, expected)
 
 
 def test_unicode_vulgar_fractions_are_well_formatted():
-    assert format_reward("reasoning\n#### 2½") == 1.0
-    assert format_reward("reasoning\n#### ¾.") == 1.0
+    assert format_reward(WORK + "#### 2½") == 1.0
+    assert format_reward(WORK + "#### ¾.") == 1.0
     assert extract_answer("#### 2½") == "5/2" and extract_answer("\\boxed{⅓}") == "1/3"
     # linear: one regex pass; each vulgar fraction is read as up to 4 characters (" 1/2"), so the megabyte budget
     # holds for ONE_MB // 4 of them (as for "1/2 " * (ONE_MB // 4) in the megabyte cases above)

@@ -14,7 +14,9 @@ from grpo.rewards import (
     register_reward_function,
 )
 
-COMPLETIONS = ["work\n#### 72", "The answer is 72", "#### 5", "nothing"]
+# A worked right answer, a bare right answer, a worked wrong answer, nothing (format: 1, 0, 1, 0).
+COMPLETIONS = ["Natalia sold 48/2 = 24 clips in May and 48 + 24 = 72 in all.\n#### 72", "The answer is 72",
+               "3 bags of 2 apples is 3 * 2 = 6 apples; 1 was eaten.\n#### 5", "nothing"]
 REFERENCES = ["... #### 72", "72", "... #### 6", "#### 1"]
 
 
