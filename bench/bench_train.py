@@ -98,7 +98,7 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     for step in range(1 + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
-        metrics = worker.train_step(mbs, num_tokens, num_sequences)
+        metrics = worker.train_step(mbs, num_tokens, num_sequences).metrics
         dist.barrier()
         seconds = time.perf_counter() - t0
         if step > 0:
@@ -108,7 +108,7 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
             print(f"warm-up step: {seconds:.2f}s", flush=True)
     if rank == 0:
         queue.put({
-            "init_s": init_s, "num_parameters": info["num_parameters"], "step_s": step_s,
+            "init_s": init_s, "num_parameters": info.num_parameters, "step_s": step_s,
             "rank0_compute_s": compute_s, "packed_tokens": metrics["perf/train_tokens"],
             "response_tokens": num_tokens, "sequences": num_sequences,
             "microbatches_per_rank": len(mbs), "tokens_per_rank": [sum(m.num_tokens for m in r) for r in per_rank],

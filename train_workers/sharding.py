@@ -43,6 +43,12 @@ def mixed_precision_policy(compute_dtype: str | torch.dtype, reduce_dtype: str |
     return MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute, reduce_dtype=reduce)
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly DTensor-sharded) parameter, gradient or optimizer state; a plain tensor passes
+    through. For a DTensor this is a collective over its mesh: every rank of the train group must call it."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of a :class:`ResponseLogprobModel` (``model.model``) or of a bare HF causal LM."""
     hf = model if hasattr(model, "get_decoder") else model.model

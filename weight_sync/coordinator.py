@@ -142,7 +142,7 @@ class WeightSync:
 
     Args:
         spec: the job spec (``sync``, ``model.dtype``, ``rollout.tensor_parallel_size``/``num_gpus_per_replica``).
-        train: the train pool (``workers``, ``all``); rank 0 sends.
+        train: the train pool (``workers``, ``sync_plan``); rank 0 sends.
         rollout: the rollout pool; its ``engines`` list is read when the group is (re)built.
 
     Attributes:
@@ -157,7 +157,7 @@ class WeightSync:
     def __init__(self, spec, train, rollout):
         self.spec, self.train, self.rollout = spec, train, rollout
         s = spec.sync
-        buckets = train.all("sync_plan", spec.model.dtype, s.bucket_bytes, what="planning weight-sync buckets")[0]
+        buckets = train.sync_plan(spec.model.dtype, s.bucket_bytes)
         self.buckets = buckets
         self.names = [slot.name for b in buckets for slot in b.slots]
         self.num_buckets = len(buckets)
@@ -275,21 +275,21 @@ class WeightSync:
             self.engine_versions = [None] * len(self.engines)
             raise
         sent, received = results[0], results[len(send):]
-        if sent["policy_version"] != policy_version:
-            raise RuntimeError(f"trainer is at policy version {sent['policy_version']}, expected {policy_version}")
+        if sent.policy_version != policy_version:
+            raise RuntimeError(f"trainer is at policy version {sent.policy_version}, expected {policy_version}")
         self.engine_versions = [r["policy_version"] for r in received]
         if check:
-            expected = {name: sent["checksums"][name] for name in check}
+            expected = {name: sent.checksums[name] for name in check}
             for i, report in enumerate(received):
                 for w, checksums in enumerate(report["worker_checksums"]):
                     _compare_checksums(expected, checksums, f"engine {i} worker {w}")
-        seconds = max(r["seconds"] for r in results)
+        seconds = max([r.seconds for r in results[:len(send)]] + [r["seconds"] for r in received])
         return {"sync/verified": bool(check),
-                "sync/verified_tensors": len(check), "sync/bytes": float(sent["bytes"]),
-                "sync/buckets": self.num_buckets, "sync/seconds_sender": sent["seconds"],
-                "sync/gb_per_s": sent["bytes"] / max(seconds, 1e-9) / 1e9,
-                "sync/sender_peak_extra_bytes": float(sent["peak_extra_bytes"]),
-                "sync/sender_peak_extra_bytes_accounted": float(sent["peak_extra_bytes_accounted"]),
+                "sync/verified_tensors": len(check), "sync/bytes": float(sent.bytes),
+                "sync/buckets": self.num_buckets, "sync/seconds_sender": sent.seconds,
+                "sync/gb_per_s": sent.bytes / max(seconds, 1e-9) / 1e9,
+                "sync/sender_peak_extra_bytes": float(sent.peak_extra_bytes),
+                "sync/sender_peak_extra_bytes_accounted": float(sent.peak_extra_bytes_accounted),
                 "sync/engines": len(self.engines), "sync/ipc": float(self.transport != "broadcast")}
 
 

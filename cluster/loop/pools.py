@@ -1,4 +1,4 @@
-"""Worker pools: Ray actors for the rollout engines and the FSDP2 train ranks.
+"""Worker pools: Ray actors for the rollout engines and the train ranks (the backend ``train.strategy`` names).
 
 The pools own actor creation (resources from the spec), the calls that must reach every member together, timeouts
 (every ``ray.get`` names the operation and its limit), and the weight-sync group joining train rank 0 with every
@@ -15,9 +15,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.loop.scheduler import assign_groups
-from cluster.messages import GroupRequest, GroupResult
+from cluster.messages import GroupRequest, GroupResult, TrainRankInfo, TrainResult
 from rollout_workers.engine import RolloutEngine
-from train_workers.fsdp_worker import FSDPTrainWorker
+from train_workers.registry import train_backend
 from weight_sync.coordinator import SyncVerificationError, WeightSync, _compare_checksums  # noqa: F401
 
 
@@ -328,20 +328,26 @@ class RolloutPool:
 
 
 class TrainPool:
-    """``train.world_size`` FSDP2 ranks forming one data-parallel process group, placed by one placement group
-    (``train.placement_strategy``: PACK/SPREAD/...; bundle i holds rank i).
+    """``train.world_size`` train ranks forming one data-parallel process group, placed by one placement group
+    (``train.placement_strategy``: PACK/SPREAD/...; bundle i holds rank i). The rank class is the train backend
+    registered under ``train.strategy`` (``train_workers.registry``; FSDP2's ``FSDPTrainWorker`` for ``fsdp``).
 
     ``policy_path`` (a checkpoint folder, on resume) initialises the policy; the reference policy is ``model_path``.
-    Every call names the rank that failed (:class:`TrainWorkerFailure`).
+    Every call reaches every rank together, waits at most ``train.timeout_s`` and names the rank that failed
+    (:class:`TrainWorkerFailure`).
+
+    Attributes:
+        workers: the rank actors, rank order. infos: each rank's :class:`TrainRankInfo`.
+        num_parameters: of the policy.
     """
 
     def __init__(self, spec, model_path: str, policy_path: str | None = None):
         self.spec = spec
         t = spec.train
         bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources}
+        actor_cls = ray.remote(train_backend(t.strategy))
         self.placement_group = _pool_placement_group([bundle] * t.world_size, t.placement_strategy,
                                                      f"{spec.name}-train", min(t.timeout_s, 120.0))
-        actor_cls = ray.remote(FSDPTrainWorker)
         self.workers = [
             actor_cls.options(num_cpus=t.num_cpus_per_worker, num_gpus=t.num_gpus_per_worker,
                               resources=dict(t.resources), **_in_group(self.placement_group, rank)).remote(
@@ -354,12 +360,12 @@ class TrainPool:
         try:
             addr, port = self._get(self.workers[0].node_address.remote(), t.timeout_s, "train rank 0 address")
             infos = self._get([w.init_distributed.remote(addr, port, policy_path) for w in self.workers],
-                              t.timeout_s, "building the FSDP2 train group")
+                              t.timeout_s, f"building the {t.strategy} train group")
         except BaseException:
             self.shutdown()
             raise
-        self.infos = infos
-        self.num_parameters = infos[0]["num_parameters"]
+        self.infos: list[TrainRankInfo] = infos
+        self.num_parameters = infos[0].num_parameters
 
     def _get(self, refs, timeout_s: float, what: str):
         try:
@@ -370,10 +376,55 @@ class TrainPool:
             cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TrainWorkerFailure(f"{who} failed during {what}: {type(exc).__name__}: {cause}") from exc
 
-    def all(self, method: str, *args, timeout_s: float | None = None, what: str | None = None):
-        """Call ``method`` on every rank together and return every rank's result."""
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return self._get(refs, timeout_s or self.spec.train.timeout_s, what or f"train {method}")
+    def _all(self, call: Callable, what: str) -> list:
+        """``call(worker)`` (an actor method call returning an ObjectRef) on every rank together; every rank's
+        result in rank order, within ``train.timeout_s``."""
+        return self._get([call(w) for w in self.workers], self.spec.train.timeout_s, what)
+
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β on every rank for the following train steps (adaptive KL controller)."""
+        self._all(lambda w: w.set_kl_coef.remote(kl_coef), "setting kl_coef")
+
+    def train_step(self, per_rank_microbatches: list, num_tokens: int, num_sequences: int) -> TrainResult:
+        """One train step on every rank (rank r trains ``per_rank_microbatches[r]``).
+
+        Args:
+            num_tokens, num_sequences: loss tokens, and sequences with at least one, over the whole batch.
+
+        Returns:
+            rank 0's :class:`TrainResult` (metrics are reduced over ranks, so every rank's are the same).
+
+        Raises:
+            TrainWorkerFailure: a rank failed, or the ranks disagree on the policy version or the skip.
+        """
+        refs = [w.train_step.remote(mbs, num_tokens, num_sequences)
+                for w, mbs in zip(self.workers, per_rank_microbatches)]
+        results: list[TrainResult] = self._get(refs, self.spec.train.timeout_s, "train step")
+        first = results[0]
+        for rank, r in enumerate(results[1:], start=1):
+            if (r.policy_version, r.skipped) != (first.policy_version, first.skipped):
+                raise TrainWorkerFailure(
+                    f"train rank {rank} disagrees with rank 0 after the train step: policy version "
+                    f"{r.policy_version} vs {first.policy_version}, skipped {r.skipped} vs {first.skipped}")
+        return first
+
+    def sync_plan(self, dtype: str, bucket_bytes: int) -> list:
+        """The weight-sync bucket plan (``weight_sync.buckets.Bucket`` list) of the policy in the engine ``dtype``,
+        buckets of at most ``bucket_bytes`` bytes; every rank computes it (rank 0's is returned)."""
+        return self._all(lambda w: w.sync_plan.remote(dtype, bucket_bytes), "planning weight-sync buckets")[0]
+
+    def save_checkpoint(self, folder: str, checkpoint: str | None = None) -> None:
+        """Every rank writes its part of a checkpoint (HF policy folder, sharded optimizer) into ``folder``;
+        ``checkpoint`` names it in errors (default: ``folder``; the loop writes into a temporary folder)."""
+        self._all(lambda w: w.save_checkpoint.remote(folder), f"saving checkpoint {checkpoint or folder}")
+
+    def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:
+        """Every rank loads its optimizer state from the checkpoint at ``path`` and continues at ``policy_version``.
+
+        Returns:
+            optimizer field → (saved value, value in use) for fields the spec changed since the checkpoint.
+        """
+        return self._all(lambda w: w.load_checkpoint.remote(path, policy_version), f"loading checkpoint {path}")[0]
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -381,11 +432,6 @@ class TrainPool:
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
-
-    def train_step(self, per_rank_microbatches, num_tokens: int, num_sequences: int) -> dict:
-        refs = [w.train_step.remote(mbs, num_tokens, num_sequences)
-                for w, mbs in zip(self.workers, per_rank_microbatches)]
-        return self._get(refs, self.spec.train.timeout_s, "train step")[0]
 
 
 def _kill(actor, pg) -> None:

@@ -2,8 +2,8 @@
 updates skipped for NaN/Inf.
 
 The functions :func:`train_step`, :func:`set_kl_coef`, :func:`save_train_state` and :func:`load_train_state` are
-the only places the loop calls the train pool; each turns the pool's answer into what the loop uses
-(:class:`cluster.messages.TrainResult` for a step).
+the only places the loop calls the train pool (its typed methods; a step answers a
+:class:`cluster.messages.TrainResult`).
 """
 
 from __future__ import annotations
@@ -46,25 +46,20 @@ def train_step(train: TrainPool, per_rank: list, num_tokens: int, num_sequences:
     Returns:
         the step's :class:`TrainResult`: policy version after the step, whether (and why) an update was skipped,
         and the trainer's numeric metrics (``actor/update_skipped`` among them: the fraction of iterations
-        skipped). The pool answers one dict today; its ``policy_version`` and ``actor/update_skipped_reason`` move
-        out of the metrics here.
+        skipped).
     """
-    metrics = dict(train.train_step(per_rank, num_tokens, num_sequences))
-    policy_version = int(metrics.pop("policy_version"))
-    skip_reason = metrics.pop("actor/update_skipped_reason", "") or ""
-    return TrainResult(policy_version=policy_version, skipped=bool(metrics.get("actor/update_skipped", 0.0)),
-                       skip_reason=skip_reason, metrics=metrics)
+    return train.train_step(per_rank, num_tokens, num_sequences)
 
 
 def set_kl_coef(train: TrainPool, kl_coef: float) -> None:
     """Set β on every rank for the following train steps (adaptive KL controller)."""
-    train.all("set_kl_coef", kl_coef, what="setting kl_coef")
+    train.set_kl_coef(kl_coef)
 
 
 def save_train_state(train: TrainPool, folder: str, checkpoint: str) -> None:
     """Every rank writes its part of a checkpoint (HF policy folder, sharded optimizer) into ``folder``, the
     temporary folder of ``checkpoint`` (named in errors)."""
-    train.all("save_checkpoint", folder, what=f"saving checkpoint {checkpoint}")
+    train.save_checkpoint(folder, checkpoint)
 
 
 def load_train_state(train: TrainPool, checkpoint: str, policy_version: int) -> dict[str, tuple]:
@@ -73,7 +68,7 @@ def load_train_state(train: TrainPool, checkpoint: str, policy_version: int) -> 
     Returns:
         optimizer field → (saved value, value in use) for fields the spec changed since the checkpoint.
     """
-    return train.all("load_checkpoint", checkpoint, policy_version, what=f"loading checkpoint {checkpoint}")[0]
+    return train.load_checkpoint(checkpoint, policy_version)
 
 
 class SkippedUpdates:

@@ -32,12 +32,13 @@ def microbatches(nan_engine_logprob: bool = False):
 
 
 def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], out_dir: str) -> None:
+    import train_workers.fsdp_step as fsdp_step
     import train_workers.fsdp_worker as fw
     from cluster.spec import AlgorithmSpec, TrainSpec
 
     torch.set_num_threads(1)
     calls: list[dict] = []
-    original = fw.policy_loss
+    original = fsdp_step.policy_loss
 
     def recording_policy_loss(logprobs, old_logprobs, advantages, mask, **kwargs):
         calls.append({"logprobs": logprobs.detach().clone(), "old": old_logprobs.detach().clone(),
@@ -46,7 +47,7 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
                           if k in ("kl_coef", "tis_weights", "dual_clip_c")}})
         return original(logprobs, old_logprobs, advantages, mask, **kwargs)
 
-    fw.policy_loss = recording_policy_loss
+    fsdp_step.policy_loss = recording_policy_loss
     train = TrainSpec(world_size=1, num_threads=1, lr=1e-3, max_grad_norm=1.0, timeout_s=120)
     for run, port in zip(runs, ports):
         calls.clear()
@@ -55,9 +56,9 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
         worker.init_distributed("127.0.0.1", port)
         if "set_kl_coef" in run:
             worker.set_kl_coef(run["set_kl_coef"])
-        metrics = worker.train_step(microbatches(run.get("nan_engine_logprob", False)), sum(VALID),
-                                    sum(v > 0 for v in VALID))
-        torch.save({"metrics": metrics, "calls": list(calls)}, f"{out_dir}/{run['name']}.pt")
+        result = worker.train_step(microbatches(run.get("nan_engine_logprob", False)), sum(VALID),
+                                   sum(v > 0 for v in VALID))
+        torch.save({"metrics": result.metrics, "policy_version": result.policy_version, "calls": list(calls)}, f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 
@@ -83,7 +84,7 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
 
     # One iteration: the behaviour logprobs are the current policy's, from the same forward pass.
     one = results["one"]
-    assert len(one["calls"]) == 2 and one["metrics"]["policy_version"] == 1
+    assert len(one["calls"]) == 2 and one["policy_version"] == 1
     for call in one["calls"]:
         assert torch.equal(call["old"], call["logprobs"])
     # EOS / truncation masks reach the loss: 4 + 2 + 0 + 6 loss tokens.
@@ -92,7 +93,7 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
     # Two iterations: 2 × 2 calls; both iterations use the logprobs recorded before the first update.
     two = results["two"]
     first, second = two["calls"][:2], two["calls"][2:]
-    assert len(two["calls"]) == 4 and two["metrics"]["policy_version"] == 1
+    assert len(two["calls"]) == 4 and two["policy_version"] == 1
     assert two["metrics"]["actor/update_skipped"] == 0.0
     for a, b in zip(first, second):
         assert torch.equal(a["old"], b["old"])
@@ -108,7 +109,7 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
     # 1.5 (the engine logprobs ≈ −19.5 are far below the policy's ≈ −10.8, so every weight hits the cap); dual clip on.
     opt = results["options"]
     m = opt["metrics"]
-    assert m["actor/kl_coef"] == 0.1 and m["policy_version"] == 1
+    assert m["actor/kl_coef"] == 0.1 and opt["policy_version"] == 1
     assert "actor/dual_clip_fraction" in m and m["actor/tis_weight_mean"] == 1.5
     for call in opt["calls"]:
         assert call["kl_coef"] == 0.0 and call["dual_clip_c"] == 3.0
@@ -120,7 +121,7 @@ def test_algorithm_options_in_the_train_worker(tiny_model_dir, tmp_path):
     # the update is applied, and rollout/logprob_diff averages the finite tokens only.
     nan = results["nan"]
     m = nan["metrics"]
-    assert m["actor/update_skipped"] == 0.0 and m["policy_version"] == 1
+    assert m["actor/update_skipped"] == 0.0 and nan["policy_version"] == 1
     assert all(torch.isfinite(torch.tensor(m[k])) for k in ("actor/loss", "actor/grad_norm", "rollout/logprob_diff",
                                                               "actor/tis_weight_mean"))
     expected = torch.where(nan["calls"][0]["mask"], 1.5, 0.0)

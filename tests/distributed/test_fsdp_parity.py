@@ -14,6 +14,8 @@ cover, and it amplifies float rounding of gradients near 1e-8 by lr/1e-8; at lr 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 import torch.multiprocessing as mp
 
@@ -47,19 +49,19 @@ def pack(indices):
 
 def _full_params(worker) -> dict[str, torch.Tensor]:
     """Full (gathered) parameters in HF names; a collective, every rank calls it."""
-    from train_workers.fsdp_worker import _full
+    from train_workers.sharding import full_tensor
 
-    return {name: _full(p).detach().clone() for name, p in worker.policy.model.named_parameters()}
+    return {name: full_tensor(p).detach().clone() for name, p in worker.policy.model.named_parameters()}
 
 
 def _capture_grads(worker, into: dict) -> None:
     """Record the full gradients each time the optimizer steps (after clipping), then step as usual."""
-    from train_workers.fsdp_worker import _full
+    from train_workers.sharding import full_tensor
 
     step = worker.optimizer.step
 
     def recording_step(*args, **kwargs):
-        into.update({n: _full(p.grad).detach().clone() for n, p in worker.policy.model.named_parameters()})
+        into.update({n: full_tensor(p.grad).detach().clone() for n, p in worker.policy.model.named_parameters()})
         return step(*args, **kwargs)
 
     worker.optimizer.step = recording_step
@@ -80,14 +82,14 @@ def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], runs: l
         worker = FSDPTrainWorker(rank, world, model_dir, train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS,
                                  dtype="float32", seed=0)
         info = worker.init_distributed("127.0.0.1", port)
-        assert info["backend"] == "gloo"
+        assert info.backend == "gloo"
         before = _full_params(worker) if run.get("save_initial") else None
         grads: dict[str, torch.Tensor] = {}
         _capture_grads(worker, grads)
-        metrics = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
+        result = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
         after = _full_params(worker)
         if rank == 0:
-            torch.save({"metrics": metrics, "params": after, "initial": before, "grads": grads}, f"{out_dir}/{run['name']}.pt")
+            torch.save({"result": asdict(result), "metrics": result.metrics, "params": after, "initial": before, "grads": grads}, f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 
@@ -149,7 +151,8 @@ def test_two_ranks_match_one_rank_and_microbatch_split_is_invisible(tiny_model_d
     for agg in LOSS_AGGS:
         whole, split, ranks2 = one[f"whole_{agg}"], one[f"split_{agg}"], two[f"two_{agg}"]
         m = whole["metrics"]
-        assert m["policy_version"] == 1 and m["actor/update_skipped"] == 0.0
+        assert whole["result"]["policy_version"] == 1 and not whole["result"]["skipped"]
+        assert m["actor/update_skipped"] == 0.0
         assert abs(m["actor/loss"] - expected_loss(agg)) < 1e-5, (agg, m["actor/loss"], expected_loss(agg))
         assert abs(m["actor/kl"]) < 1e-6 and m["actor/clip_fraction"] == 0.0
         assert abs(m["actor/ratio_mean"] - 1.0) < 1e-6
@@ -162,6 +165,6 @@ def test_two_ranks_match_one_rank_and_microbatch_split_is_invisible(tiny_model_d
         assert_same_grads(split["grads"], whole["grads"], f"{agg}: 3 micro-batches vs 1")
         assert_same_params(split["params"], whole["params"], f"{agg}: 3 micro-batches vs 1")
         assert_same_metrics(ranks2["metrics"], m, f"{agg}: 2 ranks vs 1")
-        assert ranks2["metrics"]["policy_version"] == 1
+        assert ranks2["result"]["policy_version"] == 1
         assert_same_grads(ranks2["grads"], whole["grads"], f"{agg}: 2 ranks vs 1")
         assert_same_params(ranks2["params"], whole["params"], f"{agg}: 2 ranks vs 1")

@@ -43,7 +43,7 @@ def test_pure_bfloat16_adamw_loses_the_step():
 
 
 def test_mixed_precision_keeps_a_small_update(tiny_model_dir):
-    from train_workers.fsdp_worker import _full
+    from train_workers.sharding import full_tensor
 
     worker = _worker(tiny_model_dir, "bfloat16", lr=LR, weight_decay=0.0, reduce_dtype="float32")
     try:
@@ -60,15 +60,16 @@ def test_mixed_precision_keeps_a_small_update(tiny_model_dir):
 
         grads: dict[str, torch.Tensor] = {}
         _capture_grads(worker, grads)
-        metrics = worker.train_step([pack(list(range(N)))], _num_tokens(), N)
+        result = worker.train_step([pack(list(range(N)))], _num_tokens(), N)
+        metrics = result.metrics
         hook.remove()
 
         assert seen["compute"] == (torch.bfloat16, torch.bfloat16)  # forward ran in bfloat16
-        assert metrics["actor/update_skipped"] == 0.0 and metrics["policy_version"] == 1
+        assert metrics["actor/update_skipped"] == 0.0 and result.policy_version == 1 and not result.skipped
         assert torch.isfinite(torch.tensor(metrics["actor/loss"])) and metrics["actor/grad_norm"] > 0
         grad = grads[target_name]
         assert grad.dtype == torch.float32
-        step = (_full(target).detach() - WEIGHT).abs()
+        step = (full_tensor(target).detach() - WEIGHT).abs()
         # AdamW's first step is lr·g/(|g| + eps): lr wherever |g| ≫ eps = 1e-8 (float32 spacing at 0.05 is 3.7e-9).
         counted = grad.abs() > 1e-6
         assert int(counted.sum()) > 0.5 * grad.numel()
@@ -80,7 +81,7 @@ def test_mixed_precision_keeps_a_small_update(tiny_model_dir):
         buckets = worker.sync_plan("bfloat16", 1 << 20)
         assert {s.dtype for b in buckets for s in b.slots} == {"bfloat16"}
         sent = worker._sync_tensor(target)
-        assert sent.dtype == torch.bfloat16 and torch.equal(sent, _full(target).detach().to(torch.bfloat16))
+        assert sent.dtype == torch.bfloat16 and torch.equal(sent, full_tensor(target).detach().to(torch.bfloat16))
 
         # The bfloat16 forward (fused LM head + log-softmax) agrees with the float32 parameters' reference run.
         mb = pack(list(range(N)))

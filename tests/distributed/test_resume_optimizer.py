@@ -27,10 +27,10 @@ def _worker(model_dir: str, policy_path: str | None = None, **train):
 
 
 def _moments(worker) -> dict[str, torch.Tensor]:
-    from train_workers.fsdp_worker import _full
+    from train_workers.sharding import full_tensor
 
     names = {id(p): n for n, p in worker.policy.named_parameters()}
-    return {f"{names[id(p)]}::{k}": (_full(v) if v.dim() else v).detach().clone()
+    return {f"{names[id(p)]}::{k}": (full_tensor(v) if v.dim() else v).detach().clone()
             for p, state in worker.optimizer.state.items() for k, v in state.items()}
 
 
@@ -64,9 +64,9 @@ def test_resume_applies_the_new_optimizer_settings_and_keeps_the_moments(tiny_mo
         assert restored.keys() == moments.keys() and len(moments) > 0
         for key, value in moments.items():
             assert torch.equal(restored[key], value), key
-        metrics = resumed.train_step([pack(list(range(N)))], num_tokens, N)
-        assert metrics["actor/lr"] == resumed.optimizer.param_groups[0]["lr"] == 5e-7
-        assert metrics["policy_version"] == 2
+        result = resumed.train_step([pack(list(range(N)))], num_tokens, N)
+        assert result.metrics["actor/lr"] == resumed.optimizer.param_groups[0]["lr"] == 5e-7
+        assert result.policy_version == 2
     finally:
         resumed.shutdown()
 

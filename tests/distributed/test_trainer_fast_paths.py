@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 import torch.multiprocessing as mp
 
@@ -50,30 +52,31 @@ def _unfused_forward(self, input_ids, position_ids, logit_positions, targets, wi
 
 
 def _adam_state(worker) -> dict[str, torch.Tensor]:
-    from train_workers.fsdp_worker import _full
+    from train_workers.sharding import full_tensor
 
     out = {}
     for i, p in enumerate(worker.optimizer.param_groups[0]["params"]):
         for key, value in worker.optimizer.state.get(p, {}).items():
-            out[f"{i}.{key}"] = _full(value).detach().clone() if value.dim() else value.detach().clone()
+            out[f"{i}.{key}"] = full_tensor(value).detach().clone() if value.dim() else value.detach().clone()
     return out
 
 
-def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0.04):
+def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0.04, cls=None):
     from cluster.spec import AlgorithmSpec, TrainSpec
     from train_workers.fsdp_worker import FSDPTrainWorker
 
     train = TrainSpec(world_size=2, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120)
-    worker = FSDPTrainWorker(rank, 2, model_dir, train, AlgorithmSpec(kl_coef=kl_coef), TEMPERATURE,
-                             MAX_RESPONSE_TOKENS, dtype="float32", seed=0)
+    worker = (cls or FSDPTrainWorker)(rank, 2, model_dir, train, AlgorithmSpec(kl_coef=kl_coef), TEMPERATURE,
+                                      MAX_RESPONSE_TOKENS, dtype="float32", seed=0)
     worker._cpu_fast_paths = fast
     worker.init_distributed("127.0.0.1", port)
     return worker
 
 
 def _step(worker, rank: int) -> dict:
+    """One train step; its ``TrainResult`` as a dict (``policy_version``, ``skipped``, ``skip_reason``, ``metrics``)."""
     _, responses, _ = make_batch()
-    return worker.train_step([pack(idx) for idx in MICROBATCHES[rank]], sum(len(r) for r in responses), N)
+    return asdict(worker.train_step([pack(idx) for idx in MICROBATCHES[rank]], sum(len(r) for r in responses), N))
 
 
 def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
@@ -98,12 +101,14 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
         worker.shutdown()
     policy.ResponseLogprobModel.forward = fused_forward
 
-    worker = _worker(rank, ports[2], model_dir, fast=True)
+    from tests.faults import NonFiniteStepWorker
+
+    worker = _worker(rank, ports[2], model_dir, fast=True, cls=NonFiniteStepWorker)
     runs = {"normal": _step(worker, rank)}
     for key, poisoned_rank, metric in (("nan_loss", 1, "loss"), ("inf_grad", 0, "grad_norm")):
         before, adam = _full_params(worker), _adam_state(worker)
         if rank == poisoned_rank:
-            worker.inject_nan_next_step(metric)
+            worker.fail_next_step(metric)
         runs[key] = _step(worker, rank)
         runs[key + "_params_same"] = all(torch.equal(before[n], p) for n, p in _full_params(worker).items())
         runs[key + "_adam_same"] = all(torch.equal(adam[k], v) for k, v in _adam_state(worker).items())
@@ -118,13 +123,14 @@ def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(tiny_model_dir,
     mp.spawn(_ranks_main, args=(tiny_model_dir, ports, str(tmp_path)), nprocs=2, join=True)
 
     fast, before = torch.load(tmp_path / "fast.pt"), torch.load(tmp_path / "before.pt")
-    assert fast["m2"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
+    assert fast["m2"]["metrics"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
     for step in ("m1", "m2"):
         for key in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio_mean",
                     "actor/clip_fraction", "rollout/logprob_diff"):
-            a, b = fast[step][key], before[step][key]
+            a, b = fast[step]["metrics"][key], before[step]["metrics"][key]
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{step} {key}: fast {a} vs before {b}"
-        assert fast[step]["actor/update_skipped"] == 0.0 and fast[step]["actor/update_skipped_reason"] == ""
+        assert fast[step]["metrics"]["actor/update_skipped"] == 0.0 and fast[step]["skip_reason"] == ""
+        assert not fast[step]["skipped"]
     assert fast["m2"]["policy_version"] == before["m2"]["policy_version"] == 2
     assert_same_grads(fast["grads1"], before["grads1"], "step 1: fast vs before")
     assert_same_grads(fast["grads2"], before["grads2"], "step 2: fast vs before")
@@ -132,12 +138,12 @@ def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(tiny_model_dir,
 
     for rank in (0, 1):
         runs = torch.load(tmp_path / f"nan_rank{rank}.pt")
-        assert runs["normal"]["actor/update_skipped"] == 0.0 and runs["normal"]["policy_version"] == 1
+        assert runs["normal"]["metrics"]["actor/update_skipped"] == 0.0 and runs["normal"]["policy_version"] == 1
         for key, metric in (("nan_loss", "actor/loss"), ("inf_grad", "actor/grad_norm")):
-            m = runs[key]
-            assert m["actor/update_skipped"] == 1.0, (rank, key, m["actor/update_skipped"])
-            assert m["actor/update_skipped_reason"] == metric, (rank, key, m["actor/update_skipped_reason"])
-            assert m["policy_version"] == 1, (rank, key)
+            r = runs[key]
+            assert r["metrics"]["actor/update_skipped"] == 1.0, (rank, key, r["metrics"]["actor/update_skipped"])
+            assert r["skipped"] and r["skip_reason"] == metric, (rank, key, r["skip_reason"])
+            assert r["policy_version"] == 1, (rank, key)
             assert runs[key + "_params_same"] and runs[key + "_adam_same"], (rank, key)
-        assert runs["after"]["actor/update_skipped"] == 0.0 and runs["after"]["policy_version"] == 2
+        assert runs["after"]["metrics"]["actor/update_skipped"] == 0.0 and runs["after"]["policy_version"] == 2
         assert runs["version"] == 2

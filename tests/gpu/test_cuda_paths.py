@@ -90,7 +90,7 @@ def test_fsdp2_on_nccl_single_rank(tiny_model_dir, dtype):
     before = {n: p.full_tensor().detach().clone() for n, p in worker.policy.named_parameters()}
     mb = pack_microbatch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0],
                          [torch.zeros(2), torch.zeros(3)], [0, 1])
-    metrics = worker.train_step([mb], 5, 2)
+    metrics = worker.train_step([mb], 5, 2).metrics
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/update_skipped"] == 0.0
     assert {p.dtype for p in worker.policy.parameters()} == {torch.float32}
     moved = any(not torch.equal(before[n], p.full_tensor()) for n, p in worker.policy.named_parameters())

@@ -162,7 +162,7 @@ def test_pools_on_two_nodes_sync_by_broadcast(two_nodes, make_spec):
     spec = make_spec("two_nodes", "total_steps=2")
     job = GRPOJob(spec, progress=False)
     seen = _run_bounded(job)
-    engine_node, train_nodes = seen["infos"][0]["node_id"], [i["node_id"] for i in seen["train_infos"]]
+    engine_node, train_nodes = seen["infos"][0]["node_id"], [i.node_id for i in seen["train_infos"]]
     assert engine_node == two_nodes.node_with("rollout_node") != two_nodes.node_with("train_node")
     assert train_nodes == [two_nodes.node_with("train_node")] * 2
     assert seen["transport"] == "broadcast"  # auto: the engine is on another node than train rank 0

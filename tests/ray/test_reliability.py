@@ -219,20 +219,22 @@ def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
     resumed.close()
 
 
-def test_nan_updates_skipped_then_stop(make_spec, local_ray):
+def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
     """A NaN loss skips the update (weights and version unchanged, nothing broadcast); K in a row stop the job."""
     import ray
 
     from cluster.driver import GRPOJob
     from cluster.loop.training import NumericsError
+    from tests.faults import use_in_train_pool
 
+    use_in_train_pool(monkeypatch)  # train ranks that can poison their next step (fail_next_step)
     spec = make_spec("nan", "train.max_skipped_updates=2", "total_steps=3")
     job = GRPOJob(spec, progress=False)
     original = GRPOJob.run_step
 
     def run_step(self, bar=None):
         if self.step >= 2:  # poison rank 1's loss at steps 2 and 3
-            ray.get(self.train.workers[1].inject_nan_next_step.remote("loss"))
+            ray.get(self.train.workers[1].fail_next_step.remote("loss"))
         return original(self, bar)
 
     try:

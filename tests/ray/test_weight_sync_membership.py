@@ -28,7 +28,7 @@ def make_spec(tiny_model_dir, tmp_path, *overrides):
 
 
 class Train:
-    """The part of the train pool ``WeightSync`` uses: ``workers`` and ``all``."""
+    """The part of the train pool ``WeightSync`` uses: ``workers`` and ``sync_plan``."""
 
     def __init__(self, ray, spec, model_path):
         from train_workers.fsdp_worker import FSDPTrainWorker
@@ -41,8 +41,8 @@ class Train:
         addr, port = ray.get(self.workers[0].node_address.remote(), timeout=60)
         ray.get(self.workers[0].init_distributed.remote(addr, port), timeout=300)
 
-    def all(self, method, *args, timeout_s=None, what=None):
-        return self.ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout_s or 120)
+    def sync_plan(self, dtype, bucket_bytes):
+        return self.ray.get([w.sync_plan.remote(dtype, bucket_bytes) for w in self.workers], timeout=120)[0]
 
 
 def start_engine(ray, spec, model_path, seed):

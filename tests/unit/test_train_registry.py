@@ -1,0 +1,88 @@
+"""The train-backend registry (``train_workers.registry``) and the :class:`TrainWorker` protocol.
+
+``train.strategy`` picks the class ``TrainPool`` starts; entries given as ``"module:Class"`` are imported on first
+use, so the control plane imports no backend; an unknown name fails naming ``train.strategy`` and the known ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_workers.base import TrainWorker
+from train_workers.registry import TRAIN_BACKENDS, register_train_backend, train_backend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fsdp_is_registered_as_a_string_and_resolves_to_the_worker():
+    from train_workers.fsdp_worker import FSDPTrainWorker
+
+    assert TRAIN_BACKENDS["fsdp"] == "train_workers.fsdp_worker:FSDPTrainWorker"
+    assert train_backend("fsdp") is FSDPTrainWorker
+    assert TRAIN_BACKENDS["fsdp"] == "train_workers.fsdp_worker:FSDPTrainWorker"  # resolving leaves the entry as is
+
+
+def test_unknown_strategy_names_the_field_and_the_known_backends():
+    with pytest.raises(ValueError, match=r"train\.strategy 'megatron' has no train backend; known: \['fsdp'\]"):
+        train_backend("megatron")
+
+
+def test_duplicate_name_raises(monkeypatch):
+    monkeypatch.setattr("train_workers.registry.TRAIN_BACKENDS", dict(TRAIN_BACKENDS))
+    from train_workers import registry
+
+    with pytest.raises(ValueError, match="'fsdp' is registered already"):
+        register_train_backend("fsdp", object)
+    register_train_backend("other", object)
+    with pytest.raises(ValueError, match="'other' is registered already"):
+        register_train_backend("other", object)
+    assert registry.TRAIN_BACKENDS["other"] is object and "other" not in TRAIN_BACKENDS
+
+
+def test_string_entry_must_name_module_and_class(monkeypatch):
+    monkeypatch.setattr("train_workers.registry.TRAIN_BACKENDS", dict(TRAIN_BACKENDS))
+    with pytest.raises(ValueError, match=r"expected 'module:Class', got 'no_colon'"):
+        register_train_backend("bad", "no_colon")
+
+
+def test_string_entry_is_imported_on_first_use(monkeypatch, tmp_path):
+    (tmp_path / "lazy_train_backend.py").write_text("class Backend:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr("train_workers.registry.TRAIN_BACKENDS", dict(TRAIN_BACKENDS))
+    monkeypatch.delitem(sys.modules, "lazy_train_backend", raising=False)
+
+    register_train_backend("lazy", "lazy_train_backend:Backend")
+    assert "lazy_train_backend" not in sys.modules
+    cls = train_backend("lazy")
+    assert cls.__name__ == "Backend" and cls.__module__ == "lazy_train_backend"
+    assert "lazy_train_backend" in sys.modules
+
+
+def test_the_train_pool_imports_no_backend():
+    """Importing the loop's pools leaves the FSDP2 worker unimported (it comes in through the registry)."""
+    code = "import sys, cluster.loop.pools; print('train_workers.fsdp_worker' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_fsdp_worker_satisfies_the_protocol():
+    from cluster.spec import AlgorithmSpec, TrainSpec
+    from train_workers.fsdp_worker import FSDPTrainWorker
+
+    worker = FSDPTrainWorker(0, 1, "unused", TrainSpec(world_size=1), AlgorithmSpec(), 1.0, 16)  # builds nothing
+    assert isinstance(worker, TrainWorker)
+    methods = [name for name, member in vars(TrainWorker).items()
+               if callable(member) and not name.startswith("_")]
+    assert {"train_step", "reference_logprobs", "sync_plan", "broadcast_weights", "save_checkpoint",
+            "load_checkpoint", "set_kl_coef", "init_distributed"} <= set(methods)
+    for name in methods:
+        wanted = list(inspect.signature(getattr(TrainWorker, name)).parameters.values())
+        got = list(inspect.signature(getattr(FSDPTrainWorker, name)).parameters.values())
+        assert [p.name for p in got[:len(wanted)]] == [p.name for p in wanted], name
+        assert all(p.default is not inspect.Parameter.empty for p in got[len(wanted):]), name

@@ -1,0 +1,296 @@
+"""The FSDP2 train step: micro-batch loss, gradient clipping, the NaN/Inf skip, the step's metrics.
+
+:class:`FSDPStep` is the training half of :class:`train_workers.fsdp_worker.FSDPTrainWorker` (a mixin: the worker
+builds ``policy``, ``reference``, ``optimizer``, ``device``; this file uses them). Seams a subclass may override
+(``tests/faults.py`` does, to inject non-finite steps): :meth:`FSDPStep._microbatch_loss` and
+:meth:`FSDPStep._clip_gradients`.
+
+Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): PPO clipped surrogate per token (clip-higher, dual
+clip, truncated importance weights against the engine's logprobs) + β · KL to the reference policy (in the loss, or
+in the advantages with ``kl_in_reward``) − entropy bonus, aggregated with global token/sequence counts so micro-batch
+and rank splits do not change it. β is the spec's ``kl_coef`` until the driver sets another (adaptive controller).
+FSDP2 averages gradients over ranks, so each micro-batch loss is multiplied by the world size to make that average a
+sum of the per-rank sums.
+
+Notation: n sequences in a micro-batch, T their longest response (tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cluster.messages import TrainResult
+from grpo.kl import kl_penalty, kl_reward_advantages
+from grpo.losses import policy_loss, truncated_importance_weights
+from train_workers.packing import PackedMicroBatch
+from train_workers.sharding import full_tensor
+
+#: Layout of the per-micro-batch metric sums that ``train_step`` all-reduces (token-weighted sums unless noted).
+SUMS = {name: i for i, name in enumerate((
+    "loss",            # aggregated loss (already globally normalised: sums to the batch loss)
+    "kl", "clip", "entropy", "ratio", "dual_clip", "tis",
+    "tokens",          # loss tokens (the weights of the sums above)
+    "logprob_diff",    # Σ |trainer old logprob − engine logprob|, first iteration only
+    "tokens_first",    # loss tokens of the first iteration
+    "forward_tokens",  # packed tokens run forward (all passes)
+    "nonfinite_loss",       # ranks whose local loss sum is NaN/Inf (0/1 per rank, so the reduced sum counts ranks)
+    "nonfinite_grad_norm",  # ranks that saw a NaN/Inf global gradient norm
+))}
+
+#: Metric names reported as the cause of a skipped update, in the order they are checked.
+_NONFINITE = {"nonfinite_loss": "actor/loss", "nonfinite_grad_norm": "actor/grad_norm"}
+
+#: Phases of a train step timed on each rank (``timing/<phase>_s`` in the metrics; rank 0's numbers).
+PHASES = ("ref_forward", "behaviour", "policy_fwd_bwd", "optimizer")
+
+
+@dataclass
+class Saved:
+    """What the no-grad pass before the first update records for one micro-batch (``num_iterations`` > 1)."""
+
+    old: torch.Tensor             # [n, T] float32 behaviour (old) logprobs of the policy before the update
+    ref: torch.Tensor | None      # [n, T] float32 reference-policy logprobs
+    forward_tokens: int
+
+
+def _peak_rss_gib() -> float:
+    """Peak resident memory of this process so far, GiB (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via ``device``)."""
+    on_device = t.to(device)
+    dist.all_reduce(on_device)
+    return on_device.cpu()
+
+
+class FSDPStep:
+    """Train-step methods of :class:`train_workers.fsdp_worker.FSDPTrainWorker`.
+
+    Uses the worker's ``policy``, ``reference`` (or None), ``optimizer``, ``device``, ``world_size``, ``train``,
+    ``algorithm``, ``kl_coef``, ``max_response_tokens``, ``policy_version`` and ``_cpu_fast_paths``; keeps the step's
+    phase seconds in ``_phase_s`` (keys :data:`PHASES`).
+    """
+
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β for the following train steps (the driver's adaptive KL controller calls this every step).
+
+        Raises:
+            ValueError: ``kl_coef`` is negative or not finite, or > 0 without a reference policy.
+        """
+        if not (math.isfinite(kl_coef) and kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef!r}")
+        if kl_coef > 0 and self.reference is None:
+            raise ValueError(f"kl_coef={kl_coef} needs the reference policy, which was not loaded (spec kl_coef 0)")
+        self.kl_coef = float(kl_coef)
+
+    def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int) -> TrainResult:
+        """``algorithm.num_iterations`` optimizer steps over this rank's micro-batches (every rank has as many).
+
+        With one iteration the behaviour (old) logprobs are the current policy's, detached, from the same forward
+        pass. With more, a no-grad pass over every micro-batch first records the behaviour logprobs (and reference
+        logprobs) before the first update; every iteration's importance ratio uses them.
+
+        Args:
+            num_tokens, num_sequences: global counts of loss tokens (``response_mask``) and of sequences with at least
+                one loss token, over the whole batch (all ranks).
+
+        An iteration whose loss or global gradient norm is NaN/Inf on any rank (a flag all-reduced with the metric
+        sums) skips its optimizer step on every rank and drops its gradients; when every iteration is skipped the
+        policy version stays where it was.
+
+        Returns:
+            :class:`TrainResult`, identical on every rank: ``policy_version`` after the step; ``skipped`` (any
+            iteration skipped) and ``skip_reason`` (``""``, or the first non-finite metric: ``"actor/loss"`` or
+            ``"actor/grad_norm"``); ``metrics`` summed/averaged over all ranks and iterations: ``actor/*`` (with
+            ``actor/update_skipped``, the fraction of iterations skipped, 0.0 or 1.0 with one iteration) and
+            ``rollout/logprob_diff`` (engine vs trainer before the first update); ``timing/<phase>_s`` (rank 0).
+        """
+        t0 = time.perf_counter()
+        self._phase_s = dict.fromkeys(PHASES, 0.0)
+        iterations = self.algorithm.num_iterations
+        saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 else [None] * len(microbatches)
+        totals = torch.zeros(len(SUMS), dtype=torch.float64)
+        grad_norms, applied, skip_reason = [], 0, ""
+        for iteration in range(iterations):
+            sums = torch.zeros(len(SUMS), dtype=torch.float64)
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, (mb, old) in enumerate(zip(microbatches, saved)):
+                self._accumulate_locally(last=i == len(microbatches) - 1)
+                sums += self._microbatch(mb, old, num_tokens, num_sequences, first=iteration == 0)
+            t_opt = time.perf_counter()
+            grad_norm = self._clip_gradients()
+            sums[SUMS["nonfinite_loss"]] = float(not math.isfinite(float(sums[SUMS["loss"]])))
+            sums[SUMS["nonfinite_grad_norm"]] = float(not math.isfinite(grad_norm))
+            sums = _all_reduce_sum(sums, self.device)  # every rank sees every rank's flags: all skip or none
+            bad = [metric for key, metric in _NONFINITE.items() if sums[SUMS[key]] > 0]
+            if bad:
+                self.optimizer.zero_grad(set_to_none=True)  # the poisoned gradients never reach AdamW's moments
+                skip_reason = skip_reason or bad[0]
+            else:
+                self.optimizer.step()
+                applied += 1
+            self._phase_s["optimizer"] += time.perf_counter() - t_opt
+            grad_norms.append(grad_norm)
+            totals += sums
+        self.optimizer.zero_grad(set_to_none=True)
+        if applied:
+            self.policy_version += 1
+        metrics = self._step_metrics(totals, grad_norms, applied, iterations, t0)
+        return TrainResult(policy_version=self.policy_version, skipped=applied < iterations,
+                           skip_reason=skip_reason, metrics=metrics)
+
+    def _step_metrics(self, totals: torch.Tensor, grad_norms: list[float], applied: int, iterations: int,
+                      t0: float) -> dict[str, float]:
+        """The step's metrics from the all-reduced sums (layout :data:`SUMS`) of every iteration."""
+        n = max(float(totals[SUMS["tokens"]]), 1.0)
+        n_first = max(float(totals[SUMS["tokens_first"]]), 1.0)
+        metrics = {
+            "actor/loss": float(totals[SUMS["loss"]]) / iterations,
+            "actor/kl": float(totals[SUMS["kl"]]) / n,
+            "actor/kl_coef": self.kl_coef,
+            "actor/clip_fraction": float(totals[SUMS["clip"]]) / n,
+            "actor/entropy": float(totals[SUMS["entropy"]]) / n,
+            "rollout/logprob_diff": float(totals[SUMS["logprob_diff"]]) / n_first,
+            "actor/ratio_mean": float(totals[SUMS["ratio"]]) / n,
+            "actor/grad_norm": sum(grad_norms) / iterations,
+            "actor/update_skipped": 1.0 - applied / iterations,
+            "actor/lr": self.train.lr,
+            "perf/train_tokens": float(totals[SUMS["forward_tokens"]]),
+            "timing/train_compute_s": time.perf_counter() - t0,
+            **{f"timing/{name}_s": seconds for name, seconds in self._phase_s.items()},
+            "memory/train_peak_rss_gib": _peak_rss_gib(),
+        }
+        if self.algorithm.dual_clip_c is not None:
+            metrics["actor/dual_clip_fraction"] = float(totals[SUMS["dual_clip"]]) / n
+        if self.algorithm.tis_cap is not None:
+            metrics["actor/tis_weight_mean"] = float(totals[SUMS["tis"]]) / n
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        """Clip the policy's gradients to ``train.max_grad_norm`` (global L2 norm over all ranks, in place) and
+        return the norm before clipping; NaN/Inf when any gradient element is (the step is then skipped)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.train.max_grad_norm)
+        return float(full_tensor(grad_norm))
+
+    def _accumulate_locally(self, last: bool) -> None:
+        """On CPU, keep the policy unsharded and its gradients local until the step's last micro-batch, so a step
+        costs one all-gather and one reduce-scatter whatever its micro-batch count (gloo over loopback TCP is slow;
+        the price is one unsharded copy of the parameters and gradients per rank). On GPU, FSDP2's defaults."""
+        if not self._cpu_fast_paths or not hasattr(self.policy, "set_requires_gradient_sync"):
+            return
+        self.policy.set_requires_gradient_sync(last)
+        self.policy.set_reshard_after_backward(last)
+
+    def _inputs(self, mb: PackedMicroBatch):
+        """``(input_ids, position_ids, logit_positions, targets)`` of ``mb`` on this rank's device."""
+        dev = self.device
+        return mb.input_ids.to(dev), mb.position_ids.to(dev), mb.logit_positions.to(dev), mb.targets.to(dev)
+
+    def _replicate_reference(self) -> bool:
+        """On CPU the frozen reference policy is a full copy on every rank (one model's memory per rank, no
+        all-gathers over loopback TCP); on GPU it is sharded like the policy."""
+        return self._cpu_fast_paths
+
+    def reference_logprobs(self, mb: PackedMicroBatch, inputs: tuple | None = None) -> torch.Tensor | None:
+        """Reference-policy logprobs [n, T] float32 of one packed micro-batch (0 at padding); None when the job has
+        no reference policy (``kl_coef`` 0). A collective on GPU (the reference policy is sharded there).
+
+        Args:
+            inputs: ``mb``'s tensors already on the device (:meth:`_inputs`), to skip a second copy.
+        """
+        if self.reference is None:
+            return None
+        args = inputs if inputs is not None else self._inputs(mb)
+        t0 = time.perf_counter()
+        # inference_mode only for the plain replicated module (FSDP2's hooks manage their own tensors)
+        with torch.inference_mode(self._replicate_reference()), torch.no_grad():
+            ref_flat, _ = self.reference(*args, with_entropy=False)
+            out = mb.to_padded(ref_flat.float())
+        out = out.clone()  # a normal tensor: the loss's autograd may save it
+        self._phase_s["ref_forward"] += time.perf_counter() - t0
+        return out
+
+    def _behaviour_pass(self, mb: PackedMicroBatch) -> Saved:
+        """No-grad forward before any update: the policy's (old) and the reference policy's logprobs [n, T]."""
+        args = self._inputs(mb)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            old_flat, _ = self.policy(*args, with_entropy=False)
+        self._phase_s["behaviour"] += time.perf_counter() - t0
+        return Saved(old=mb.to_padded(old_flat.float()), ref=self.reference_logprobs(mb, args),
+                     forward_tokens=mb.num_tokens)
+
+    def _microbatch(self, mb: PackedMicroBatch, saved: Saved | None, num_tokens: int, num_sequences: int,
+                    first: bool) -> torch.Tensor:
+        """Forward + backward of one packed micro-batch; returns the local metric sums (layout: :data:`SUMS`)."""
+        args = self._inputs(mb)
+        ref_lp = saved.ref if saved is not None else self.reference_logprobs(mb, args)
+        t_policy = time.perf_counter()
+        loss, out = self._microbatch_loss(mb, args, saved, ref_lp, num_tokens, num_sequences, first)
+        (loss * self.world_size).backward()
+        self._phase_s["policy_fwd_bwd"] += time.perf_counter() - t_policy
+        return out
+
+    def _microbatch_loss(self, mb: PackedMicroBatch, args: tuple, saved: Saved | None,
+                         ref_lp: torch.Tensor | None, num_tokens: int, num_sequences: int,
+                         first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy forward and loss of one packed micro-batch (no backward).
+
+        Args:
+            args: ``mb``'s tensors on the device (:meth:`_inputs`). saved: the behaviour pass's record (several
+                iterations) or None. ref_lp: reference logprobs [n, T] float32 or None. first: the step's first
+                iteration (``rollout/logprob_diff`` is measured then).
+
+        Returns:
+            (loss: scalar float32 with autograd, this rank's share of the globally normalised batch loss — 0 times
+            the forward for a placeholder micro-batch, so every rank issues the same collectives in the backward;
+            the local metric sums, float64 [len(SUMS)]).
+        """
+        alg = self.algorithm
+        dev = self.device
+        lp_flat, ent_flat = self.policy(*args)
+        out = torch.zeros(len(SUMS), dtype=torch.float64)
+        out[SUMS["forward_tokens"]] = mb.num_tokens + (saved.forward_tokens if saved is not None and first else 0)
+        if mb.num_sequences == 0:
+            return lp_flat.sum() * 0.0, out
+        logprobs = mb.to_padded(lp_flat)
+        entropy = mb.to_padded(ent_flat)
+        mask = mb.response_mask.to(dev)
+        behaviour = mb.behaviour_logprobs.to(dev)
+        # One iteration: the behaviour policy is the current policy (same weights), so its logprobs are these.
+        old = saved.old if saved is not None else logprobs.detach()
+        advantages, kl_coef = mb.advantages.to(dev), self.kl_coef
+        if alg.kl_in_reward:
+            kl = kl_penalty(old, ref_lp, alg.kl_estimator)  # the reward is fixed per rollout: behaviour logprobs
+            advantages, kl_coef = kl_reward_advantages(advantages, kl, mask, self.kl_coef), 0.0
+        tis = truncated_importance_weights(old, behaviour, mask, alg.tis_cap) if alg.tis_cap is not None else None
+        loss, m = policy_loss(
+            logprobs, old, advantages, mask,
+            clip_eps_low=alg.clip_eps_low, clip_eps_high=alg.clip_eps_high, dual_clip_c=alg.dual_clip_c,
+            loss_agg=alg.loss_agg, ref_logprobs=ref_lp, kl_coef=kl_coef, kl_estimator=alg.kl_estimator,
+            entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis,
+            num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=self.max_response_tokens,
+        )
+        n_tok = float(mask.sum())
+        out[SUMS["loss"]] = float(loss.detach())
+        out[SUMS["tokens"]] = n_tok
+        for key, name in (("kl", "kl"), ("clip", "clip_fraction"), ("entropy", "entropy"), ("ratio", "ratio_mean"),
+                          ("dual_clip", "dual_clip_fraction")):
+            if name in m:
+                out[SUMS[key]] = float(m[name]) * n_tok
+        if tis is not None:
+            out[SUMS["tis"]] = float(tis.sum())
+        if first:
+            known = mask & torch.isfinite(behaviour)  # non-finite engine logprobs: counted by the driver instead
+            out[SUMS["logprob_diff"]] = float(torch.where(known, (old - behaviour).abs(), 0.0).sum())
+            out[SUMS["tokens_first"]] = float(known.sum())
+        return loss, out
