@@ -127,8 +127,8 @@ def run_vllm(model_path: str, prompts: list[list[int]], group: int, max_tokens: 
     truncated = sum(reason == "length" for g in results for reason in g.finish_reasons)
     shutdown_engine(engine)
     gc.collect()
-    return {"startup_s": startup_s, "warmup_s": warmup_s, "tokens": stats["tokens"], "seconds": seconds,
-            "engine_seconds": stats["seconds"], "tokens_per_s": stats["tokens"] / seconds,
+    return {"startup_s": startup_s, "warmup_s": warmup_s, "tokens": stats.tokens, "seconds": seconds,
+            "engine_seconds": stats.seconds, "tokens_per_s": stats.tokens / seconds,
             "mean_len": statistics.mean(lengths), "truncated": truncated, "sequences": len(lengths)}
 
 

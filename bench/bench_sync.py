@@ -396,12 +396,12 @@ def engine_main(args, model_path: str) -> None:
         seconds = time.perf_counter() - t0
         match = None
         if args.verify:
-            match = all(c == out["checksums"] for c in report["worker_checksums"])
+            match = all(c == out["checksums"] for c in report.worker_checksums)
             ok = ok and match
-        rows.append({"rep": rep, "seconds": seconds, "engine_seconds": report["seconds"],
+        rows.append({"rep": rep, "seconds": seconds, "engine_seconds": report.seconds,
                      "sender_seconds": out["seconds"], "gb_per_s": nbytes / seconds / 1e9, "verified": match})
         print(f"  sync {rep}: {seconds:.3f}s ({nbytes / seconds / 1e9:.2f} GB/s), engine receive+load "
-              f"{report['seconds']:.3f}s, sender {out['seconds']:.3f}s", flush=True)
+              f"{report.seconds:.3f}s, sender {out['seconds']:.3f}s", flush=True)
     after = probe_ids()
     same = before == after
     try:

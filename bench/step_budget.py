@@ -127,7 +127,7 @@ def worker_memory(job) -> list[list]:
 
     rows = []
     for i, engine in enumerate(job.rollout.engines):
-        pid = ray.get(engine.ready.remote())["pid"]
+        pid = ray.get(engine.ready.remote()).pid
         rows.append([f"engine {i}", pid, *reversed(tree_peak_rss_gib(pid))])
     for r, worker in enumerate(job.train.workers):
         pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))

@@ -45,8 +45,9 @@ def _cmd_run(args) -> int:
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
-    from cluster.loop.pools import EngineFailure, SyncVerificationError, TrainWorkerFailure, WorkerTimeout
-    from weight_sync.coordinator import SyncMemberError
+    from cluster.loop.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
+    from cluster.loop.sync import SyncMemberError
+    from weight_sync.verify import SyncVerificationError
 
     try:
         job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job)

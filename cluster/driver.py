@@ -34,13 +34,15 @@ from cluster.loop import restarts
 from cluster.loop.checkpoint_state import (driver_state, open_step_logs, restore_driver_state, resume_point,
                                            write_checkpoint)
 from cluster.loop.fleet import EngineFleet
-from cluster.loop.pools import RolloutPool, TrainPool, WeightSync, check_cluster_resources
+from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
 from cluster.loop.setup import SetupError, ensure_writable_dir, load_prompts, load_tokenizer, model_eos_ids
 from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_metrics
+from cluster.loop.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
+from cluster.loop.versions import PolicyVersionLedger
 from cluster.messages import TrainResult
 from cluster.ops.metrics import MetricsLogger, format_console_line
 from cluster.spec import JobSpec, spec_to_yaml
@@ -84,7 +86,8 @@ class GRPOJob:
         self.kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon_sequences)
                               if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
-        self.policy_version = self.step = 0
+        self.versions = PolicyVersionLedger()
+        self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
         self.resume_from = resume_point(self.checkpoint_root(), resume or spec.resume == "auto", self._status)
@@ -110,13 +113,13 @@ class GRPOJob:
             self.train = TrainPool(self.spec, self.model_path, policy_path=ckpt)
             if ckpt is not None:
                 self._load_optimizer(ckpt)
-            self.sync = WeightSync(self.spec, self.train, self.rollout)
+            self.sync = WeightSync(self.spec, self.train, self.rollout, self.versions)
         except BaseException:
             self.shutdown()
             raise
         from cluster.ops.control import current_job_id, start_control
 
-        self.fleet = EngineFleet(self.spec, self.rollout, self.sync, self._status)
+        self.fleet = EngineFleet(self.spec, self.rollout, self.sync, self.versions, self._status)
         self.control = start_control(current_job_id(self.spec.name), len(self.rollout.engines))
         where = f" from {ckpt} (step {self.step}, policy version {self.policy_version})" if ckpt else ""
         self._status(f"ready{where}: {len(self.rollout.engines)} engine(s), {len(self.train.workers)} train rank(s), "
@@ -146,6 +149,11 @@ class GRPOJob:
             bar.close()
         return history
 
+    @property
+    def policy_version(self) -> int:
+        """The trainer's latest policy version, read from the job's ledger (``versions``, its one owner)."""
+        return self.versions.current
+
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
@@ -162,7 +170,7 @@ class GRPOJob:
 
     def scale_rollout(self, replicas: int) -> None:
         """Resize the rollout pool to ``replicas`` engines between steps (:meth:`EngineFleet.scale`)."""
-        self.fleet.scale(replicas, self.policy_version)
+        self.fleet.scale(replicas)
 
     def _apply_control(self) -> None:
         """Apply a replica count set by ``grpo-cluster scale`` and publish the job's state."""
@@ -208,7 +216,7 @@ class GRPOJob:
         examples, requests = self.requests.draw(num_prompts, group_size)
         scorer = RoundScorer(self.scoring, requests, examples)
         with clock.measure("generate"):
-            groups = self.fleet.generate(requests, self.policy_version, scorer.on_groups)
+            groups = self.fleet.generate(requests, scorer.on_groups)
         clock.add("score", scorer.seconds)
         with clock.phase("score"):
             return scorer.batch(groups)
@@ -234,18 +242,18 @@ class GRPOJob:
         return result, packing
 
     def _sync(self, result: TrainResult) -> dict:
-        """Send the new policy to every engine; a skipped update changes no weights, so nothing is sent. Returns the
+        """Report the trainer's version to the ledger (``PolicyVersionError`` if it went backwards or skipped one)
+        and send the new policy to every engine; a skipped update changes no weights, so nothing is sent. Returns the
         ``sync/*`` metrics."""
-        if result.policy_version == self.policy_version:
+        if not self.versions.trained(result.policy_version):
             return {"sync/skipped": 1.0}
-        self.policy_version = result.policy_version
-        return {**self.fleet.sync_policy(self.policy_version), "sync/skipped": 0.0}
+        return {**self.fleet.sync_policy().metrics(), "sync/skipped": 0.0}
 
     def _log_step(self, metrics: dict) -> None:
         """Record the finished step: the metrics row, the per-engine figures, and the console line when due."""
         self.completed[self.step] = metrics
         self.metrics.log(self.step, metrics)
-        self.fleet.log_workers(self.metrics, self.step, self.policy_version)
+        self.fleet.log_workers(self.metrics, self.step)
         if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
             tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
 
@@ -277,9 +285,9 @@ class GRPOJob:
 
     def _restore(self, path: Path) -> None:
         """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`)."""
-        self.step, self.policy_version = restore_driver_state(path, prompts=self.requests,
-                                                              kl_controller=self.kl_controller,
-                                                              group_size=self.group_size, skips=self.skips)
+        self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
+                                                         group_size=self.group_size, skips=self.skips)
+        self.versions = PolicyVersionLedger(policy_version)
         if self.step >= self.spec.total_steps:
             self._status(f"resume: checkpoint {path} is at step {self.step} >= total_steps={self.spec.total_steps}")
 

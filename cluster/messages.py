@@ -94,6 +94,40 @@ class EngineInfo:
     gpu_ids: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's share of one ``RolloutPool.generate`` call (an engine that got no group: zeros and None).
+
+    Attributes:
+        groups: groups dispatched to it. tokens: response tokens it sampled. seconds: its busy wall seconds.
+        kv_cache_usage: its estimated peak KV-cache fraction [0, 1] (``GenerateStats``); None when unknown or not
+            called.
+    """
+
+    groups: int
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolGenerateStats:
+    """The rollout pool's figures for one ``RolloutPool.generate`` call over all its engines.
+
+    Attributes:
+        tokens: response tokens sampled by every engine together.
+        engine_seconds: busy seconds of each engine that got a call, in completion order.
+        engine_idle_fraction: 1 − Σ busy engine-seconds / (num_engines × wall seconds of the call), in [0, 1];
+            engines that got no group count as idle throughout.
+        per_engine: one :class:`EngineLoad` per engine of the pool, by engine index.
+    """
+
+    tokens: int
+    engine_seconds: list[float]
+    engine_idle_fraction: float
+    per_engine: list[EngineLoad]
+
+
 # ---- training: driver → train ranks → driver ---------------------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from cluster.messages import GroupRequest, GroupResult
+from cluster.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
 
@@ -69,21 +69,21 @@ class RolloutEngine:
         except (AttributeError, TypeError, ValueError):
             self.kv_capacity_tokens = None
 
-    def ready(self) -> dict:
+    def ready(self) -> EngineInfo:
         """Cheap liveness probe: the engine's policy version, process id, and where it really runs (Ray node id and
         the GPU ids Ray gave this process, read here rather than inferred from a placement bundle)."""
-        info = {"policy_version": self.policy_version, "pid": os.getpid(), "node_id": None, "gpu_ids": []}
+        node_id, gpu_ids = None, []
         try:
             import ray
 
             if ray.is_initialized():
-                info["node_id"] = ray.get_runtime_context().get_node_id()
-                info["gpu_ids"] = [str(g) for g in ray.get_gpu_ids()]
+                node_id = ray.get_runtime_context().get_node_id()
+                gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         except Exception:  # noqa: BLE001 - outside Ray (tests build the engine in-process)
             pass
-        return info
+        return EngineInfo(policy_version=self.policy_version, pid=os.getpid(), node_id=node_id, gpu_ids=gpu_ids)
 
-    def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
+    def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], GenerateStats]:
         """Sample ``group_size`` completions for each request (``request.group_size`` when set).
 
         Raises:
@@ -91,9 +91,9 @@ class RolloutEngine:
                 request's ``prompt_ids`` (training would score completions of a prompt the engine did not see).
 
         Returns:
-            (results in request order, stats ``{"seconds", "tokens", "kv_cache_usage"}``): busy seconds, response
-            tokens, and the estimated peak fraction of the KV cache the call used (prompt + completion tokens of all
-            its requests over the cache's token capacity; absent when the capacity is unknown).
+            (results in request order, :class:`GenerateStats`): busy seconds, response tokens, and the estimated peak
+            fraction of the KV cache the call used (prompt + completion tokens of all its requests over the cache's
+            token capacity; None when the capacity is unknown).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -132,10 +132,10 @@ class RolloutEngine:
             results.append(GroupResult(req.group_id, list(req.prompt_ids), ids, lps, reasons, texts,
                                        self.policy_version))
             kv_tokens += len(req.prompt_ids) + sum(map(len, ids))  # the prompt's KV is shared (prefix cache)
-        stats = {"seconds": seconds, "tokens": tokens}
+        kv_cache_usage = None
         if self.kv_capacity_tokens:  # every request of the call is in flight at once: this bounds the peak
-            stats["kv_cache_usage"] = min(1.0, kv_tokens / self.kv_capacity_tokens)
-        return results, stats
+            kv_cache_usage = min(1.0, kv_tokens / self.kv_capacity_tokens)
+        return results, GenerateStats(seconds=seconds, tokens=tokens, kv_cache_usage=kv_cache_usage)
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
                          channel=None) -> list[int]:
@@ -152,10 +152,15 @@ class RolloutEngine:
         """Every engine worker leaves the sync group (before a group with new membership is formed)."""
         self.llm.collective_rpc("close_weight_sync")
 
-    def receive_weights(self, policy_version: int, verify: bool) -> dict:
+    def receive_weights(self, policy_version: int, verify: bool | list[str]) -> ReceiveReport:
         """Receive one streamed sync, reset the prefix cache, then serve ``policy_version``.
 
-        Returns the first worker's report (see ``WeightSyncExtension.receive_weights``), with all workers' checksums.
+        Args:
+            verify: checksum every tensor (True), none (False) or the named ones (``weight_sync.verify``).
+
+        Returns:
+            The first worker's version, seconds and bytes (``WeightSyncExtension.receive_weights``), with every
+            worker's checksums.
         """
         try:
             reports = self.llm.collective_rpc("receive_weights", args=(policy_version, verify))
@@ -164,6 +169,6 @@ class RolloutEngine:
             raise
         self.llm.reset_prefix_cache()
         self.policy_version = policy_version
-        report = dict(reports[0])
-        report["worker_checksums"] = [r["checksums"] for r in reports]
-        return report
+        first = reports[0]
+        return ReceiveReport(policy_version=first["policy_version"], seconds=first["seconds"], bytes=first["bytes"],
+                             worker_checksums=[r["checksums"] for r in reports])

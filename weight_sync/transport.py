@@ -22,6 +22,8 @@ references to the loaded tensors until a layer is complete, which can be after l
 
 Every store wait uses the group's ``timeout_s``; a receiver that dies or stalls makes the sender's wait raise after at
 most that long (and a gloo broadcast raises at once when a peer's connection closes).
+
+Which one a job uses follows ``sync.mode`` and where the members run (:func:`choose_transport`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,31 @@ from weight_sync.group import SyncGroup
 
 SHM_DIR = "/dev/shm"
 TRANSPORTS = ("broadcast", "shm", "cuda_ipc")
+
+
+def choose_transport(mode: str, on_gpu: bool, trainer_node: str | None, engine_nodes: list[str | None]) -> str:
+    """The weight-sync transport for ``sync.mode``, given the Ray node ids of train rank 0 and of each engine.
+
+    ``broadcast`` → ``"broadcast"``. ``ipc`` → ``"cuda_ipc"`` (GPU engines) or ``"shm"`` (CPU), which only work
+    within one host: refused when an engine is on another Ray node. ``auto`` → the IPC transport when every engine
+    reports train rank 0's node id, else ``"broadcast"`` (an unknown node id counts as another node). Node ids, not
+    IP addresses, decide: several Ray nodes can share one IP (containers, a simulated cluster) without sharing
+    ``/dev/shm`` or a GPU.
+
+    Raises:
+        ValueError: ``mode`` is ``ipc`` and an engine is not on train rank 0's node (names the engines and nodes).
+    """
+    if mode == "broadcast":
+        return "broadcast"
+    ipc = "cuda_ipc" if on_gpu else "shm"
+    away = [i for i, node in enumerate(engine_nodes) if trainer_node is None or node != trainer_node]
+    if mode == "auto":
+        return "broadcast" if away else ipc
+    if away:
+        where = ", ".join(f"engine {i} on node {str(engine_nodes[i])[:8]}" for i in away)
+        raise ValueError(f"sync.mode=ipc needs every engine on train rank 0's Ray node {str(trainer_node)[:8]}, but "
+                         f"{where}; use sync.mode 'broadcast' or 'auto' across nodes")
+    return ipc
 
 
 # ------------------------------------------------------------------------------------------------------------ senders

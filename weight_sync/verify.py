@@ -3,7 +3,8 @@
 With ``"sample"`` and K = ``sync.verify_full_every``, policy version v checks every tensor when v mod K = 0 and
 otherwise the tensors whose plan index i has i mod K = v mod K: a deterministic subset of about 1/K of the tensors
 that rotates, so K consecutive versions check every tensor at least once, and every K-th version checks them all.
-Sender and receivers are given the same names, so both checksum only those.
+Sender and receivers are given the same names, so both checksum only those; :func:`compare_checksums` then holds
+each receiver's CRC-32s against the sender's.
 """
 
 from __future__ import annotations
@@ -29,3 +30,27 @@ def checked_names(names: Sequence[str], policy_version: int, verify: bool | str,
     if phase == 0:
         return list(names)
     return [n for i, n in enumerate(names) if i % full_every == phase]
+
+
+class SyncVerificationError(RuntimeError):
+    """An engine's received weights differ from what the trainer sent."""
+
+
+def compare_checksums(sent: dict[str, int], got: dict[str, int], who: str) -> None:
+    """Check one receiver's CRC-32 checksums (tensor name → crc of the bytes received) against the sender's.
+
+    Args:
+        sent: the sender's checksums of the checked tensors. got: the receiver's, for the same names.
+        who: names the receiver in the error, e.g. ``"engine 1 worker 0"``.
+
+    Raises:
+        SyncVerificationError: the tensor sets differ (naming up to five missing and extra names), or a tensor's
+            checksum differs (naming the first such tensor and both checksums).
+    """
+    if set(sent) != set(got):
+        missing, extra = sorted(set(sent) - set(got)), sorted(set(got) - set(sent))
+        raise SyncVerificationError(f"{who}: received tensor set differs: missing {missing[:5]}, extra {extra[:5]}")
+    for name, crc in sent.items():
+        if got[name] != crc:
+            raise SyncVerificationError(
+                f"{who}: tensor {name} checksum mismatch: trainer crc32 {crc:#010x}, engine crc32 {got[name]:#010x}")

@@ -1,10 +1,11 @@
 """The rollout engines as the loop sees them: generate and sync with engine-fault replacement, re-sampling of stale
 groups, resizing, and the per-engine figures of a step.
 
-Membership lives in the rollout pool (:class:`cluster.loop.pools.RolloutPool`) and the weight-sync group; the fleet
-keeps the two in step: an engine that dies is replaced, the sync group rebuilt over the new members, and every engine
-brought to the trainer's policy version before it samples again. The policy version itself is the caller's and is
-passed in.
+Membership lives in the rollout pool (:class:`cluster.loop.pools.RolloutPool`) and the weight-sync group
+(:class:`cluster.loop.sync.WeightSync`); the fleet keeps the two in step: an engine that dies is replaced, the sync
+group rebuilt over the new members, and every engine brought to the trainer's policy version before it samples again.
+Every policy version is read from, and every engine's report checked against, the ledger
+(:class:`cluster.loop.versions.PolicyVersionLedger`).
 
 Reliability: groups carry their own seeds (:func:`request_seed`), so re-sampling after a replacement or a resync
 gives the same groups.
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from cluster.loop.pools import RolloutPool, WeightSync, WorkerTimeout
-from cluster.messages import GroupRequest, GroupResult
-from weight_sync.coordinator import SyncMemberError
+from cluster.loop.pools import RolloutPool, WorkerTimeout
+from cluster.loop.sync import SyncMemberError, WeightSync
+from cluster.loop.versions import PolicyVersionLedger
+from cluster.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, SyncReport
 
 if TYPE_CHECKING:
     from cluster.ops.metrics import MetricsLogger
@@ -54,26 +56,25 @@ class FleetFigures:
 
     Attributes:
         tokens: response tokens sampled. idle_fractions: each call's engine idle fraction, in [0, 1].
-        per_engine: engine index → ``groups`` dispatched, response ``tokens``, busy ``seconds`` and the estimated
-            peak ``kv_cache_usage`` (fraction) of the step.
+        per_engine: engine index → the step's :class:`EngineLoad`: ``groups`` dispatched, response ``tokens``, busy
+            ``seconds`` and the estimated peak ``kv_cache_usage`` (fraction) over the step's calls.
         stale_refused: groups refused for being older than ``rollout.max_staleness``.
     """
 
     tokens: int = 0
     idle_fractions: list[float] = field(default_factory=list)
-    per_engine: dict[int, dict] = field(default_factory=dict)
+    per_engine: dict[int, EngineLoad] = field(default_factory=dict)
     stale_refused: int = 0
 
-    def add(self, stats: dict) -> None:
-        """Add one generate call's stats (:meth:`RolloutPool.generate`'s dict: ``tokens``, ``engine_idle_fraction``,
-        ``per_engine``)."""
-        self.idle_fractions.append(stats.get("engine_idle_fraction", 0.0))
-        for k, e in enumerate(stats.get("per_engine", [])):
-            acc = self.per_engine.setdefault(k, {"groups": 0, "tokens": 0, "seconds": 0.0})
-            acc.update(groups=acc["groups"] + e["groups"], tokens=acc["tokens"] + e["tokens"],
-                       seconds=acc["seconds"] + e["seconds"],
-                       kv_cache_usage=max(acc.get("kv_cache_usage") or 0.0, e.get("kv_cache_usage") or 0.0))
-        self.tokens += stats["tokens"]
+    def add(self, stats: PoolGenerateStats) -> None:
+        """Add one generate call's stats (:meth:`RolloutPool.generate`'s)."""
+        self.idle_fractions.append(stats.engine_idle_fraction)
+        for k, e in enumerate(stats.per_engine):
+            acc = self.per_engine.get(k, EngineLoad(groups=0))
+            self.per_engine[k] = EngineLoad(groups=acc.groups + e.groups, tokens=acc.tokens + e.tokens,
+                                            seconds=acc.seconds + e.seconds,
+                                            kv_cache_usage=max(acc.kv_cache_usage or 0.0, e.kv_cache_usage or 0.0))
+        self.tokens += stats.tokens
 
     @property
     def idle_fraction(self) -> float:
@@ -88,108 +89,122 @@ class EngineFleet:
         spec: the job spec (``rollout.max_engine_restarts``, ``rollout.max_staleness``, ``sync.verify``).
         rollout: the rollout pool (membership, dispatch).
         sync: the weight-sync group over the pool's engines.
+        versions: the policy-version ledger (the trainer's version; each synced engine's).
         status: where progress messages go (one line each).
+
+    Raises:
+        PolicyVersionError: an engine reports a version ahead of the trainer's.
     """
 
-    def __init__(self, spec, rollout: RolloutPool, sync: WeightSync, status: Callable[[str], None]):
-        self.spec, self.rollout, self.sync, self._status = spec, rollout, sync, status
+    def __init__(self, spec, rollout: RolloutPool, sync: WeightSync, versions: PolicyVersionLedger,
+                 status: Callable[[str], None]):
+        self.spec, self.rollout, self.sync, self.versions, self._status = spec, rollout, sync, versions, status
         self.figures = FleetFigures()
         self._logged_engines = 0  # engines with Prometheus series
+        self._check_infos(range(len(rollout.infos)))
 
     def begin_step(self) -> None:
         """Start a step's figures afresh."""
         self.figures = FleetFigures()
 
-    def generate(self, requests: list[GroupRequest], policy_version: int,
+    def generate(self, requests: list[GroupRequest],
                  on_groups: Callable[[list[GroupResult]], None] | None = None) -> list[GroupResult]:
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
-        an engine at a version within ``rollout.max_staleness`` of ``policy_version`` (the trainer's).
+        an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``).
 
         Returns the groups in request order; the accepted call's stats are added to :attr:`figures`.
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
             StaleSamplesError: engines stay stale after being synced again.
+            PolicyVersionError: a group was sampled at a version ahead of the trainer's.
         """
         r = self.spec.rollout
         for attempt in range(r.max_engine_restarts + 3):
             try:
                 groups, stats = self.rollout.generate(requests, on_groups)
             except ENGINE_ERRORS as exc:
-                if not self._recover(exc, len(requests), policy_version):
+                if not self._recover(exc, len(requests)):
                     raise
                 continue
-            stale = [g for g in groups if policy_version - g.policy_version > r.max_staleness]
+            stale = [g for g in groups if self.versions.staleness(g.policy_version) > r.max_staleness]
             if not stale:
                 self.figures.add(stats)
                 return groups
             self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
-                         f"(trainer {policy_version}, rollout.max_staleness={r.max_staleness}); re-syncing "
+                         f"(trainer {self.versions.current}, rollout.max_staleness={r.max_staleness}); re-syncing "
                          f"and sampling again")
             self.figures.stale_refused += len(stale)
-            self.resync(policy_version, "stale samples")
+            self.resync("stale samples")
         raise StaleSamplesError(f"engines still returned stale or failed samples after {attempt + 1} attempts")
 
-    def _recover(self, exc: BaseException, num_groups: int, policy_version: int) -> bool:
+    def _recover(self, exc: BaseException, num_groups: int) -> bool:
         """After a failed generate call: sync engines that hold no complete policy, or replace dead ones and sync
         the new group. Returns False when no engine is dead or half-synced (the error is not an engine fault)."""
         dead = self.rollout.dead_engines()
-        if not dead and self.sync.stale_engines(policy_version):
+        if not dead and self.versions.stale_engines():
             # alive, but holding no complete policy (a sync failed part-way): sync again, then re-sample
-            self._status(f"engine(s) {self.sync.stale_engines(policy_version)} hold no complete policy "
+            self._status(f"engine(s) {self.versions.stale_engines()} hold no complete policy "
                          f"({type(exc).__name__}); syncing them and re-sampling")
-            self.sync.ensure_current(policy_version)
+            self.sync.ensure_current()
             return True
         if not dead:
             return False
         cause = f"{type(exc).__name__}: {first_line(exc)}"
         self._status(f"rollout engine(s) {dead} failed ({cause}; {self.rollout.where(dead)}); replacing and "
                      f"re-sampling {num_groups} group(s)")
-        self.rollout.replace(dead, policy_version, cause)
-        self.resync(policy_version, f"replacing engine(s) {dead}")
+        self._replace(dead, cause)
+        self.resync(f"replacing engine(s) {dead}")
         return True
 
-    def sync_policy(self, policy_version: int) -> dict:
-        """Sync ``policy_version`` to every engine; an engine that dies or stalls during the sync (an error within
-        ``sync.timeout_s``) is replaced, and the new group is synced before anything is sampled.
+    def _replace(self, indices: list[int], cause: str) -> None:
+        """Replace the engines at ``indices`` (:meth:`RolloutPool.replace`) and check their start-up reports."""
+        self.rollout.replace(indices, self.versions.current, cause)
+        self._check_infos(indices)
 
-        Returns the sync's report (``sync/*`` metrics).
+    def _check_infos(self, indices) -> None:
+        """Check the start-up reports (``EngineInfo``) of the engines at ``indices`` against the ledger."""
+        for i in indices:
+            self.versions.check_engine(self.rollout.infos[i].policy_version, f"engine {i}")
+
+    def sync_policy(self) -> SyncReport:
+        """Sync the trainer's version (``versions.current``) to every engine; an engine that dies or stalls during
+        the sync (an error within ``sync.timeout_s``) is replaced, and the new group is synced before anything is
+        sampled.
+
+        Returns the sync's report (``.metrics()``: the ``sync/*`` metrics).
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
             SyncVerificationError: an engine's weights differ from the trainer's (not retried: names the tensor).
         """
         try:
-            return self._sync(policy_version)
+            return self.sync.sync()
         except ENGINE_ERRORS as exc:
             dead = self.rollout.dead_engines()
             if not dead:
                 raise
             cause = f"{type(exc).__name__} during weight sync: {first_line(exc)}"
             self._status(f"rollout engine(s) {dead} failed ({cause}; {self.rollout.where(dead)}); replacing them")
-            self.rollout.replace(dead, policy_version, cause)
+            self._replace(dead, cause)
             self.sync.rebuild(self.rollout.engines)
-            return self._sync(policy_version)
+            return self.sync.sync()
 
-    def _sync(self, policy_version: int) -> dict:
-        """One sync of ``policy_version`` over the current group (``WeightSync.sync``'s report dict)."""
-        return self.sync.sync(policy_version)
-
-    def resync(self, policy_version: int, why: str) -> None:
-        """Rebuild the sync group over the current engines and bring all of them to ``policy_version``.
+    def resync(self, why: str) -> None:
+        """Rebuild the sync group over the current engines and bring all of them to the trainer's version.
 
         Raises:
             RuntimeError: ``sync.verify`` is on and the sync was not verified (naming ``why``).
         """
         self.sync.rebuild(self.rollout.engines)
-        report = self._sync(policy_version)
-        if self.spec.sync.verify and not report.get("sync/verified", False):
+        report = self.sync.sync()
+        if self.spec.sync.verify and not report.verified:
             raise RuntimeError(f"weight sync after {why} was not verified")
 
-    def scale(self, replicas: int, policy_version: int) -> None:
+    def scale(self, replicas: int) -> None:
         """Resize the pool to ``replicas`` engines between steps.
 
-        New engines join the weight-sync group and receive ``policy_version`` before they serve; removed engines
+        New engines join the weight-sync group and receive the trainer's version before they serve; removed engines
         hold no in-flight groups (steps are synchronous), so no prompt is lost.
 
         Raises:
@@ -201,25 +216,26 @@ class EngineFleet:
         if replicas == have:
             return
         if replicas > have:
-            self.rollout.add(replicas - have, policy_version)
+            self.rollout.add(replicas - have, self.versions.current)
+            self._check_infos(range(have, replicas))
         else:
             self.rollout.remove(have - replicas)
-        self.resync(policy_version, f"rollout pool scaled {have} -> {replicas}")
+        self.resync(f"rollout pool scaled {have} -> {replicas}")
         self._status(f"rollout pool scaled from {have} to {replicas} engine(s) at policy version "
-                     f"{policy_version}")
+                     f"{self.versions.current}")
 
-    def log_workers(self, metrics: MetricsLogger, step: int, policy_version: int) -> None:
-        """Per-engine figures of the step for Prometheus (worker label) and ``workers.jsonl``; series of engines
-        removed by a scale-down are dropped."""
-        idle = {"groups": 0, "tokens": 0, "seconds": 0.0}
+    def log_workers(self, metrics: MetricsLogger, step: int) -> None:
+        """Per-engine figures of the step for Prometheus (worker label) and ``workers.jsonl``, at the trainer's
+        version; series of engines removed by a scale-down are dropped."""
+        idle = EngineLoad(groups=0)
         for i in range(len(self.rollout.infos)):
             e = self.figures.per_engine.get(i, idle)
             metrics.log_worker(step, "rollout", f"engine-{i}", {
-                "policy_version": float(policy_version),
-                "perf/rollout_tokens_per_s": e["tokens"] / e["seconds"] if e["seconds"] > 0 else 0.0,
-                "rollout/queue_depth": float(e["groups"]),  # groups dispatched to this engine this step
-                "rollout/engine_busy_s": e["seconds"],
-                "rollout/kv_cache_usage": float(e.get("kv_cache_usage") or 0.0),  # estimated peak this step
+                "policy_version": float(self.versions.current),
+                "perf/rollout_tokens_per_s": e.tokens / e.seconds if e.seconds > 0 else 0.0,
+                "rollout/queue_depth": float(e.groups),  # groups dispatched to this engine this step
+                "rollout/engine_busy_s": e.seconds,
+                "rollout/kv_cache_usage": float(e.kv_cache_usage or 0.0),  # estimated peak this step
                 "workers/restarts": float(self.rollout.restarts),
             })
         for i in range(len(self.rollout.infos), self._logged_engines):

@@ -1,8 +1,8 @@
 """Worker pools: Ray actors for the rollout engines and the train ranks (the backend ``train.strategy`` names).
 
-The pools own actor creation (resources from the spec), the calls that must reach every member together, timeouts
-(every ``ray.get`` names the operation and its limit), and the weight-sync group joining train rank 0 with every
-engine worker.
+The pools own actor creation (resources from the spec), the calls that must reach every member together, and
+timeouts (every ``ray.get`` names the operation and its limit). The weight-sync group joining train rank 0 with every
+engine worker is :class:`cluster.loop.sync.WeightSync`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.loop.scheduler import assign_groups
-from cluster.messages import GroupRequest, GroupResult, TrainRankInfo, TrainResult
+from cluster.messages import (EngineInfo, EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, TrainRankInfo,
+                              TrainResult)
 from rollout_workers.engine import RolloutEngine
 from train_workers.registry import train_backend
-from weight_sync.coordinator import SyncVerificationError, WeightSync, _compare_checksums  # noqa: F401
 
 
 class WorkerTimeout(TimeoutError):
@@ -155,7 +155,7 @@ class RolloutPool:
         self.model_path, self.max_model_len = model_path, max_model_len
         self.engines: list = []
         self.placement_groups: list = []
-        self.infos: list[dict] = []  # per engine: pid, node id, device ids, read from the engine itself
+        self.infos: list[EngineInfo] = []  # per engine: pid, node id, device ids, read from the engine itself
         self.restarts = 0
         self._spawned = 0
         self.add(spec.rollout.replicas, policy_version)
@@ -235,7 +235,7 @@ class RolloutPool:
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         parts = []
         for i in indices:
-            node_id = self.infos[i].get("node_id") if i < len(self.infos) else None
+            node_id = self.infos[i].node_id if i < len(self.infos) else None
             node = nodes.get(node_id)
             if node_id is None:
                 parts.append(f"engine {i} on an unknown node")
@@ -280,7 +280,8 @@ class RolloutPool:
         self.engines, self.placement_groups, self.infos = [], [], []
 
     def generate(self, requests: list[GroupRequest],
-                 on_groups: Callable[[list[GroupResult]], None] | None = None) -> tuple[list[GroupResult], dict]:
+                 on_groups: Callable[[list[GroupResult]], None] | None = None
+                 ) -> tuple[list[GroupResult], PoolGenerateStats]:
         """Sample one group per request across the engines; results come back in request order.
 
         Dispatch: :func:`cluster.loop.scheduler.assign_groups` (whole groups, by tokens in flight, heaviest first). Each
@@ -289,11 +290,11 @@ class RolloutPool:
         engines still sample.
 
         Returns:
-            (results in request order, stats): ``tokens`` (response tokens sampled), ``engine_seconds`` (each called
-            engine's busy seconds, completion order), ``engine_idle_fraction`` = 1 − Σ busy engine-seconds /
-            (num_engines × wall seconds of this call), in [0, 1]; engines that got no group count as idle throughout;
-            ``per_engine``: per engine index, ``groups`` assigned, response ``tokens``, busy ``seconds`` and the
-            estimated peak ``kv_cache_usage`` (fraction, or None).
+            (results in request order, :class:`PoolGenerateStats`): ``tokens`` (response tokens sampled),
+            ``engine_seconds`` (each called engine's busy seconds, completion order), ``engine_idle_fraction`` = 1 −
+            Σ busy engine-seconds / (num_engines × wall seconds of this call), in [0, 1]; engines that got no group
+            count as idle throughout; ``per_engine``: per engine index, an :class:`EngineLoad` (``groups`` assigned,
+            response ``tokens``, busy ``seconds``, estimated peak ``kv_cache_usage``).
 
         Raises:
             WorkerTimeout: the engines did not all finish within ``rollout.timeout_s``.
@@ -305,7 +306,7 @@ class RolloutPool:
         calls = {e.generate.remote([requests[i] for i in idx], r.group_size): k
                  for k, (e, idx) in enumerate(zip(self.engines, plan)) if idx}
         pending = list(calls)
-        per_engine = [{"groups": len(idx), "tokens": 0, "seconds": 0.0} for idx in plan]
+        per_engine = [EngineLoad(groups=len(idx)) for idx in plan]
         by_id, tokens, busy = {}, 0, []
         while pending:
             left = r.timeout_s - (time.perf_counter() - t0)
@@ -313,18 +314,19 @@ class RolloutPool:
             if not done:
                 raise WorkerTimeout(f"generating {len(requests)} groups did not finish within {r.timeout_s:g} s "
                                     f"({len(pending)} engine call(s) still running)")
-            results, stats = ray.get(done[0])
-            per_engine[calls[done[0]]].update(tokens=stats["tokens"], seconds=stats["seconds"],
-                                              kv_cache_usage=stats.get("kv_cache_usage"))
+            results, stats = ray.get(done[0])  # (list[GroupResult], GenerateStats)
+            k = calls[done[0]]
+            per_engine[k] = EngineLoad(groups=per_engine[k].groups, tokens=stats.tokens, seconds=stats.seconds,
+                                       kv_cache_usage=stats.kv_cache_usage)
             by_id.update((res.group_id, res) for res in results)
-            tokens += stats["tokens"]
-            busy.append(stats["seconds"])
+            tokens += stats.tokens
+            busy.append(stats.seconds)
             if on_groups is not None:
                 on_groups(results)
         wall = time.perf_counter() - t0
         idle = min(1.0, max(0.0, 1.0 - sum(busy) / (len(self.engines) * wall))) if wall > 0 else 0.0
-        return [by_id[q.group_id] for q in requests], {"tokens": tokens, "engine_seconds": busy,
-                                                       "engine_idle_fraction": idle, "per_engine": per_engine}
+        return [by_id[q.group_id] for q in requests], PoolGenerateStats(
+            tokens=tokens, engine_seconds=busy, engine_idle_fraction=idle, per_engine=per_engine)
 
 
 class TrainPool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ray
 
 from cluster.loop.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
-from weight_sync.coordinator import SyncMemberError
+from cluster.loop.sync import SyncMemberError
 
 #: Failures a restart from the latest checkpoint can get past (a worker, an engine, a timeout, a sync member).
 RESTARTABLE = (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError)

@@ -66,7 +66,7 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     sender.start()
     report = engine.receive_weights(1, True)
     sender.join()
-    assert report["worker_checksums"][0] == sent
+    assert report.worker_checksums[0] == sent
     assert holder["g"].device == torch.device("cuda", 1)
     (group,), _ = engine.generate([GroupRequest(1, prompt)], 2)
     assert group.policy_version == 1

@@ -162,7 +162,7 @@ def test_pools_on_two_nodes_sync_by_broadcast(two_nodes, make_spec):
     spec = make_spec("two_nodes", "total_steps=2")
     job = GRPOJob(spec, progress=False)
     seen = _run_bounded(job)
-    engine_node, train_nodes = seen["infos"][0]["node_id"], [i.node_id for i in seen["train_infos"]]
+    engine_node, train_nodes = seen["infos"][0].node_id, [i.node_id for i in seen["train_infos"]]
     assert engine_node == two_nodes.node_with("rollout_node") != two_nodes.node_with("train_node")
     assert train_nodes == [two_nodes.node_with("train_node")] * 2
     assert seen["transport"] == "broadcast"  # auto: the engine is on another node than train rank 0
@@ -178,7 +178,7 @@ def _remove_rollout_node_at(job, step: int, two_nodes, then=None) -> dict:
 
     def generate(requests, on_groups=None):
         if job.step == step and not removed:
-            removed["procs"] = _descendants(job.rollout.infos[0]["pid"])
+            removed["procs"] = _descendants(job.rollout.infos[0].pid)
             removed["node"] = two_nodes.remove_rollout_node()
             if then is not None:
                 then()
@@ -204,7 +204,7 @@ def test_lost_rollout_node_is_replaced_by_a_new_node(two_nodes, make_spec):
     assert removed["node"], "the rollout node was never removed"
     new_node = two_nodes.node_with("rollout_node")
     assert new_node[:8] not in removed["node"] and seen["restarts"] == 1
-    assert seen["infos"][0]["node_id"] == new_node and seen["transport"] == "broadcast"
+    assert seen["infos"][0].node_id == new_node and seen["transport"] == "broadcast"
     lost = [m for m in messages if "rollout engine(s) [0] failed" in m]
     assert lost and f"engine 0 on {removed['node']}" in lost[0], messages
     history = [job.completed[s] for s in sorted(job.completed)]

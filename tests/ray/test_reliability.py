@@ -242,7 +242,7 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
         job.run_step = run_step.__get__(job)
         with pytest.raises(NumericsError, match=r"step 3: 2 updates in a row skipped for a non-finite actor/loss"):
             job.run()
-        engine_version = ray.get(job.rollout.engines[0].ready.remote())["policy_version"]
+        engine_version = ray.get(job.rollout.engines[0].ready.remote()).policy_version
     finally:
         job.close()
         job.shutdown()

@@ -15,7 +15,7 @@ import pytest
 
 from cluster.loop.pools import RolloutPool, WorkerTimeout
 from cluster.loop.scheduler import assign_groups
-from cluster.messages import GroupRequest, GroupResult
+from cluster.messages import EngineLoad, GenerateStats, GroupRequest, GroupResult
 
 MAX_RESPONSE_TOKENS = 10
 
@@ -33,14 +33,14 @@ def fake_engine_class():
         def ready(self) -> bool:
             return True
 
-        def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], dict]:
+        def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], GenerateStats]:
             time.sleep(self.delay_s)
             results = []
             for r in requests:
                 g = r.group_size or group_size
                 results.append(GroupResult(r.group_id, list(r.prompt_ids), [[7]] * g, [], ["stop"] * g,
                                            [self.name] * g, policy_version=0))
-            return results, {"seconds": self.delay_s, "tokens": sum(len(x.response_ids) for x in results)}
+            return results, GenerateStats(seconds=self.delay_s, tokens=sum(len(x.response_ids) for x in results))
 
     return FakeEngine
 
@@ -87,10 +87,12 @@ def test_dispatch_order_callbacks_and_idle_fraction(local_ray):
     assert sorted(g.group_id for _, groups in calls for g in groups) == sorted(q.group_id for q in reqs)
     assert calls[0][0] < 1.0 <= calls[1][0]
 
-    assert stats["tokens"] == 18 and sorted(stats["engine_seconds"]) == [0.2, 1.5]
+    assert stats.tokens == 18 and sorted(stats.engine_seconds) == [0.2, 1.5]
+    assert stats.per_engine == [EngineLoad(groups=2, tokens=10, seconds=1.5), EngineLoad(groups=3, tokens=8,
+                                                                                          seconds=0.2)]
     expected = 1 - (1.5 + 0.2) / (2 * wall)
-    assert stats["engine_idle_fraction"] == pytest.approx(expected, abs=0.05)
-    assert 0.3 < stats["engine_idle_fraction"] < 0.45
+    assert stats.engine_idle_fraction == pytest.approx(expected, abs=0.05)
+    assert 0.3 < stats.engine_idle_fraction < 0.45
 
 
 def test_engine_without_groups_counts_as_idle(local_ray):
@@ -98,8 +100,9 @@ def test_engine_without_groups_counts_as_idle(local_ray):
     reqs = requests()[:2]
     results, stats = pool.generate(reqs)
     assert [r.group_id for r in results] == [10, 11]
-    assert len(stats["engine_seconds"]) == 2  # the third engine got no call
-    assert stats["engine_idle_fraction"] == pytest.approx(1 - 1.0 / 1.5, abs=0.08)  # ≥ 1/3: one engine never ran
+    assert len(stats.engine_seconds) == 2  # the third engine got no call
+    assert [e for e in stats.per_engine if e.groups == 0] == [EngineLoad(groups=0)]  # no call: zeros, no KV figure
+    assert stats.engine_idle_fraction == pytest.approx(1 - 1.0 / 1.5, abs=0.08)  # ≥ 1/3: one engine never ran
 
 
 def test_timeout_names_the_operation(local_ray):

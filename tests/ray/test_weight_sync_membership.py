@@ -57,55 +57,59 @@ def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray
                                                                        monkeypatch):
     import ray
 
+    from cluster.loop import sync as sync_module
+    from cluster.loop.sync import SyncMemberError, WeightSync
+    from cluster.loop.versions import PolicyVersionLedger
     from cluster.messages import GroupRequest
-    from weight_sync import coordinator
-    from weight_sync.coordinator import SyncMemberError, WeightSync
 
     spec = make_spec(tiny_model_dir, tmp_path)
     train = Train(ray, spec, tiny_model_dir)
     rollout = SimpleNamespace(engines=[start_engine(ray, spec, tiny_model_dir, i) for i in range(2)])
     ray.get([e.ready.remote() for e in rollout.engines], timeout=300)
 
-    sync = WeightSync(spec, train, rollout)
-    assert sync.transport == "broadcast" and sync.engine_versions == [None, None]
-    m = sync.sync(0)
+    versions = PolicyVersionLedger()  # the trainer is at version 0
+    sync = WeightSync(spec, train, rollout, versions)
+    assert sync.transport == "broadcast" and versions.engine_versions == [None, None]
+    report = sync.sync()
+    m = report.metrics()
+    assert report.policy_version == 0
     assert m["sync/verified"] is True and m["sync/verified_tensors"] == len(sync.names) and m["sync/engines"] == 2
-    assert sync.engine_versions == [0, 0] and sync.stale_engines(0) == []
+    assert versions.engine_versions == [0, 0] and versions.stale_engines() == []
     largest = max(b.nbytes for b in sync.buckets)
     assert 0 < m["sync/sender_peak_extra_bytes_accounted"] <= 2 * largest + 2 * largest
     assert m["sync/sender_peak_extra_bytes"] > 0
-    assert sync.ensure_current(0) is None  # every engine already holds version 0
+    assert sync.ensure_current() is None  # every engine already holds version 0
 
     # An engine dies: the next sync fails naming it, well within the timeout, instead of hanging.
     ray.kill(rollout.engines[1], no_restart=True)
     t0 = time.monotonic()
     with pytest.raises(SyncMemberError, match=r"engine 1 died") as info:
-        sync.sync(0)
+        sync.sync()
     assert time.monotonic() - t0 < TIMEOUT_S
     assert info.value.engine_indices == [1]
-    assert sync.engine_versions == [None, None]  # engine 0 may hold a partial load: unknown until re-synced
+    assert versions.engine_versions == [None, None]  # engine 0 may hold a partial load: unknown until re-synced
     print(f"killed engine -> {type(info.value).__name__} after {time.monotonic() - t0:.1f} s: {info.value}")
 
     # The pool replaces it; the group is rebuilt with the new member, which gets the current policy before serving.
     rollout.engines[1] = start_engine(ray, spec, tiny_model_dir, 7)
     ray.get(rollout.engines[1].ready.remote(), timeout=300)
     sync.rebuild()
-    assert sync.stale_engines(0) == [0, 1]
-    m = sync.ensure_current(0)
-    assert m is not None and m["sync/verified"] is True and sync.engine_versions == [0, 0]
+    assert versions.stale_engines() == [0, 1]
+    report = sync.ensure_current()
+    assert report is not None and report.verified is True and versions.engine_versions == [0, 0]
     results = ray.get([e.generate.remote([GroupRequest(0, [1, 2, 3])], 2) for e in rollout.engines], timeout=120)
     assert [res[0][0].policy_version for res in results] == [0, 0]
 
     # A sampled check: only the selected tensors are checksummed, on both sides (the names travel as a list).
-    monkeypatch.setattr(coordinator, "checked_names", lambda names, v, verify, k: list(names[1::3]))
-    m = sync.sync(0)
-    assert m["sync/verified"] is True and m["sync/verified_tensors"] == len(sync.names[1::3])
+    monkeypatch.setattr(sync_module, "checked_names", lambda names, v, verify, k: list(names[1::3]))
+    report = sync.sync()
+    assert report.verified is True and report.verified_tensors == len(sync.names[1::3])
     monkeypatch.undo()
     sync.close()
 
     # auto: every engine is on the trainer's node, so shared memory; checksums verified the same way.
-    auto = WeightSync(make_spec(tiny_model_dir, tmp_path, "sync.mode=auto"), train, rollout)
+    auto = WeightSync(make_spec(tiny_model_dir, tmp_path, "sync.mode=auto"), train, rollout, versions)
     assert auto.transport == "shm"
-    m = auto.sync(0)
-    assert m["sync/verified"] is True and m["sync/ipc"] == 1.0 and auto.engine_versions == [0, 0]
+    m = auto.sync().metrics()
+    assert m["sync/verified"] is True and m["sync/ipc"] == 1.0 and versions.engine_versions == [0, 0]
     auto.close()

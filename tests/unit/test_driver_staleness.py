@@ -3,14 +3,16 @@
 Each group carries the policy version that sampled it; groups older than ``rollout.max_staleness`` are refused, the
 engines are synced again, and the same requests are sampled again (same seeds, so the same groups)."""
 
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cluster.loop.fleet import EngineFleet, StaleSamplesError, request_seed
 from cluster.loop.requests import PromptQueue
+from cluster.loop.versions import PolicyVersionError, PolicyVersionLedger
 from cluster.spec import load_spec_text
-from cluster.messages import GroupRequest, GroupResult
+from cluster.messages import EngineInfo, GroupRequest, GroupResult, PoolGenerateStats
 
 SPEC = """\
 output_dir: runs/test
@@ -26,6 +28,7 @@ class FakeRollout:
 
     def __init__(self, versions: list[int]):
         self.versions, self.calls, self.engines, self.restarts = list(versions), 0, ["e0"], 0
+        self.infos = [EngineInfo(policy_version=0, pid=1)]
         self.seen: list[list[tuple[int, int]]] = []
 
     def generate(self, requests, on_groups=None):
@@ -34,7 +37,8 @@ class FakeRollout:
         self.seen.append([(q.group_id, q.seed) for q in requests])
         groups = [GroupResult(q.group_id, q.prompt_ids, [[1]], [torch.zeros(1)], ["stop"], ["x"], version)
                   for q in requests]
-        return groups, {"tokens": len(groups)}
+        return groups, PoolGenerateStats(tokens=len(groups), engine_seconds=[], engine_idle_fraction=0.0,
+                                         per_engine=[])
 
 
 class FakeSync:
@@ -44,17 +48,15 @@ class FakeSync:
     def rebuild(self, engines):
         self.rebuilds += 1
 
-    def sync(self, version):
+    def sync(self):
         self.syncs += 1
-        return {"sync/verified": True}
-
-    def stale_engines(self, version):
-        return []
+        return SimpleNamespace(verified=True)
 
 
-def job(versions: list[int], *overrides: str) -> EngineFleet:
+def job(versions: list[int], *overrides: str, trainer: int = 3) -> EngineFleet:
+    """A fleet over the fakes, with the trainer at policy version ``trainer``."""
     return EngineFleet(load_spec_text(SPEC, overrides=overrides), FakeRollout(versions), FakeSync(),
-                       lambda message: None)
+                       PolicyVersionLedger(trainer), lambda message: None)
 
 
 REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]
@@ -62,13 +64,13 @@ REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]
 
 def test_current_samples_are_accepted_without_resync():
     j = job([3])
-    groups = j.generate(REQUESTS, 3)
+    groups = j.generate(REQUESTS)
     assert [g.policy_version for g in groups] == [3, 3] and j.sync.syncs == 0 and j.figures.stale_refused == 0
 
 
 def test_stale_samples_are_refused_resynced_and_sampled_again():
     j = job([2, 3])  # the first call comes from an engine one version behind
-    groups = j.generate(REQUESTS, 3)
+    groups = j.generate(REQUESTS)
     assert [g.policy_version for g in groups] == [3, 3]
     assert j.rollout.calls == 2 and j.figures.stale_refused == 2 and j.sync.rebuilds == 1 and j.sync.syncs == 1
     assert j.rollout.seen == [[(0, 1), (1, 2)]] * 2  # sampled again with the same seeds, so the same groups
@@ -76,14 +78,20 @@ def test_stale_samples_are_refused_resynced_and_sampled_again():
 
 def test_max_staleness_allows_older_samples():
     j = job([2], "rollout.max_staleness=1")
-    groups = j.generate(REQUESTS, 3)
+    groups = j.generate(REQUESTS)
     assert [g.policy_version for g in groups] == [2, 2] and j.sync.syncs == 0
 
 
 def test_engines_that_stay_stale_stop_the_job():
     j = job([0], "rollout.max_engine_restarts=0")
     with pytest.raises(StaleSamplesError, match="stale"):
-        j.generate(REQUESTS, 3)
+        j.generate(REQUESTS)
+
+
+def test_samples_ahead_of_the_trainer_are_a_version_error():
+    j = job([4])
+    with pytest.raises(PolicyVersionError, match="a sampled group reports policy version 4, ahead of the trainer's 3"):
+        j.generate(REQUESTS)
 
 
 def test_request_seeds_are_crc32_of_seed_step_group():

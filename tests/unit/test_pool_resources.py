@@ -8,7 +8,7 @@ import ray
 
 from cluster.loop.pools import InsufficientResources, check_cluster_resources
 from cluster.spec import SpecError, load_spec_text, spec_to_yaml
-from weight_sync.coordinator import choose_transport
+from weight_sync.transport import choose_transport
 
 MINIMAL = "output_dir: runs/test\ntotal_steps: 3\ndata:\n  train_path: train.jsonl\n"
 
@@ -101,9 +101,10 @@ def test_ipc_across_nodes_is_refused_naming_the_engine():
 
 def test_where_names_each_engine_node_and_its_state(monkeypatch):
     from cluster.loop.pools import RolloutPool, _fmt_resources
+    from cluster.messages import EngineInfo
 
     pool = RolloutPool.__new__(RolloutPool)  # only ``infos`` is read: no engines are started
-    pool.infos = [{"node_id": "a" * 56}, {"node_id": "b" * 56}, {"node_id": "c" * 56}, {"node_id": None}]
+    pool.infos = [EngineInfo(policy_version=0, pid=1, node_id=node) for node in ("a" * 56, "b" * 56, "c" * 56, None)]
     monkeypatch.setattr(ray, "nodes", lambda: [
         {"NodeID": "a" * 56, "Alive": False, "NodeManagerAddress": "10.0.0.7"},
         {"NodeID": "b" * 56, "Alive": True, "NodeManagerAddress": "10.0.0.8"}])

@@ -50,17 +50,35 @@ def test_spec_sync_fields():
 
 
 def test_checksum_mismatch_names_tensor_engine_and_both_checksums():
-    from cluster.loop.pools import SyncVerificationError as from_pools
-    from weight_sync.coordinator import SyncVerificationError, _compare_checksums
+    from weight_sync.verify import SyncVerificationError, compare_checksums
 
-    assert from_pools is SyncVerificationError  # re-exported where the driver imports it
-    _compare_checksums({"a": 1, "b": 2}, {"a": 1, "b": 2}, "engine 0 worker 0")
+    compare_checksums({"a": 1, "b": 2}, {"a": 1, "b": 2}, "engine 0 worker 0")
+    compare_checksums({}, {}, "engine 0 worker 0")  # nothing checked: nothing to differ
     with pytest.raises(SyncVerificationError,
                        match=r"engine 1 worker 0: tensor b checksum mismatch: trainer crc32 0x00000002, "
                              r"engine crc32 0x00000003"):
-        _compare_checksums({"a": 1, "b": 2}, {"a": 1, "b": 3}, "engine 1 worker 0")
-    with pytest.raises(SyncVerificationError, match=r"missing \['b'\], extra \['c'\]"):
-        _compare_checksums({"a": 1, "b": 2}, {"a": 1, "c": 2}, "engine 0 worker 0")
+        compare_checksums({"a": 1, "b": 2}, {"a": 1, "b": 3}, "engine 1 worker 0")
+    with pytest.raises(SyncVerificationError, match=r"engine 0 worker 1: received tensor set differs: "
+                                                    r"missing \['b'\], extra \['c'\]"):
+        compare_checksums({"a": 1, "b": 2}, {"a": 1, "c": 2}, "engine 0 worker 1")
+    with pytest.raises(SyncVerificationError, match=r"missing \[\], extra \['c'\]"):
+        compare_checksums({"a": 1}, {"a": 1, "c": 2}, "engine 0 worker 0")
+
+
+def test_weight_sync_imports_nothing_from_cluster():
+    """``weight_sync/`` is the transport only: importing it pulls in no ``cluster`` module (a fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, weight_sync, weight_sync.transport, weight_sync.verify, weight_sync.buckets, "
+            "weight_sync.group, weight_sync.sender\n"
+            "print(sorted(m for m in sys.modules if m == 'cluster' or m.startswith('cluster.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.stdout.strip() == "[]"
 
 
 def test_trainer_sends_checkpoint_names_with_the_tied_head_once(tmp_path):

@@ -1,22 +1,23 @@
-"""Driver-side weight sync: forms the group (train rank 0 + every engine worker), runs one verified sync per policy
-version, tracks which version every engine holds, and rebuilds the group when the engine list changes.
+"""The weight-sync group of the loop: train rank 0 + every engine worker, one verified sync per policy version, and
+a rebuilt group when the engine list changes. ``weight_sync/`` is the transport underneath (groups, buckets,
+transports, sender, receivers, verification); this module knows the pools and their membership.
 
-Life cycle (the rollout pool owns the engine actors; this class only syncs them)::
+Life cycle (the rollout pool owns the engine actors; this class only syncs them; every version is the ledger's)::
 
-    sync = WeightSync(spec, train_pool, rollout_pool)   # plan once, form the group with rollout_pool.engines
-    sync.sync(v)                                        # after every optimizer step: all engines → version v
+    sync = WeightSync(spec, train_pool, rollout_pool, versions)  # plan once, form the group with rollout_pool.engines
+    sync.sync()            # after every optimizer step: all engines → versions.current
     ... pool adds / removes / replaces engine actors in rollout_pool.engines ...
-    sync.rebuild()                                      # tear the old group down, form one with the current engines
-    sync.ensure_current(v)                              # new engines (version unknown) get v before they serve
+    sync.rebuild()         # tear the old group down, form one with the current engines
+    sync.ensure_current()  # new engines (version unknown) get versions.current before they serve
 
 A member that dies or stalls during a sync or while the group forms raises :class:`SyncMemberError` naming it
 within ``sync.timeout_s`` (the group's own collectives and store waits have the same timeout, so no actor is left
-blocked for longer). After a failed sync every engine's version is unknown and the group is marked broken: the next
-``sync`` rebuilds it first (with ``rollout.engines`` as it is then).
+blocked for longer). After a failed sync every engine's version is unknown (``versions.sync_failed``) and the group is
+marked broken: the next ``sync`` rebuilds it first (with ``rollout.engines`` as it is then).
 
 Transports (``sync.mode``): ``broadcast`` (gloo on CPU, NCCL on GPU), ``ipc`` (shared memory on CPU, CUDA IPC on
 GPU; every engine must be on train rank 0's Ray node, else the group is refused), ``auto`` (ipc when every engine is on
-rank 0's Ray node, else broadcast); see :func:`choose_transport`.
+rank 0's Ray node, else broadcast); see :func:`weight_sync.transport.choose_transport`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import time
 
 import ray
 
-from weight_sync.verify import checked_names
-
-
-class SyncVerificationError(RuntimeError):
-    """An engine's received weights differ from what the trainer sent."""
+from cluster.loop.pools import get
+from cluster.loop.versions import PolicyVersionLedger
+from cluster.messages import EngineInfo, ReceiveReport, SendReport, SyncReport
+from weight_sync.transport import choose_transport
+from weight_sync.verify import checked_names, compare_checksums
 
 
 class SyncMemberError(RuntimeError):
@@ -43,12 +44,6 @@ class SyncMemberError(RuntimeError):
     def __init__(self, message: str, engine_indices: list[int]):
         super().__init__(message)
         self.engine_indices = engine_indices
-
-
-def _pools_get(refs, timeout_s: float, what: str):
-    from cluster.loop.pools import get  # late: cluster.loop.pools re-exports this module
-
-    return get(refs, timeout_s, what)
 
 
 def wait_members(refs: list, names: list[str], timeout_s: float, what: str, grace_s: float = 5.0) -> list:
@@ -105,36 +100,12 @@ def wait_members(refs: list, names: list[str], timeout_s: float, what: str, grac
     raise SyncMemberError(message, engines_of(blame)) from cause
 
 
-def choose_transport(mode: str, on_gpu: bool, trainer_node: str | None, engine_nodes: list[str | None]) -> str:
-    """The weight-sync transport for ``sync.mode``, given the Ray node ids of train rank 0 and of each engine.
-
-    ``broadcast`` → ``"broadcast"``. ``ipc`` → ``"cuda_ipc"`` (GPU engines) or ``"shm"`` (CPU), which only work
-    within one host: refused when an engine is on another Ray node. ``auto`` → the IPC transport when every engine
-    reports train rank 0's node id, else ``"broadcast"`` (an unknown node id counts as another node). Node ids, not
-    IP addresses, decide: several Ray nodes can share one IP (containers, a simulated cluster) without sharing
-    ``/dev/shm`` or a GPU.
-
-    Raises:
-        ValueError: ``mode`` is ``ipc`` and an engine is not on train rank 0's node (names the engines and nodes).
-    """
-    if mode == "broadcast":
-        return "broadcast"
-    ipc = "cuda_ipc" if on_gpu else "shm"
-    away = [i for i, node in enumerate(engine_nodes) if trainer_node is None or node != trainer_node]
-    if mode == "auto":
-        return "broadcast" if away else ipc
-    if away:
-        where = ", ".join(f"engine {i} on node {str(engine_nodes[i])[:8]}" for i in away)
-        raise ValueError(f"sync.mode=ipc needs every engine on train rank 0's Ray node {str(trainer_node)[:8]}, but "
-                         f"{where}; use sync.mode 'broadcast' or 'auto' across nodes")
-    return ipc
-
-
 def _short(exc: BaseException | None, limit: int = 300) -> str:
     if exc is None:
         return ""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[:limit] + " ..."
+
 
 
 class WeightSync:
@@ -144,26 +115,24 @@ class WeightSync:
         spec: the job spec (``sync``, ``model.dtype``, ``rollout.tensor_parallel_size``/``num_gpus_per_replica``).
         train: the train pool (``workers``, ``sync_plan``); rank 0 sends.
         rollout: the rollout pool; its ``engines`` list is read when the group is (re)built.
+        versions: the policy-version ledger: the version to sync, and where each engine's version is recorded.
 
     Attributes:
-        engines: the engine actors of the current group, in group order.
-        engine_versions: the policy version each of them holds (None: unknown, i.e. new or after a failed sync).
+        engines: the engine actors of the current group, in group order (their versions: ``versions``).
         transport: ``broadcast``, ``shm`` or ``cuda_ipc`` (``sync.mode`` resolved).
 
     Raises:
         SyncMemberError: a member died or stalled while the group formed.
     """
 
-    def __init__(self, spec, train, rollout):
-        self.spec, self.train, self.rollout = spec, train, rollout
-        s = spec.sync
-        buckets = train.sync_plan(spec.model.dtype, s.bucket_bytes)
+    def __init__(self, spec, train, rollout, versions: PolicyVersionLedger):
+        self.spec, self.train, self.rollout, self.versions = spec, train, rollout, versions
+        buckets = train.sync_plan(spec.model.dtype, spec.sync.bucket_bytes)
         self.buckets = buckets
         self.names = [slot.name for b in buckets for slot in b.slots]
         self.num_buckets = len(buckets)
         self.bytes_per_sync = sum(b.nbytes for b in buckets)
         self.engines: list = []
-        self.engine_versions: list[int | None] = []
         self.transport: str | None = None
         self._broken = False
         self.rebuild()
@@ -179,11 +148,10 @@ class WeightSync:
         """
         s = self.spec.sync
         engines = list(self.rollout.engines if engines is None else engines)
-        known = {id(e): v for e, v in zip(self.engines, self.engine_versions)}
         self._teardown()
         self._broken = True
         self.transport = self._resolve_transport(engines)
-        host, port = _pools_get(self.train.workers[0].node_address.remote(), s.timeout_s, "train rank 0 address")
+        host, port = get(self.train.workers[0].node_address.remote(), s.timeout_s, "train rank 0 address")
         tp = self.spec.rollout.tensor_parallel_size
         world = 1 + len(engines) * tp
         backend = "nccl" if self.spec.rollout.num_gpus_per_replica > 0 else "gloo"
@@ -200,7 +168,7 @@ class WeightSync:
                                               channel) for i, e in enumerate(engines)]
             wait_members(refs, names[1:], s.timeout_s, what)
         self.engines = engines
-        self.engine_versions = [known.get(id(e)) for e in engines]
+        self.versions.set_engines(engines)
         self._broken = False
 
     def _teardown(self) -> None:
@@ -221,84 +189,69 @@ class WeightSync:
         s = self.spec.sync
         if s.mode == "broadcast":
             return "broadcast"
-        node = _pools_get(self.train.workers[0].sync_node_id.remote(), s.timeout_s, "train rank 0 node id")
-        infos = wait_members([e.ready.remote() for e in engines], [f"engine {i}" for i in range(len(engines))],
-                             s.timeout_s, "reading the engines' Ray nodes")
+        node = get(self.train.workers[0].sync_node_id.remote(), s.timeout_s, "train rank 0 node id")
+        infos: list[EngineInfo] = wait_members([e.ready.remote() for e in engines],
+                                               [f"engine {i}" for i in range(len(engines))], s.timeout_s,
+                                               "reading the engines' Ray nodes")
         return choose_transport(s.mode, self.spec.rollout.num_gpus_per_replica > 0, node,
-                                [info.get("node_id") for info in infos])
+                                [info.node_id for info in infos])
 
     def close(self) -> None:
         """Tear the group down on every live member."""
         self._teardown()
-        self.engines, self.engine_versions, self.transport = [], [], None
+        self.engines, self.transport = [], None
+        self.versions.set_engines([])
 
     # ---- syncing ------------------------------------------------------------------------------------------------
-    def stale_engines(self, policy_version: int) -> list[int]:
-        """Indices of engines that do not hold ``policy_version`` (new, or after a failed sync)."""
-        return [i for i, v in enumerate(self.engine_versions) if v != policy_version]
-
-    def ensure_current(self, policy_version: int) -> dict | None:
-        """Sync when any engine of the group (e.g. a replacement) does not hold ``policy_version``; returns the
-        sync's metrics, or None when every engine already does. The trainer must be at ``policy_version``."""
-        if not self._broken and not self.stale_engines(policy_version):
+    def ensure_current(self) -> SyncReport | None:
+        """Sync when any engine of the group (e.g. a replacement) does not hold the ledger's current version;
+        returns the sync's report, or None when every engine already does."""
+        if not self._broken and not self.versions.stale_engines():
             return None
-        return self.sync(policy_version)
+        return self.sync()
 
-    def sync(self, policy_version: int) -> dict:
-        """Stream the current policy to every engine; checksum the tensors ``sync.verify`` selects.
+    def sync(self) -> SyncReport:
+        """Stream the current policy (``versions.current``) to every engine; checksum the tensors ``sync.verify``
+        selects; record every engine's version in the ledger.
 
         Returns:
-            metrics: ``sync/verified`` (every checked tensor matched on every engine worker),
-            ``sync/verified_tensors`` (tensors checked per worker), ``sync/bytes``, ``sync/buckets``,
-            ``sync/seconds_sender``, ``sync/gb_per_s`` (bytes / slowest member's seconds, 1 GB = 1e9 B),
-            ``sync/sender_peak_extra_bytes`` (measured on train rank 0, see ``weight_sync.sender``),
-            ``sync/sender_peak_extra_bytes_accounted``, ``sync/engines``, ``sync/ipc`` (1.0 on an IPC transport).
+            the sync's report (``SyncReport.metrics`` gives the ``sync/*`` metrics).
 
         Raises:
             SyncMemberError: an engine or the trainer died, failed or stalled (names it; within ``sync.timeout_s``).
             SyncVerificationError: a tensor's checksum on an engine differs from the trainer's (names both).
-            RuntimeError: the trainer is not at ``policy_version``.
+            PolicyVersionError: the trainer is not at ``versions.current``, or an engine reports another version.
         """
         s = self.spec.sync
+        version = self.versions.current
         if self._broken:
             self.rebuild()
-        check = checked_names(self.names, policy_version, s.verify, s.verify_full_every)
+        check = checked_names(self.names, version, s.verify, s.verify_full_every)
         check_arg = True if len(check) == len(self.names) else check
         names = [f"train rank {r}" for r in range(len(self.train.workers))]
         names += [f"engine {i}" for i in range(len(self.engines))]
         send = [w.broadcast_weights.remote(check_arg) for w in self.train.workers]
-        recv = [e.receive_weights.remote(policy_version, check_arg) for e in self.engines]
+        recv = [e.receive_weights.remote(version, check_arg) for e in self.engines]
         try:
-            results = wait_members(send + recv, names, s.timeout_s, f"weight sync to policy version {policy_version}")
+            results = wait_members(send + recv, names, s.timeout_s, f"weight sync to policy version {version}")
         except SyncMemberError:
             self._broken = True
-            self.engine_versions = [None] * len(self.engines)
+            self.versions.sync_failed()
             raise
-        sent, received = results[0], results[len(send):]
-        if sent.policy_version != policy_version:
-            raise RuntimeError(f"trainer is at policy version {sent.policy_version}, expected {policy_version}")
-        self.engine_versions = [r["policy_version"] for r in received]
+        sent: list[SendReport] = results[:len(send)]
+        received: list[ReceiveReport] = results[len(send):]
+        self.versions.check_trainer(sent[0].policy_version)
+        self.versions.synced(version, [r.policy_version for r in received])
         if check:
-            expected = {name: sent.checksums[name] for name in check}
+            expected = {name: sent[0].checksums[name] for name in check}
             for i, report in enumerate(received):
-                for w, checksums in enumerate(report["worker_checksums"]):
-                    _compare_checksums(expected, checksums, f"engine {i} worker {w}")
-        seconds = max([r.seconds for r in results[:len(send)]] + [r["seconds"] for r in received])
-        return {"sync/verified": bool(check),
-                "sync/verified_tensors": len(check), "sync/bytes": float(sent.bytes),
-                "sync/buckets": self.num_buckets, "sync/seconds_sender": sent.seconds,
-                "sync/gb_per_s": sent.bytes / max(seconds, 1e-9) / 1e9,
-                "sync/sender_peak_extra_bytes": float(sent.peak_extra_bytes),
-                "sync/sender_peak_extra_bytes_accounted": float(sent.peak_extra_bytes_accounted),
-                "sync/engines": len(self.engines), "sync/ipc": float(self.transport != "broadcast")}
-
-
-def _compare_checksums(sent: dict[str, int], got: dict[str, int], who: str) -> None:
-    """Raise :class:`SyncVerificationError` naming the first tensor whose CRC-32 differs (or the tensor sets)."""
-    if set(sent) != set(got):
-        missing, extra = sorted(set(sent) - set(got)), sorted(set(got) - set(sent))
-        raise SyncVerificationError(f"{who}: received tensor set differs: missing {missing[:5]}, extra {extra[:5]}")
-    for name, crc in sent.items():
-        if got[name] != crc:
-            raise SyncVerificationError(
-                f"{who}: tensor {name} checksum mismatch: trainer crc32 {crc:#010x}, engine crc32 {got[name]:#010x}")
+                for w, checksums in enumerate(report.worker_checksums):
+                    compare_checksums(expected, checksums, f"engine {i} worker {w}")
+        seconds = max(r.seconds for r in sent + received)
+        rank0 = sent[0]
+        return SyncReport(policy_version=version, verified=bool(check), verified_tensors=len(check),
+                          bytes=rank0.bytes, buckets=self.num_buckets, seconds_sender=rank0.seconds,
+                          gb_per_s=rank0.bytes / max(seconds, 1e-9) / 1e9,
+                          sender_peak_extra_bytes=rank0.peak_extra_bytes,
+                          sender_peak_extra_bytes_accounted=rank0.peak_extra_bytes_accounted,
+                          engines=len(self.engines), ipc=self.transport != "broadcast")
