@@ -99,21 +99,21 @@ def run_eval(folder: str, data: Path, *extra: str) -> dict:
 
 def test_eval_with_the_real_engine(tiny_model_dir, tmp_path):
     """``grpo-cluster eval --limit 4`` on rows whose references are 7, 3, 7, 7 (and 12 past the limit): the model
-    answers 7 each time, so pass@1 = 3/4 (3/5 would mean --limit was ignored), format 1, 4 tokens each (EOS
-    included), none truncated."""
+    answers 7 each time, so pass@1 = 3/4 (3/5 would mean --limit was ignored), format 0 (a bare answer line with no
+    worked solution before it is what the format reward refuses), 4 tokens each (EOS included), none truncated."""
     folder, completion = make_answering_model(tiny_model_dir, tmp_path / "answer7")
     result = run_eval(folder, write_data(tmp_path / "test.jsonl"), "--max-tokens", "8")
     assert result["model"] == folder and result["n"] == 4
-    assert result["pass@1"] == 0.75 and result["format"] == 1.0
+    assert result["pass@1"] == 0.75 and result["format"] == 0.0
     assert result["mean_tokens"] == len(completion) == 4 and result["truncated"] == 0.0
     assert result["seconds"] > 0 and result["tokens_per_s"] == pytest.approx(4 * 4 / result["seconds"])
 
 
 @pytest.mark.slow
 def test_eval_counts_truncated_completions(tiny_model_dir, tmp_path):
-    """With ``--max-tokens 3`` the answer ``#### 7`` is written but cut before its EOS: still correct and well
-    formatted, 3 tokens each, every completion truncated."""
+    """With ``--max-tokens 3`` the answer ``#### 7`` is written but cut before its EOS: still correct (and, a bare
+    answer line, not formatted), 3 tokens each, every completion truncated."""
     folder, _ = make_answering_model(tiny_model_dir, tmp_path / "answer7")
     result = run_eval(folder, write_data(tmp_path / "test.jsonl"), "--max-tokens", "3")
-    assert result["n"] == 4 and result["pass@1"] == 0.75 and result["format"] == 1.0
+    assert result["n"] == 4 and result["pass@1"] == 0.75 and result["format"] == 0.0
     assert result["mean_tokens"] == 3.0 and result["truncated"] == 1.0
