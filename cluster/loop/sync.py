@@ -240,13 +240,17 @@ class WeightSync:
             raise
         sent: list[SendReport] = results[:len(send)]
         received: list[ReceiveReport] = results[len(send):]
-        self.versions.check_trainer(sent[0].policy_version)
-        self.versions.synced(version, [r.policy_version for r in received])
-        if check:
-            expected = {name: sent[0].checksums[name] for name in check}
-            for i, report in enumerate(received):
-                for w, checksums in enumerate(report.worker_checksums):
-                    compare_checksums(expected, checksums, f"engine {i} worker {w}")
+        try:
+            self.versions.check_trainer(sent[0].policy_version)
+            if check:
+                expected = {name: sent[0].checksums[name] for name in check}
+                for i, report in enumerate(received):
+                    for w, checksums in enumerate(report.worker_checksums):
+                        compare_checksums(expected, checksums, f"engine {i} worker {w}")
+            self.versions.synced(version, [r.policy_version for r in received])
+        except Exception:
+            self.versions.sync_failed()  # no engine counts as holding the version until it is verified
+            raise
         seconds = max(r.seconds for r in sent + received)
         rank0 = sent[0]
         return SyncReport(policy_version=version, verified=bool(check), verified_tensors=len(check),

@@ -44,7 +44,7 @@ ACTOR_PREFIX = "grpo-cluster-control:"
 JOB_ID_ENV = "GRPO_CLUSTER_JOB_ID"
 """Environment variable ``grpo-cluster submit`` sets (runtime env) to the job's submission id."""
 MAX_ROLLOUT_REPLICAS = 4096
-"""Upper bound of a scale request; the same bound as ``rollout.replicas`` in the spec (cluster/spec.py)."""
+"""Upper bound of a scale request; the same bound as ``rollout.replicas`` in the spec (cluster/spec/)."""
 RESULT_MARKER = "GRPO_CONTROL_RESULT"
 ERROR_MARKER = "GRPO_CONTROL_ERROR"
 

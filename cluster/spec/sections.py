@@ -142,7 +142,8 @@ class TrainSpec(BaseModel):
         "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
         "stops the step naming it."))
     strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
-        "Data-parallel training strategy; 'megatron' is reserved and rejected until its workers exist."))
+        "Data-parallel training strategy: the train backend registered under this name in "
+        "train_workers.registry; 'megatron' is reserved and rejected until its workers are registered."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement-group strategy for the train ranks' bundles."))
     resources: CustomResources = Field(default_factory=dict, description=(
@@ -155,8 +156,10 @@ class TrainSpec(BaseModel):
     @field_validator("strategy")
     @classmethod
     def _strategy_available(cls, strategy: str) -> str:
-        if strategy != "fsdp":
-            raise ValueError(f"strategy {strategy!r} is not available yet; use 'fsdp'")
+        from train_workers.registry import TRAIN_BACKENDS  # names only: no backend module is imported
+
+        if strategy not in TRAIN_BACKENDS:
+            raise ValueError(f"strategy {strategy!r} is not available yet; use one of {sorted(TRAIN_BACKENDS)}")
         return strategy
 
     @field_validator("resources")

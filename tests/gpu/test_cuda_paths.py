@@ -86,7 +86,7 @@ def test_fsdp2_on_nccl_single_rank(tiny_model_dir, dtype):
     train = TrainSpec(world_size=1, num_gpus_per_worker=1, lr=1e-3)
     worker = FSDPTrainWorker(0, 1, tiny_model_dir, train, AlgorithmSpec(), 1.0, 16, dtype=dtype)
     info = worker.init_distributed("127.0.0.1", free_port())
-    assert info["backend"] == "nccl"
+    assert info.backend == "nccl"
     before = {n: p.full_tensor().detach().clone() for n, p in worker.policy.named_parameters()}
     mb = pack_microbatch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0],
                          [torch.zeros(2), torch.zeros(3)], [0, 1])

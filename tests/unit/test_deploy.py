@@ -105,7 +105,7 @@ def test_rayjob_runs_the_configmap_spec_on_the_raycluster(rendered, kustomizatio
     spec_file = Path(args.spec).name
     assert spec_file in config["data"]
     (tmp_path / spec_file).write_text(config["data"][spec_file])
-    spec = load_spec(tmp_path / spec_file)  # the job spec is valid for this version of cluster/spec.py
+    spec = load_spec(tmp_path / spec_file)  # the job spec is valid for this version of cluster/spec/
     ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
     assert spec.metrics.host == "0.0.0.0" and ports["grpo-metrics"] == spec.metrics.port
     assert spec.output_dir.startswith("/runs/"), "checkpoints must land on the shared volume"

@@ -88,6 +88,11 @@ RULES = (
          "workers import from cluster/ only cluster.messages (the typed messages)", allowed=("cluster.messages",)),
     Rule("weight_sync_not_cluster", ("weight_sync/",), ("cluster",),
          "weight_sync/ is transport only: it does not import cluster/"),
+    Rule("weight_sync_not_workers", ("weight_sync/",), ("rollout_workers", "train_workers"),
+         "weight_sync/ is transport only: the workers use it, it does not import them"),
+    Rule("messages_import_no_project", ("cluster/messages.py", "cluster/__init__.py"), PROJECT_PACKAGES,
+         "workers import cluster.messages (and so cluster/__init__.py): they must bring in nothing else of the "
+         "project, or the control plane would ride into every worker"),
     Rule("loop_not_concrete_backend", ("cluster/driver.py", "cluster/loop/"), CONCRETE_TRAIN_BACKENDS,
          "the loop (cluster/driver.py, cluster/loop/) reaches train backends through train_workers' registry and "
          "protocol, never a concrete backend module"),
@@ -184,6 +189,11 @@ def test_import_layering(rule: Rule):
     ("cluster/loop/pools.py", "from train_workers import fsdp_step\n", "train_workers.fsdp_step"),
     ("cluster/loop/pools.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                               "    from train_workers.fsdp_sync import x\n", "train_workers.fsdp_sync"),
+    ("weight_sync/group.py", "from train_workers.sharding import full_tensor\n", "train_workers.sharding"),
+    ("weight_sync/group.py", "def f():\n    import rollout_workers.engine\n", "rollout_workers.engine"),
+    ("cluster/messages.py", "from cluster.loop import pools\n", "cluster.loop"),
+    ("cluster/__init__.py", "from cluster.spec import JobSpec\n", "cluster.spec"),
+    ("cluster/messages.py", "def f():\n    from weight_sync.buckets import Bucket\n", "weight_sync.buckets"),
 ])
 def test_checker_finds_each_kind_of_violation(rel_path, source, offending):
     found = violations(rel_path, source)

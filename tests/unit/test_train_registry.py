@@ -86,3 +86,17 @@ def test_fsdp_worker_satisfies_the_protocol():
         got = list(inspect.signature(getattr(FSDPTrainWorker, name)).parameters.values())
         assert [p.name for p in got[:len(wanted)]] == [p.name for p in wanted], name
         assert all(p.default is not inspect.Parameter.empty for p in got[len(wanted):]), name
+
+
+def test_spec_strategy_follows_the_registry(monkeypatch):
+    """``train.strategy`` accepts a name once a backend is registered under it, and refuses it (naming the
+    registered ones) before."""
+    from pydantic import ValidationError
+
+    from cluster.spec import TrainSpec
+    from train_workers import registry
+
+    with pytest.raises(ValidationError, match=r"strategy 'megatron' is not available yet; use one of \['fsdp'\]"):
+        TrainSpec(strategy="megatron")
+    monkeypatch.setitem(registry.TRAIN_BACKENDS, "megatron", "train_workers.megatron_worker:MegatronTrainWorker")
+    assert TrainSpec(strategy="megatron").strategy == "megatron"
