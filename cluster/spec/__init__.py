@@ -6,8 +6,8 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 
 Modules: ``fields`` (shared field types, bounds, validators), ``sections`` (model, data, rollout, train, sync,
 metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``job``
-(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports
-only pydantic, PyYAML and, lazily, ``grpo.rewards`` (registered reward names); never Ray, torch or other
+(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides,
+:func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily, ``grpo.rewards`` (registered reward names); never Ray, torch or other
 ``cluster`` subpackages.
 """
 

@@ -6,9 +6,9 @@ Loading (:func:`load_spec`)::
 
 - Overrides are ``dotted.key=value``; the value is parsed as YAML (``4`` → int, ``true`` → bool, ``[1, 2]`` →
   list, an empty value → null). An unknown dotted key is an error that lists the valid keys at that level.
-- Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` written in the YAML file are resolved against the YAML
-  file's folder when the file exists there (so a spec can name data next to it), otherwise they are left as
-  written, relative to the working directory. ``model.path`` likewise, when it names an existing folder next to
+- Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` written in the YAML file are
+  resolved against the YAML file's folder when the file exists there (so a spec can name data next to it),
+  otherwise they are left as written, relative to the working directory. ``model.path`` likewise, when it names an existing folder next to
   the spec. Everything else (``output_dir``, ``checkpoint.dir``, ``model.cache_dir``) is relative to the working
   directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
 - Every problem is reported in one :class:`SpecError`, one line each:
@@ -179,7 +179,8 @@ def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: 
 
 
 def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
-    """Rewrite data.*_path and eval.data_path (existing files) and model.path (existing folders) found next to the spec file."""
+    """Rewrite data.*_path and eval.data_path (existing files) and model.path (existing folders) found next to the
+    spec file."""
     for section, key, exists in (("data", "train_path", Path.is_file), ("data", "test_path", Path.is_file),
                                  ("eval", "data_path", Path.is_file), ("model", "path", Path.is_dir)):
         block = data.get(section)
