@@ -206,3 +206,18 @@ def test_load_eval_set_limits_filters_and_names_the_field(tmp_path, monkeypatch)
     spec = _spec(tmp_path, f"eval: {{data_path: {tmp_path / 'long.jsonl'}}}\n")
     with pytest.raises(DataError, match="^eval.data_path: .*all 1 prompts are longer than data.max_prompt_tokens=12"):
         load_eval_set(spec.eval, spec.data, CharTokenizer())
+
+
+def test_the_monitor_reads_the_eval_rows():
+    """grpo.monitor's eval_drop detector takes these rows as they are: a step-0 eval-only row, then a drop below the
+    first evaluation's interval."""
+    from grpo.monitor import Monitor
+
+    evaluation = make_eval(40, EvalSpec(every_steps=1))
+    monitor = Monitor()
+    right, wrong = (WORKED.format, ("wrong", 3, "stop"))
+    for step, c in enumerate([30, 29, 5]):
+        row = evaluation.run(step, FakeFleet({i: [(right(i), 3, "stop")] if i < c else [wrong]
+                                              for i in range(40)}).generate)
+        out = monitor.update(step, row)
+    assert out["monitor/eval_drop"] == 1.0 and monitor.first_trip.step == 2
