@@ -283,7 +283,8 @@ class GRPOJob:
     def save_checkpoint(self) -> Path:
         """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config), the
         sharded optimizer state, the spec and the driver state (step, policy version, data position including prompts
-        drawn but not yet sampled, KL and group-size controllers), then prune to ``checkpoint.keep_last``.
+        drawn but not yet sampled, KL and group-size controllers; with eval, the best step), then prune to
+        ``checkpoint.keep_last``, sparing the best step's checkpoint with ``checkpoint.keep_best``.
 
         Atomic: everything is written into ``step_NNNNNN.partial`` and renamed when complete (``trainer_state.json``
         last), so a crash mid-write leaves the previous checkpoint the latest complete one.

@@ -116,5 +116,8 @@ def test_validate_accepts_a_good_eval_section(tmp_path, tiny_model_dir, capsys, 
                             for i in range(4)))
     spec = _job(tmp_path, tiny_model_dir, f"eval: {{data_path: {held}, limit: 3}}\ncheckpoint: {{keep_best: true}}")
     assert main(["validate", str(spec)]) == 0
-    assert f"eval: 3 held-out prompts x 1 from {held}" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert f"eval: 3 held-out prompts x 1 from {held}" in captured.err
+    assert f"eval:       3 held-out prompts x 1 from {held} (greedy, at most 256 tokens), at start, at end\n" in \
+        captured.out
     assert not (tmp_path / "out").exists()
