@@ -37,14 +37,13 @@ class FakeFleet:
         pass
 
 
-def _job(tmp_path: Path, model: str, extra: str, correct: list[int], steps: int = 4):
+def _job(tmp_path: Path, model: str, extra: str, steps: int = 4):
+    """A spec with 4 prompts (also the held-out set: prompt i's answer is 2i), metrics without Prometheus."""
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"}) + "\n"
                              for i in range(4)))
-    spec = load_spec_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: {steps}\nmodel: {{path: {model}}}\n"
-                          f"data: {{train_path: {train}, test_path: {train}, shuffle: false}}\nmetrics: {{port: null}}\n"
-                          f"{extra}")
-    return spec
+    return load_spec_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: {steps}\nmodel: {{path: {model}}}\n"
+                          f"data: {{train_path: {train}, test_path: {train}}}\nmetrics: {{port: null}}\n{extra}")
 
 
 def _run(spec, correct, monkeypatch, resume=False):
@@ -74,7 +73,7 @@ def _run(spec, correct, monkeypatch, resume=False):
 def test_eval_rows_new_best_checkpoints_and_keep_best_pruning(tmp_path, tiny_model_dir, monkeypatch):
     # evaluations at steps 0, 2, 4 (every 2, at_end) with 1, 3, 2 of 4 prompts correct: best at step 2
     spec = _job(tmp_path, tiny_model_dir, "eval: {every_steps: 2}\n"
-                "checkpoint: {every_steps: 3, keep_last: 1, keep_best: true}\n", [1, 3, 2])
+                "checkpoint: {every_steps: 3, keep_last: 1, keep_best: true}\n")
     job, history, rows, saved = _run(spec, [1, 3, 2], monkeypatch)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r.get("eval/accuracy") for r in rows] == [0.25, None, 0.75, None, 0.5]
@@ -92,7 +91,7 @@ def test_eval_rows_new_best_checkpoints_and_keep_best_pruning(tmp_path, tiny_mod
 
 def test_resume_keeps_the_best_and_does_not_repeat_the_start_eval(tmp_path, tiny_model_dir, monkeypatch):
     spec = _job(tmp_path, tiny_model_dir, "eval: {every_steps: 1}\ncheckpoint: {every_steps: 1, keep_best: true}\n",
-                [], steps=2)
+                steps=2)
     _run(spec, [2, 3, 1], monkeypatch)  # steps 0, 1, 2: best at step 1
     longer = spec.model_copy(update={"total_steps": 3})
     job, history, rows, saved = _run(longer, [1], monkeypatch, resume=True)
@@ -101,7 +100,7 @@ def test_resume_keeps_the_best_and_does_not_repeat_the_start_eval(tmp_path, tiny
 
 
 def test_no_eval_section_no_eval_keys(tmp_path, tiny_model_dir, monkeypatch):
-    spec = _job(tmp_path, tiny_model_dir, "", [], steps=2)
+    spec = _job(tmp_path, tiny_model_dir, "", steps=2)
     job, history, rows, saved = _run(spec, [], monkeypatch)
     assert job.evaluation is None and [r["step"] for r in rows] == [1, 2]
     assert not any(k.startswith("eval/") for r in rows for k in r)
@@ -112,7 +111,7 @@ def test_no_eval_section_no_eval_keys(tmp_path, tiny_model_dir, monkeypatch):
 @pytest.mark.parametrize("keep_best", [False, True])
 def test_best_at_step_0_protects_nothing(tmp_path, tiny_model_dir, monkeypatch, keep_best):
     spec = _job(tmp_path, tiny_model_dir, f"eval: {{every_steps: 1}}\ncheckpoint: {{every_steps: 1, keep_last: 1, "
-                f"keep_best: {str(keep_best).lower()}}}\n", [], steps=3)
+                f"keep_best: {str(keep_best).lower()}}}\n", steps=3)
     job, history, rows, saved = _run(spec, [3, 1, 2, 0], monkeypatch)
     assert saved == [1, 2, 3] and [r["eval/best_step"] for r in rows] == [0, 0, 0, 0]
     assert sorted(p.name for p in (Path(spec.output_dir) / "checkpoints").iterdir()) == ["step_000003"]
