@@ -221,3 +221,17 @@ def test_the_monitor_reads_the_eval_rows():
                                               for i in range(40)}).generate)
         out = monitor.update(step, row)
     assert out["monitor/eval_drop"] == 1.0 and monitor.first_trip.step == 2
+
+
+def test_the_engine_samples_eval_requests_with_their_override_and_training_ones_with_the_spec():
+    from types import SimpleNamespace
+
+    from cluster.spec import RolloutSpec
+    from rollout_workers.engine import RolloutEngine
+
+    engine = SimpleNamespace(rollout=RolloutSpec(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                                                 max_response_tokens=64))
+    train = RolloutEngine._sampling(engine, GroupRequest(0, [1], seed=5))
+    assert train == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 64}
+    held = RolloutEngine._sampling(engine, GroupRequest(0, [1], seed=5, sampling=SamplingOverride(0.0, 32)))
+    assert held == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 32}
