@@ -10,7 +10,8 @@ batch holds B groups with a learning signal; G follows ``GroupSizeController``; 
 Each phase is a call into the part that owns it (``cluster/loop/``): ``setup`` (folders, tokenizer, prompts),
 ``requests`` (prompts → group requests and their seeds), ``fleet`` (engines: generate and sync, replacing failed
 ones), ``scoring`` (rewards, masks, advantages), ``training`` (micro-batches, the train pool, skipped updates),
-``step_metrics`` (the metrics row), ``checkpoint_state`` (save, resume) and ``restarts`` (restart on failure).
+``step_metrics`` (the metrics row), ``checkpoint_state`` (save, resume), ``restarts`` (restart on failure) and, with
+an ``eval`` section, ``evaluation`` (held-out ``eval/*`` between steps; the starting weights' row has step 0).
 
 Reliability: every group is sampled with its own seed (spec seed, step, group id), so a group sampled again — after
 an engine died, or after a resume — comes out the same. Checkpoints are written to a temporary folder and renamed
@@ -33,6 +34,7 @@ from cluster.data.models import resolve_model_path
 from cluster.loop import restarts
 from cluster.loop.checkpoint_state import (driver_state, open_step_logs, restore_driver_state, resume_point,
                                            write_checkpoint)
+from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet
 from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
@@ -79,6 +81,7 @@ class GRPOJob:
             (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
         self._status(f"{len(prompts.examples)} prompts from {d.train_path} ({self.bad_rows} bad rows skipped, "
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
+        self.evaluation = load_evaluation(spec, tokenizer, self._status)  # None without an eval section
         alg = spec.algorithm
         self.scoring = Scoring(alg, spec.rollout.max_response_tokens, model_eos_ids(self.model_path, tokenizer))
         self.group_size = GroupSizeController(spec.rollout.group_size, alg.group_size_schedule, alg.group_size_max,
@@ -136,10 +139,13 @@ class GRPOJob:
         bar = tqdm(total=self.spec.total_steps, desc="GRPO", unit="step", file=sys.stderr, disable=not self.progress)
         try:
             bar.update(self.step)
+            if self.step == 0 and (start := self._evaluate()):  # the starting weights: a row of its own, step 0
+                self.metrics.log(0, start)
+                tqdm.write(format_console_line(0, start), file=sys.stdout)
             while self.step < self.spec.total_steps:
                 self._apply_control()
                 self.step += 1
-                metrics = self.run_step(bar)
+                metrics = {**self.run_step(bar), **self._evaluate()}
                 history.append(metrics)
                 self._log_step(metrics)
                 bar.update(1)
@@ -249,6 +255,13 @@ class GRPOJob:
             return {"sync/skipped": 1.0}
         return {**self.fleet.sync_policy().metrics(), "sync/skipped": 0.0}
 
+    def _evaluate(self) -> dict:
+        """The held-out ``eval/*`` metrics when an evaluation is due after this step (``cluster.loop.evaluation``),
+        on the engines' current weights; {} otherwise."""
+        if self.evaluation is None or not self.evaluation.due(self.step):
+            return {}
+        return self.evaluation.run(self.step, partial(self.fleet.generate, record=False))
+
     def _log_step(self, metrics: dict) -> None:
         """Record the finished step: the metrics row, the per-engine figures, and the console line when due."""
         self.completed[self.step] = metrics
@@ -264,12 +277,14 @@ class GRPOJob:
     def _checkpoint_due(self) -> bool:
         c = self.spec.checkpoint
         last = self.step == self.spec.total_steps
-        return (c.every_steps > 0 and self.step % c.every_steps == 0) or (last and c.save_final)
+        best = self.evaluation is not None and self.evaluation.checkpoint_wanted(self.step)  # checkpoint.keep_best
+        return (c.every_steps > 0 and self.step % c.every_steps == 0) or (last and c.save_final) or best
 
     def save_checkpoint(self) -> Path:
         """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config), the
         sharded optimizer state, the spec and the driver state (step, policy version, data position including prompts
-        drawn but not yet sampled, KL and group-size controllers), then prune to ``checkpoint.keep_last``.
+        drawn but not yet sampled, KL and group-size controllers; with eval, the best step), then prune to
+        ``checkpoint.keep_last``, sparing the best step's checkpoint with ``checkpoint.keep_best``.
 
         Atomic: everything is written into ``step_NNNNNN.partial`` and renamed when complete (``trainer_state.json``
         last), so a crash mid-write leaves the previous checkpoint the latest complete one.
@@ -278,8 +293,11 @@ class GRPOJob:
                              prompts_filtered=self.prompts_filtered, model_path=self.model_path,
                              kl_coef=self.kl_controller.value, group_size=self.group_size, skips=self.skips,
                              engine_restarts=self.rollout.restarts if self.rollout is not None else 0)
+        if self.evaluation is not None:
+            state["eval"] = self.evaluation.state_dict()
         path = write_checkpoint(self.checkpoint_root(), self.step, self.train, self.model_path,
-                                spec_to_yaml(self.spec), state, self.spec.checkpoint.keep_last)
+                                spec_to_yaml(self.spec), state, self.spec.checkpoint.keep_last,
+                                protect=self.evaluation.protected_step() if self.evaluation is not None else None)
         self._status(f"checkpoint saved: {path}")
         return path
 
@@ -288,6 +306,7 @@ class GRPOJob:
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
                                                          group_size=self.group_size, skips=self.skips)
         self.versions = PolicyVersionLedger(policy_version)
+        restore_best(self.evaluation, path)
         if self.step >= self.spec.total_steps:
             self._status(f"resume: checkpoint {path} is at step {self.step} >= total_steps={self.spec.total_steps}")
 

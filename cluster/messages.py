@@ -20,6 +20,19 @@ import torch
 
 
 @dataclass(frozen=True)
+class SamplingOverride:
+    """Sampling settings a request uses instead of the spec's ``rollout`` ones (held-out evaluation: greedy or its
+    own temperature, its own length cap; top_p 1, top_k and min_p off).
+
+    Attributes:
+        temperature: 0 is greedy decoding. max_tokens: completion length cap in tokens.
+    """
+
+    temperature: float
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class GroupRequest:
     """One prompt to sample a group for.
 
@@ -34,12 +47,15 @@ class GroupRequest:
             and the seed — not on the engine or the rest of the batch. The driver derives it from (spec seed, step,
             group id) (``cluster.loop.fleet.request_seed``), which makes re-sampled groups and resumed runs
             reproducible.
+        sampling: None samples with the spec's ``rollout`` settings (training); a :class:`SamplingOverride` replaces
+            them for this request (held-out evaluation).
     """
 
     group_id: int
     prompt_ids: list[int]
     group_size: int | None = None
     seed: int | None = None
+    sampling: SamplingOverride | None = None
 
 
 @dataclass

@@ -84,7 +84,8 @@ class RolloutEngine:
         return EngineInfo(policy_version=self.policy_version, pid=os.getpid(), node_id=node_id, gpu_ids=gpu_ids)
 
     def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], GenerateStats]:
-        """Sample ``group_size`` completions for each request (``request.group_size`` when set).
+        """Sample ``group_size`` completions for each request (``request.group_size`` when set), with the spec's
+        rollout sampling settings or the request's ``sampling`` override.
 
         Raises:
             RuntimeError: the weights are inconsistent after a failed sync, or vLLM reports a prompt other than the
@@ -102,11 +103,7 @@ class RolloutEngine:
             raise RuntimeError("engine weights are inconsistent after a failed weight sync; sync it before generating")
         params = [SamplingParams(
             n=r.group_size or group_size,
-            temperature=self.rollout.temperature,
-            top_p=self.rollout.top_p,
-            top_k=self.rollout.top_k,
-            min_p=self.rollout.min_p,
-            max_tokens=self.rollout.max_response_tokens,
+            **self._sampling(r),
             logprobs=0,
             skip_special_tokens=True,
             seed=r.seed,
@@ -136,6 +133,16 @@ class RolloutEngine:
         if self.kv_capacity_tokens:  # every request of the call is in flight at once: this bounds the peak
             kv_cache_usage = min(1.0, kv_tokens / self.kv_capacity_tokens)
         return results, GenerateStats(seconds=seconds, tokens=tokens, kv_cache_usage=kv_cache_usage)
+
+    def _sampling(self, request: GroupRequest) -> dict:
+        """A request's temperature, filters and length cap: the spec's ``rollout`` settings, or its
+        ``SamplingOverride`` (top_p 1, top_k and min_p off)."""
+        o = request.sampling
+        if o is not None:
+            return {"temperature": o.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": o.max_tokens}
+        r = self.rollout
+        return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
+                "max_tokens": r.max_response_tokens}
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
                          channel=None) -> list[int]:

@@ -96,9 +96,10 @@ def restore_driver_state(path: Path, *, prompts: PromptQueue, kl_controller, gro
 
 
 def write_checkpoint(root: Path, step: int, train: TrainPool, model_path: str, spec_yaml: str, state: dict,
-                     keep_last: int | None) -> Path:
+                     keep_last: int | None, protect: int | None = None) -> Path:
     """Write ``root/step_NNNNNN`` (the train ranks' policy and optimizer, the model's tokenizer files, the spec and
-    the driver ``state``), then keep only the newest ``keep_last`` complete checkpoints (all when None).
+    the driver ``state``), then keep only the newest ``keep_last`` complete checkpoints (all when None) and the one
+    of step ``protect`` (``checkpoint.keep_best``).
 
     Atomic: everything is written into ``step_NNNNNN.partial`` and renamed when complete (``trainer_state.json``
     last), so a crash mid-write leaves the previous checkpoint the latest complete one.
@@ -120,13 +121,15 @@ def write_checkpoint(root: Path, step: int, train: TrainPool, model_path: str, s
     write_atomic(tmp / TRAINER_STATE, json.dumps(state, indent=2))
     os.replace(tmp, path)
     write_atomic(root / "latest", path.name)
-    prune_checkpoints(root, keep_last)
+    prune_checkpoints(root, keep_last, protect)
     return path
 
 
-def prune_checkpoints(root: Path, keep_last: int | None) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints under ``root`` (none when None)."""
+def prune_checkpoints(root: Path, keep_last: int | None, protect: int | None = None) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``root`` (none when None), sparing the one
+    of step ``protect`` (kept besides the newest ``keep_last``)."""
     if keep_last is None:
         return
     for old in complete_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if protect is None or old.name != f"step_{protect:06d}":
+            shutil.rmtree(old, ignore_errors=True)

@@ -108,11 +108,13 @@ class EngineFleet:
         self.figures = FleetFigures()
 
     def generate(self, requests: list[GroupRequest],
-                 on_groups: Callable[[list[GroupResult]], None] | None = None) -> list[GroupResult]:
+                 on_groups: Callable[[list[GroupResult]], None] | None = None,
+                 record: bool = True) -> list[GroupResult]:
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
         an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``).
 
-        Returns the groups in request order; the accepted call's stats are added to :attr:`figures`.
+        Returns the groups in request order; the accepted call's stats are added to :attr:`figures` when ``record``
+        (held-out evaluation passes False: its calls are not the step's rollouts).
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
@@ -129,7 +131,8 @@ class EngineFleet:
                 continue
             stale = [g for g in groups if self.versions.staleness(g.policy_version) > r.max_staleness]
             if not stale:
-                self.figures.add(stats)
+                if record:
+                    self.figures.add(stats)
                 return groups
             self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
                          f"(trainer {self.versions.current}, rollout.max_staleness={r.max_staleness}); re-syncing "

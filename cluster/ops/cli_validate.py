@@ -82,6 +82,13 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
         ("cluster", cluster),
         ("output_dir", f"{Path(s.output_dir).resolve()} (writable; checkpoints in {job.checkpoint_root()})"),
     ]
+    if job.evaluation is not None:
+        ev, held = s.eval, job.evaluation.evalset
+        when = ", ".join(w for w, on in (("at start", ev.at_start), (f"every {ev.every_steps} steps", ev.every_steps),
+                                          ("at end", ev.at_end)) if on)
+        lines.insert(5, ("eval", f"{len(held.examples)} held-out prompts x {ev.samples} from {held.path} ("
+                                 f"{'greedy' if ev.temperature == 0 else f'temperature {ev.temperature:g}'}, at most "
+                                 f"{job.evaluation.requests[0].sampling.max_tokens} tokens), {when}"))
     width = max(len(k) for k, _ in lines) + 2
     return "\n".join(f"{k + ':':<{width}}{v}" for k, v in lines) + "\nvalid: nothing was started or written"
 

@@ -85,6 +85,11 @@ METRIC_HELP: dict[str, str] = {
     "sync/bytes": "Bytes of weights sent per weight sync.",
     "timing/sync_s": "Wall seconds of the step's weight sync.",
     "workers/restarts": "Worker restarts since the job started (cumulative count).",
+    "eval/accuracy": "Held-out accuracy (pass@1, or mean@k with eval.samples > 1) of the latest evaluation.",
+    "eval/accuracy_ci_low": "Lower bound of the held-out accuracy's 95% Wilson interval.",
+    "eval/accuracy_ci_high": "Upper bound of the held-out accuracy's 95% Wilson interval.",
+    "eval/n": "Completions scored by the latest held-out evaluation (prompts x samples).",
+    "eval/best_accuracy": "Best held-out accuracy so far.",
 }
 """HELP text of the figures the dashboards and alerts use; other keys get a generic one."""
 
@@ -99,6 +104,8 @@ CONSOLE_FIELDS: tuple[tuple[tuple[str, str], ...], ...] = (
      ("timing/step_s", "step {:.1f}s")),
     (("perf/rollout_tokens_per_s", "{:.0f} tok/s"),),
     (("sync/verified", "verified|NOT VERIFIED"),),
+    (("eval/accuracy", "eval {:.3f}"), ("eval/accuracy_ci_low", "[{:.3f},"), ("eval/accuracy_ci_high", "{:.3f}]"),
+     ("eval/n", "n={:.0f}")),
 )
 """Console line layout: groups separated by ' | ', each a (metric key, format) list; a bool's format is
 'shown if true|shown if false'. Keys not present in a step's metrics are left out."""

@@ -5,13 +5,14 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
 Modules: ``fields`` (shared field types, bounds, validators), ``sections`` (model, data, rollout, train, sync,
-metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``job`` (:class:`JobSpec` and its cross-section
-checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports
-only pydantic, PyYAML and, lazily, ``grpo.rewards`` (registered reward names); never Ray, torch or other
+metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``job``
+(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides,
+:func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily, ``grpo.rewards`` (registered reward names); never Ray, torch or other
 ``cluster`` subpackages.
 """
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec
+from cluster.spec.evaluation import MAX_EVAL_SAMPLES, EvalSpec
 from cluster.spec.fields import (
     MAX_CUSTOM_RESOURCE, MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, ByteSize,
     CustomResources, parse_byte_size,
@@ -25,9 +26,9 @@ from cluster.spec.sections import (
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "locate_field_error", "parse_byte_size", "load_spec",
-    "load_spec_text", "spec_to_yaml",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "JobSpec", "locate_field_error", "parse_byte_size",
+    "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 
 # Also public (re-exported, not in __all__, as before the split): DEFAULT_SYSTEM_PROMPT, MAX_GROUP_SIZE, the other
-# bounds, ByteSize and CustomResources.
+# bounds (MAX_EVAL_SAMPLES too), ByteSize and CustomResources.

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
+from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
@@ -19,7 +20,8 @@ __all__ = ["JobSpec"]
 
 
 class JobSpec(BaseModel):
-    """A whole GRPO job: model, data, rollout, training, algorithm, weight sync, metrics, checkpoints, Ray."""
+    """A whole GRPO job: model, data, rollout, training, algorithm, weight sync, metrics, checkpoints, Ray and
+    (optional) held-out evaluation."""
 
     model_config = SPEC_CONFIG
     name: str = Field("grpo", min_length=1, description="Job name (metrics label, Ray job name).")
@@ -38,6 +40,8 @@ class JobSpec(BaseModel):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=CheckpointSpec.__doc__)
     ray: RaySpec = Field(default_factory=RaySpec, description=RaySpec.__doc__)
+    eval: EvalSpec | None = Field(None, description=(
+        f"{EvalSpec.__doc__} null (the default): no evaluation, no eval/* metrics."))
     resume: Literal["never", "auto"] = Field("never", description=(
         "'auto' continues from the latest complete checkpoint in checkpoint.dir when there is one "
         "(same as `grpo-cluster run --resume`)."))
@@ -64,4 +68,9 @@ class JobSpec(BaseModel):
                 f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))
         for conflict in algorithm_conflicts(self.algorithm, rollout):
             raise conflict
+        for conflict in eval_conflicts(self.eval, self.data, rollout) if self.eval is not None else ():
+            raise conflict
+        if self.checkpoint.keep_best and self.eval is None:
+            raise FieldConflict("checkpoint.keep_best", (
+                "keep_best keeps the checkpoint of the best eval/accuracy step; it needs an eval section"))
         return self

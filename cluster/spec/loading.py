@@ -6,9 +6,9 @@ Loading (:func:`load_spec`)::
 
 - Overrides are ``dotted.key=value``; the value is parsed as YAML (``4`` → int, ``true`` → bool, ``[1, 2]`` →
   list, an empty value → null). An unknown dotted key is an error that lists the valid keys at that level.
-- Relative paths: ``data.train_path`` / ``data.test_path`` written in the YAML file are resolved against the YAML
-  file's folder when the file exists there (so a spec can name data next to it), otherwise they are left as
-  written, relative to the working directory. ``model.path`` likewise, when it names an existing folder next to
+- Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` written in the YAML file are
+  resolved against the YAML file's folder when the file exists there (so a spec can name data next to it),
+  otherwise they are left as written, relative to the working directory. ``model.path`` likewise, when it names an existing folder next to
   the spec. Everything else (``output_dir``, ``checkpoint.dir``, ``model.cache_dir``) is relative to the working
   directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
 - Every problem is reported in one :class:`SpecError`, one line each:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,9 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
                         f"({', '.join(JobSpec.model_fields)}), got {type(data).__name__}")
     if base_dir is not None:
         _resolve_relative_paths(data, Path(base_dir))
-    for section in [k for k, v in data.items() if v is None and _model_at((str(k),)) is not None]:
-        data[section] = {}  # a section whose keys are all commented out means "all defaults"
+    for section in [k for k, v in data.items() if v is None and _model_at((str(k),)) is not None
+                    and JobSpec.model_fields[str(k)].default is not None]:
+        data[section] = {}  # a section whose keys are all commented out means "all defaults" (optional ones: off)
     set_by = _apply_overrides(data, overrides)
     try:
         return JobSpec.model_validate(data)
@@ -177,9 +179,10 @@ def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: 
 
 
 def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
-    """Rewrite data.*_path (existing files) and model.path (existing folders) found next to the spec file."""
+    """Rewrite data.*_path and eval.data_path (existing files) and model.path (existing folders) found next to the
+    spec file."""
     for section, key, exists in (("data", "train_path", Path.is_file), ("data", "test_path", Path.is_file),
-                                 ("model", "path", Path.is_dir)):
+                                 ("eval", "data_path", Path.is_file), ("model", "path", Path.is_dir)):
         block = data.get(section)
         value = block.get(key) if isinstance(block, dict) else None
         if isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("builtin:"):
@@ -189,11 +192,14 @@ def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
 
 
 def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
-    """The spec model class found by walking field names from JobSpec, or None if loc leaves the models."""
+    """The spec model class found by walking field names from JobSpec, or None if loc leaves the models. An
+    optional section (``eval: EvalSpec | None``) counts as its model."""
     cls: type[BaseModel] = JobSpec
     for part in loc:
         field = cls.model_fields.get(part)
         ann = field.annotation if field is not None else None
+        if isinstance(ann, types.UnionType):
+            ann = next((a for a in ann.__args__ if a is not type(None)), None) if len(ann.__args__) == 2 else None
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         cls = ann

@@ -224,6 +224,11 @@ class CheckpointSpec(BaseModel):
     keep_last: int | None = Field(None, ge=1, le=1_000_000, strict=True, description=(
         "Keep only this many newest complete checkpoints (older ones are deleted after a new one is complete); "
         "null keeps all."))
+    keep_best: bool = Field(False, description=(
+        "Keep the checkpoint of the step with the best eval/accuracy (needs an eval section): when an evaluation "
+        "at step s >= 1 beats every earlier one (ties keep the earlier step), step s's checkpoint is written (if "
+        "checkpoint.every_steps did not write one there) and keep_last never deletes it while it is the best; it "
+        "is kept besides the keep_last newest. A best at step 0 is the starting model itself (model.path)."))
 
 
 class RaySpec(BaseModel):

@@ -1,0 +1,237 @@
+"""Held-out evaluation between steps (the spec's ``eval`` section): pass@1, or mean@k, with a 95 % Wilson interval.
+
+The held-out prompts run on the rollout engines, which hold the trainer's current weights after each step's sync, as
+:class:`cluster.messages.GroupRequest` s with a :class:`cluster.messages.SamplingOverride` (greedy by default, the
+eval's own length cap) and a fixed seed per prompt (:func:`eval_seed`: the same at every evaluation, so two
+evaluations differ only by the weights). Completions are scored with the registered reward functions
+(``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``; ``eval.format_reward``, default ``format``).
+
+Metrics (``eval/*``, on the metrics row of the step the evaluation ran after; the starting weights' evaluation is a
+row of its own with step 0):
+
+- ``eval/accuracy``: mean@k over the P prompts (pass@1 when k = ``eval.samples`` = 1), a proportion in [0, 1];
+  ``eval/accuracy_ci_low`` / ``eval/accuracy_ci_high``: its 95 % Wilson interval over the P prompts
+  (:func:`grpo.stats.accuracy_estimate`: exact for k = 1, conservative for k > 1).
+- ``eval/n``: completions scored (P · k); ``eval/problems``: P.
+- ``eval/response_length_mean``: mean completion length, tokens; ``eval/truncated_fraction``: fraction of completions
+  cut at ``eval.max_tokens``; ``eval/format_rate``: mean ``eval.format_reward`` score (absent when it is null).
+- ``eval/seconds``: wall seconds of the evaluation (generate + score); not counted in ``timing/*``.
+- ``eval/best_accuracy``, ``eval/best_step``: the highest ``eval/accuracy`` so far and the step it was measured at
+  (ties keep the earlier step; step 0 is the starting weights).
+
+A completion the accuracy function gives no score (None/NaN) counts as wrong; the format function likewise as unpaid.
+
+``checkpoint.keep_best`` (see :meth:`HeldOutEval.checkpoint_wanted` and :meth:`HeldOutEval.protected_step`): an
+evaluation at step s >= 1 that sets a new best asks for step s's checkpoint (written then if none was due), and
+``keep_last`` pruning spares it while it is the best. The best is part of the checkpoint's driver state
+(``trainer_state.json`` key ``eval``), so a resumed job keeps it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
+from cluster.loop.checkpoints import TRAINER_STATE
+from cluster.loop.setup import SetupError
+from cluster.messages import GroupRequest, GroupResult, SamplingOverride
+from grpo.rewards import REWARD_FUNCTIONS
+from grpo.stats import accuracy_estimate
+
+__all__ = ["EvalSet", "HeldOutEval", "eval_seed", "load_eval_set", "load_evaluation", "restore_best", "score_eval"]
+
+#: Generates one group per request, results in request order (``EngineFleet.generate`` without step figures).
+Generate = Callable[[list[GroupRequest]], list[GroupResult]]
+
+
+def eval_seed(seed: int, index: int) -> int:
+    """The sampling seed of held-out prompt ``index``: a CRC-32 mix of (spec seed, "eval", index), in [0, 2**31); the
+    same at every evaluation of the job."""
+    return zlib.crc32(f"{seed}:eval:{index}".encode()) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The held-out prompts of a job.
+
+    Attributes:
+        path: the jsonl file read. field: the spec field that named it (``eval.data_path`` or ``data.test_path``).
+        examples: the P rows evaluated, in file order. prompt_ids: P chat-templated prompts (token ids).
+        bad_rows: unreadable rows skipped (``data.on_bad_row: skip``). filtered: rows dropped for being longer than
+            ``data.max_prompt_tokens`` tokens (the engines' context is sized for those).
+    """
+
+    path: str
+    field: str
+    examples: list[Example]
+    prompt_ids: list[list[int]]
+    bad_rows: int
+    filtered: int
+
+
+def load_eval_set(ev, data, tokenizer) -> EvalSet:
+    """Read the held-out file (``eval.data_path``, else ``data.test_path``) with ``data``'s fields and prompt
+    (system prompt, suffix), drop prompts over ``data.max_prompt_tokens`` and keep the first ``eval.limit``.
+
+    Args:
+        ev: the spec's ``eval`` section. data: its ``data`` section. tokenizer: the model's tokenizer.
+
+    Raises:
+        DataError: the file is missing, unreadable or has no usable rows, or every prompt is too long; prefixed with
+            the field that named the file.
+    """
+    field, path = ("eval.data_path", ev.data_path) if ev.data_path is not None else ("data.test_path", data.test_path)
+    try:
+        examples, bad_rows = load_jsonl_examples(path, question_field=data.question_field,
+                                                 answer_field=data.answer_field, on_bad_row=data.on_bad_row)
+    except DataError as exc:
+        raise DataError(f"{field}: {exc}") from None
+    ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
+    kept = [(ex, list(tok)) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
+    if not kept:
+        raise DataError(f"{field}: {path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="
+                        f"{data.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))})")
+    chosen = kept if ev.limit is None else kept[:ev.limit]
+    return EvalSet(path=str(path), field=field, examples=[ex for ex, _ in chosen], prompt_ids=[t for _, t in chosen],
+                   bad_rows=bad_rows, filtered=len(examples) - len(kept))
+
+
+def _scores(name: str, texts: list[str], references: list[str]) -> list[float]:
+    """Reward function ``name`` on the completions; None/NaN → 0.0.
+
+    Raises:
+        ValueError: a score outside [0, 1] (eval rates need 1 = pays, 0 = does not), naming the function.
+    """
+    out = []
+    for value in REWARD_FUNCTIONS[name](texts, references):
+        value = 0.0 if value is None or math.isnan(value) else float(value)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"eval: reward function {name!r} gave {value!r}; eval needs scores in [0, 1]")
+        out.append(value)
+    return out
+
+
+def score_eval(groups: list[GroupResult], references: list[str], accuracy_reward: str,
+               format_reward: str | None) -> dict[str, float]:
+    """The ``eval/*`` figures of P groups of k completions (module docstring), without timing and best-step keys.
+
+    Args:
+        groups: P results, one per held-out prompt, each with k completions. references: P final answers.
+        accuracy_reward, format_reward: registered reward function names (``format_reward`` None: no format rate).
+
+    Raises:
+        ValueError: no groups, groups of different k, or a score outside [0, 1].
+    """
+    per_problem = [_scores(accuracy_reward, g.texts, [ref] * len(g.texts)) for g, ref in zip(groups, references,
+                                                                                               strict=True)]
+    est = accuracy_estimate(per_problem)
+    lengths = [len(ids) for g in groups for ids in g.response_ids]
+    reasons = [r for g in groups for r in g.finish_reasons]
+    metrics = {"eval/accuracy": est.accuracy, "eval/accuracy_ci_low": est.ci_low,
+               "eval/accuracy_ci_high": est.ci_high, "eval/n": float(est.samples), "eval/problems": float(est.problems),
+               "eval/response_length_mean": sum(lengths) / len(lengths),
+               "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
+    if format_reward is not None:
+        texts = [t for g in groups for t in g.texts]
+        refs = [ref for g, ref in zip(groups, references) for _ in g.texts]
+        metrics["eval/format_rate"] = sum(_scores(format_reward, texts, refs)) / len(texts)
+    return metrics
+
+
+class HeldOutEval:
+    """When to evaluate, running one evaluation, and the best step so far.
+
+    Args:
+        ev: the spec's ``eval`` section. evalset: the held-out prompts. seed: the spec's seed. total_steps: the
+            job's last step (``eval.at_end``). max_tokens: the completion cap (``eval.max_tokens`` or
+            ``rollout.max_response_tokens``). keep_best: ``checkpoint.keep_best``.
+    """
+
+    def __init__(self, ev, evalset: EvalSet, seed: int, total_steps: int, max_tokens: int, keep_best: bool = False):
+        self.ev, self.evalset, self.total_steps, self.keep_best = ev, evalset, total_steps, keep_best
+        sampling = SamplingOverride(temperature=ev.temperature, max_tokens=max_tokens)
+        self.requests = [GroupRequest(group_id=i, prompt_ids=ids, group_size=ev.samples, seed=eval_seed(seed, i),
+                                      sampling=sampling) for i, ids in enumerate(evalset.prompt_ids)]
+        self.references = [ex.reference for ex in evalset.examples]
+        self.best_step: int | None = None
+        self.best_accuracy: float | None = None
+        self._new_best_at: int | None = None  # step of the last evaluation, when it set a new best
+
+    def due(self, step: int) -> bool:
+        """Whether an evaluation runs after step ``step`` (0: before step 1, on the starting weights)."""
+        if step == 0:
+            return self.ev.at_start
+        return (self.ev.at_end and step == self.total_steps) or bool(
+            self.ev.every_steps and step % self.ev.every_steps == 0)
+
+    def run(self, step: int, generate: Generate) -> dict[str, float]:
+        """Evaluate the engines' current weights after step ``step``; returns the ``eval/*`` metrics.
+
+        Raises:
+            ValueError: a reward function gave a score outside [0, 1]. The engines' errors (``generate``'s).
+        """
+        t0 = time.perf_counter()
+        groups = generate(self.requests)
+        metrics = score_eval(groups, self.references, self.ev.accuracy_reward, self.ev.format_reward)
+        self._new_best_at = None
+        if self.best_accuracy is None or metrics["eval/accuracy"] > self.best_accuracy:
+            self.best_step, self.best_accuracy, self._new_best_at = step, metrics["eval/accuracy"], step
+        return {**metrics, "eval/seconds": time.perf_counter() - t0, "eval/best_accuracy": self.best_accuracy,
+                "eval/best_step": float(self.best_step)}
+
+    def checkpoint_wanted(self, step: int) -> bool:
+        """With ``keep_best``: the evaluation after step ``step`` (>= 1) set a new best, so its checkpoint is due."""
+        return self.keep_best and step >= 1 and self._new_best_at == step
+
+    def protected_step(self) -> int | None:
+        """With ``keep_best``: the best step, whose checkpoint ``keep_last`` must not delete (None: nothing to
+        protect, e.g. the best is the starting model at step 0)."""
+        return self.best_step if self.keep_best and self.best_step else None
+
+    def state_dict(self) -> dict:
+        """``{"best_step", "best_accuracy"}`` (None before the first evaluation), for ``trainer_state.json``."""
+        return {"best_step": self.best_step, "best_accuracy": self.best_accuracy}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore :meth:`state_dict`; None (a checkpoint of a job without eval) leaves no best."""
+        state = state or {}
+        self.best_step, self.best_accuracy = state.get("best_step"), state.get("best_accuracy")
+
+
+def load_evaluation(spec, tokenizer, status: Callable[[str], None]) -> HeldOutEval | None:
+    """The job's :class:`HeldOutEval` (None without an ``eval`` section), its prompts loaded and tokenized now so a
+    bad file stops the job before Ray starts.
+
+    Raises:
+        DataError: as :func:`load_eval_set`.
+    """
+    ev = spec.eval
+    if ev is None:
+        return None
+    evalset = load_eval_set(ev, spec.data, tokenizer)
+    status(f"eval: {len(evalset.examples)} held-out prompts x {ev.samples} from {evalset.path} ({evalset.bad_rows} "
+           f"bad rows skipped, {evalset.filtered} over data.max_prompt_tokens dropped)")
+    return HeldOutEval(ev, evalset, spec.seed, spec.total_steps, ev.max_tokens or spec.rollout.max_response_tokens,
+                       keep_best=spec.checkpoint.keep_best)
+
+
+def restore_best(evaluation: HeldOutEval | None, checkpoint: Path) -> None:
+    """Restore the best step from checkpoint ``checkpoint``'s driver state (key ``eval``) into ``evaluation``.
+
+    Raises:
+        SetupError: the driver state cannot be read (naming the file).
+    """
+    if evaluation is None:
+        return
+    state_file = checkpoint / TRAINER_STATE
+    try:
+        evaluation.load_state_dict(json.loads(state_file.read_text()).get("eval"))
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SetupError(f"resume: {state_file}: cannot restore the eval best step: {type(exc).__name__}: {exc}") \
+            from None

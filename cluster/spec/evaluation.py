@@ -1,0 +1,103 @@
+"""The ``eval`` section of a job spec: held-out evaluation inside the training loop.
+
+Absent (``eval: null``, the default) means no evaluation: the loop and its metrics are exactly as without this
+section. Present, the driver scores held-out prompts on the rollout engines between steps (``cluster.loop.
+evaluation``) and logs ``eval/*`` metrics. The fields follow what verl (``trainer.test_freq``, ``val_before_train``,
+``data.val_files``, ``val_kwargs.{n, temperature}``) and TRL (``eval_steps``, ``eval_on_start``) users set.
+
+Checks that involve other sections (the engine's context length, ``data.test_path``) are in :func:`eval_conflicts`,
+which ``JobSpec`` runs. Imports only pydantic and :mod:`cluster.spec` modules (and, lazily, ``grpo.rewards`` for
+registered reward names).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from cluster.spec.algorithm import FieldConflict, reward_names
+from cluster.spec.fields import MAX_SEQUENCE_TOKENS, MIN_TEMPERATURE, SPEC_CONFIG
+
+__all__ = ["MAX_EVAL_SAMPLES", "EvalSpec", "eval_conflicts"]
+
+#: Largest ``eval.samples`` (completions per held-out prompt); a typo guard like the other bounds.
+MAX_EVAL_SAMPLES = 1024
+
+
+class EvalSpec(BaseModel):
+    """Held-out evaluation between steps: pass@1 (mean@k with samples > 1) with a 95 % Wilson interval."""
+
+    model_config = SPEC_CONFIG
+    every_steps: int | None = Field(None, ge=1, le=10_000_000, strict=True, description=(
+        "Evaluate after every this many steps (after the step's weight sync, on the new weights); null evaluates "
+        "only at start and end (at_start, at_end)."))
+    at_start: bool = Field(True, description=(
+        "Evaluate the starting weights before step 1 (logged as a row of its own with step 0; a resumed job does "
+        "not repeat it)."))
+    at_end: bool = Field(True, description="Evaluate after the last step (total_steps).")
+    data_path: str | None = Field(None, description=(
+        "Held-out jsonl file (the same row format and fields as data.train_path); null uses data.test_path. A "
+        "relative path is resolved like data.train_path."))
+    limit: int | None = Field(None, ge=1, le=100_000_000, strict=True, description=(
+        "Evaluate the first this many usable rows of the file, in file order; null evaluates all of them."))
+    max_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
+        "Completion length cap in tokens; null uses rollout.max_response_tokens. A completion cut here counts as "
+        "truncated (eval/truncated_fraction)."))
+    samples: int = Field(1, ge=1, le=MAX_EVAL_SAMPLES, strict=True, description=(
+        "Completions per prompt (k). 1 gives pass@1; k > 1 gives mean@k (the mean over prompts of the fraction "
+        "of its k completions that are correct) and needs temperature > 0."))
+    temperature: float = Field(0.0, ge=0, le=10, description=(
+        "Sampling temperature; 0 is greedy decoding. A value in (0, 0.01) is refused (vLLM would raise it to "
+        "0.01). Sampling uses top_p 1, top_k off and a fixed seed per prompt and sample, the same at every eval."))
+    accuracy_reward: str = Field("accuracy", min_length=1, description=(
+        "Registered reward function (grpo.rewards) whose score, in [0, 1] with 1 = correct, is eval/accuracy."))
+    format_reward: str | None = Field("format", min_length=1, description=(
+        "Registered reward function reported as eval/format_rate (the fraction of completions it pays, mean "
+        "score); null reports none."))
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, temperature: float) -> float:
+        if 0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(f"expected 0 (greedy) or a temperature >= {MIN_TEMPERATURE} (vLLM raises a lower one "
+                             f"to {MIN_TEMPERATURE}), got {temperature!r}")
+        return temperature
+
+    @field_validator("accuracy_reward", "format_reward")
+    @classmethod
+    def _known_reward(cls, name: str | None) -> str | None:
+        allowed = reward_names()
+        if name is not None and name not in allowed:
+            raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(allowed)}")
+        return name
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> EvalSpec:
+        if self.samples > 1 and self.temperature == 0:
+            raise FieldConflict("eval.samples", (
+                f"samples={self.samples} needs eval.temperature > 0: greedy completions of one prompt are "
+                f"identical, so mean@k would equal pass@1"))
+        if not (self.at_start or self.at_end or self.every_steps):
+            raise FieldConflict("eval.every_steps", (
+                "eval never runs: every_steps is null and at_start and at_end are false; set one, or drop the "
+                "eval section"))
+        return self
+
+
+def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
+    """Checks between ``eval`` and ``data``/``rollout`` (a ``DataSpec`` and a ``RolloutSpec``); empty when
+    consistent: a held-out file is named (``eval.data_path`` or ``data.test_path``), and the longest prompt the job
+    accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
+    out = []
+    if ev.data_path is None and data.test_path is None:
+        out.append(FieldConflict("eval.data_path", (
+            "expected a held-out jsonl file: set eval.data_path (or data.test_path), got neither")))
+    if ev.max_tokens is not None:
+        context = rollout.max_model_len or data.max_prompt_tokens + rollout.max_response_tokens
+        named = ("rollout.max_model_len" if rollout.max_model_len
+                 else "data.max_prompt_tokens + rollout.max_response_tokens")
+        if data.max_prompt_tokens + ev.max_tokens > context:
+            out.append(FieldConflict("eval.max_tokens", (
+                f"expected data.max_prompt_tokens + eval.max_tokens <= the engine context ({named} = {context}), "
+                f"got {data.max_prompt_tokens} + {ev.max_tokens}; lower eval.max_tokens or set "
+                f"rollout.max_model_len")))
+    return out
