@@ -5,8 +5,8 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
 Modules: ``fields`` (shared field types, bounds, validators), ``sections`` (model, data, rollout, train, sync,
-metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``job`` (:class:`JobSpec` and its cross-section
-checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports
+metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``monitor`` (the reward-hacking guard), ``job``
+(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports
 only pydantic, PyYAML and, lazily, ``grpo.rewards`` (registered reward names); never Ray, torch or other
 ``cluster`` subpackages.
 """
@@ -18,6 +18,7 @@ from cluster.spec.fields import (
 )
 from cluster.spec.job import JobSpec
 from cluster.spec.loading import SpecError, load_spec, load_spec_text, locate_field_error, spec_to_yaml
+from cluster.spec.monitor import MonitorSpec
 from cluster.spec.sections import (
     DEFAULT_SYSTEM_PROMPT, CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec,
     TrainSpec,
@@ -25,8 +26,8 @@ from cluster.spec.sections import (
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec", "JobSpec", "locate_field_error", "parse_byte_size", "load_spec",
-    "load_spec_text", "spec_to_yaml",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "MonitorSpec", "JobSpec", "locate_field_error", "parse_byte_size",
+    "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 
 # Also public (re-exported, not in __all__, as before the split): DEFAULT_SYSTEM_PROMPT, MAX_GROUP_SIZE, the other
