@@ -10,9 +10,9 @@ Actions on a tripped step (after its row is logged and its checkpoint, when due,
 - ``warn``: one status line naming the detectors, their metrics' values and the estimated onset step.
 - ``stop``: the job ends cleanly after the step. The *last good* checkpoint is marked: the newest complete checkpoint
   whose step is at most ``onset_step - 2``. Why ``- 2``: a step's row describes the policy that sampled it, the one
-  trained up to the step before (checkpoint ``step_{s-1}``); the onset row ``O`` was sampled by ``step_{O-1}``, the first
-  drifting policy, so the last policy that sampled only rows before the onset is ``step_{O-2}``. The mark is the file
-  ``<checkpoint dir>/last_good`` holding the folder name (as ``latest`` does); the trip is recorded in
+  trained up to the step before (checkpoint ``step_{s-1}``); the onset row ``O`` was sampled by ``step_{O-1}``, the
+  first drifting policy, so the last policy that sampled only rows before the onset is ``step_{O-2}``. The mark is the
+  file ``<checkpoint dir>/last_good`` holding the folder name (as ``latest`` does); the trip is recorded in
   ``<checkpoint dir>/guard.json``. ``--resume`` of such a job stops with exit 2 unless ``--resume-past-trip`` (or
   ``monitor.resume_past_trip: true``) is given: it then continues from the latest checkpoint, and the guard keeps
   watching (it acts again if its detectors still fire).
