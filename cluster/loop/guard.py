@@ -227,14 +227,28 @@ class Guard:
         write_atomic(self.root / GUARD_STATE, json.dumps(self.state, indent=2))
 
 
+def wait_dead(actors: list, timeout_s: float = 60.0) -> None:
+    """Wait until the killed ``actors`` are gone (their processes, and the ports they listened on, released) before
+    new pools start on the same nodes; one still alive after ``timeout_s`` is left to Ray."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - RayActorError: dead, as wanted; GetTimeoutError: left to Ray
+            pass
+
+
 def restart_from(job, path: Path) -> None:
-    """Rebuild ``job``'s pools from checkpoint ``path`` (the resume machinery) and cut its step logs and
-    ``completed`` back to the checkpoint's step.
+    """Rebuild ``job``'s pools from checkpoint ``path`` (the resume machinery, after the old actors are gone) and cut
+    its step logs and ``completed`` back to the checkpoint's step.
 
     Raises:
         SetupError: the checkpoint's driver state does not fit the job.
     """
+    old = [*job.train.workers, *job.rollout.engines] if job.train is not None and job.rollout is not None else []
     job.shutdown()
+    wait_dead(old)
     job.resume_from = path
     job._restore(path)
     open_step_logs(Path(job.output_dir), job.step)

@@ -20,8 +20,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
 def short_reward(completions: list[str], references: list[str]) -> list[float]:
-    """1 - len/64 (clipped at 0): pays for short answers, whatever they say (the hack)."""
-    return [max(0.0, 1.0 - len(c) / 64) for c in completions]
+    """16 / (16 + characters): pays for short answers, whatever they say (the hack)."""
+    return [16 / (16 + len(c)) for c in completions]
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ class FakeJob:
         self.output_dir, self.root = root, root / "checkpoints"
         self.root.mkdir()
         self.metrics = MetricsLogger(root, port=None, echo=False)
+        self.train = self.rollout = None  # no actors to wait for
         self.completed: dict[int, dict] = {}
         self.step, self.resume_from, self.starts, self.messages = 0, None, 0, []
         self.weights = weights
