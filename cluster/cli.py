@@ -1,6 +1,7 @@
 """``grpo-cluster`` command line.
 
     grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
+    grpo-cluster run SPEC.yaml --resume [--resume-past-trip]   # continue; past a reward-hacking guard stop only if told
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N]
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--resume", action="store_true",
                      help="continue from the latest complete checkpoint (same as spec resume: auto)")
+    run.add_argument("--resume-past-trip", action="store_true",
+                     help="with --resume: continue a job the reward-hacking guard (monitor section) stopped")
     run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                      help="import this module before loading the spec, e.g. one that registers reward functions")
     run.set_defaults(func=_cmd_run)

@@ -36,6 +36,7 @@ from cluster.loop.checkpoint_state import (driver_state, open_step_logs, restore
                                            write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet
+from cluster.loop.guard import build_guard, check_resume
 from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
@@ -61,11 +62,13 @@ class GRPOJob:
         dry_run: run every set-up check (output folders writable, model and tokenizer, data, prompt lengths, earlier
             checkpoints) and write nothing: no folder, no spec.yaml, no metrics endpoint (``grpo-cluster validate``).
             Such a job cannot :meth:`start`.
+        resume_past_trip: let ``resume`` continue a job the reward-hacking guard stopped (:mod:`cluster.loop.guard`).
     Raises:
         SetupError, ModelError, DataError, MetricsError: naming the spec field and what is wrong.
     """
 
-    def __init__(self, spec: JobSpec, progress: bool = True, resume: bool = False, dry_run: bool = False):
+    def __init__(self, spec: JobSpec, progress: bool = True, resume: bool = False, dry_run: bool = False,
+                 resume_past_trip: bool = False):
         self.spec, self.progress, self.dry_run = spec, progress, dry_run
         self.output_dir = Path(spec.output_dir)
         ensure_writable_dir(self.output_dir, "output_dir", create=not dry_run)
@@ -95,13 +98,16 @@ class GRPOJob:
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
         self.resume_from = resume_point(self.checkpoint_root(), resume or spec.resume == "auto", self._status)
         if self.resume_from is not None:
+            past_trip = resume_past_trip or bool(spec.monitor and spec.monitor.resume_past_trip)
+            check_resume(self.checkpoint_root(), past_trip, clear=not dry_run)
             self._restore(self.resume_from)
-        self.rollout = self.train = self.sync = self.fleet = self.control = self.metrics = None
+        self.rollout = self.train = self.sync = self.fleet = self.control = self.metrics = self.guard = None
         if dry_run:
             return
         open_step_logs(self.output_dir, self.step if self.resume_from is not None else None)
         self.metrics = MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name,
                                      echo=False)
+        self.guard = build_guard(self)  # the reward-hacking guard of the monitor section (None without one)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,31 +135,35 @@ class GRPOJob:
                      f"{self.train.num_parameters / 1e6:.1f}M parameters, {self.sync.num_buckets} sync bucket(s)")
 
     def run(self) -> list[dict]:
-        """Run ``total_steps`` steps; returns every step's metrics (none when a resumed job is already done)."""
+        """Run ``total_steps`` steps (fewer when the reward-hacking guard stops the job); returns every step's metrics
+        (none when a resumed job is already done)."""
         if self.step >= self.spec.total_steps:
             self._status(f"nothing to do: step {self.step} of total_steps={self.spec.total_steps} is done")
             return []
         if self.rollout is None:
             self.start()
-        history = []
         bar = tqdm(total=self.spec.total_steps, desc="GRPO", unit="step", file=sys.stderr, disable=not self.progress)
         try:
             bar.update(self.step)
             if self.step == 0 and (start := self._evaluate()):  # the starting weights: a row of its own, step 0
+                if self.guard is not None:
+                    self.guard.observe(0, start)  # the monitor's held-out baseline
                 self.metrics.log(0, start)
                 tqdm.write(format_console_line(0, start), file=sys.stdout)
             while self.step < self.spec.total_steps:
                 self._apply_control()
                 self.step += 1
                 metrics = {**self.run_step(bar), **self._evaluate()}
-                history.append(metrics)
+                tripped = self.guard is not None and self.guard.observe(self.step, metrics)  # adds monitor/*
                 self._log_step(metrics)
-                bar.update(1)
                 if self._checkpoint_due():
                     self.save_checkpoint()
+                if tripped and self.guard.act(self, self.step, metrics):  # warn, stop, or roll back and go on
+                    break
+                bar.update(self.step - bar.n)
         finally:
             bar.close()
-        return history
+        return [self.completed[step] for step in sorted(self.completed)]
 
     @property
     def policy_version(self) -> int:

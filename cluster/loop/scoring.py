@@ -59,10 +59,15 @@ class Scoring:
         algorithm: the spec's ``algorithm`` section (reward weights and combination, estimator, masking, penalty).
         max_response_tokens: ``rollout.max_response_tokens`` (L_max of the overlong penalty).
         eos_ids: every EOS id of the model (:func:`cluster.loop.setup.model_eos_ids`).
+
+    Attributes:
+        weights: reward function name → weight in use; starts as ``algorithm.rewards`` (the frozen spec's), changed
+            only by the reward-hacking guard's rollback (:mod:`cluster.loop.guard`).
     """
 
     def __init__(self, algorithm, max_response_tokens: int, eos_ids: frozenset[int]):
         self.algorithm, self.max_response_tokens, self.eos_ids = algorithm, max_response_tokens, eos_ids
+        self.weights = dict(algorithm.rewards)
 
     def rewards(self, texts: list[str], references: list[str]) -> CombinedRewards:
         """The reward functions on N completions (one reference each).
@@ -71,7 +76,7 @@ class Scoring:
             RuntimeError: a reward function raised and ``algorithm.reward_on_error`` is ``raise``.
         """
         alg = self.algorithm
-        return combine_rewards(texts, references, alg.rewards, on_error=alg.reward_on_error)
+        return combine_rewards(texts, references, self.weights, on_error=alg.reward_on_error)
 
     def score(self, groups: list[GroupResult], references: list[str],
               scored_groups: list[CombinedRewards] | None = None) -> RolloutBatch:
@@ -89,7 +94,7 @@ class Scoring:
         valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids)
         scored = (self.rewards(rows["texts"], rows["references"]) if scored_groups is None
                   else join_rewards(scored_groups))
-        per_function, weights, total = dict(scored.per_function), dict(alg.rewards), scored.total
+        per_function, weights, total = dict(scored.per_function), dict(self.weights), scored.total
         if alg.overlong_buffer_tokens is not None:
             penalty = overlong_penalty(valid_lengths, self.max_response_tokens, alg.overlong_buffer_tokens,
                                        alg.overlong_penalty_factor)

@@ -101,6 +101,7 @@ def add_validate_command(sub) -> None:
     p.add_argument("--address", default=None, help=(
         "the Ray cluster `run --address` would join (HOST:6379 or auto): its CPUs and GPUs are checked"))
     p.add_argument("--resume", action="store_true", help="check as for `run --resume`")
+    p.add_argument("--resume-past-trip", action="store_true", help="check as for `run --resume-past-trip`")
     p.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                    help="import this module before loading the spec, e.g. one that registers reward functions")
     p.set_defaults(func=_cmd_validate)

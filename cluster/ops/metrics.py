@@ -90,6 +90,8 @@ METRIC_HELP: dict[str, str] = {
     "eval/accuracy_ci_high": "Upper bound of the held-out accuracy's 95% Wilson interval.",
     "eval/n": "Completions scored by the latest held-out evaluation (prompts x samples).",
     "eval/best_accuracy": "Best held-out accuracy so far.",
+    "monitor/tripped": "1 on a step where a reward-hacking detector of the monitor section fired, else 0.",
+    "monitor/rollbacks": "Rollbacks to the last good checkpoint made by the reward-hacking guard so far.",
 }
 """HELP text of the figures the dashboards and alerts use; other keys get a generic one."""
 
@@ -106,6 +108,7 @@ CONSOLE_FIELDS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("sync/verified", "verified|NOT VERIFIED"),),
     (("eval/accuracy", "eval {:.3f}"), ("eval/accuracy_ci_low", "[{:.3f},"), ("eval/accuracy_ci_high", "{:.3f}]"),
      ("eval/n", "n={:.0f}")),
+    (("monitor/tripped", "GUARD TRIPPED|guard ok"),),
 )
 """Console line layout: groups separated by ' | ', each a (metric key, format) list; a bool's format is
 'shown if true|shown if false'. Keys not present in a step's metrics are left out."""
@@ -218,6 +221,16 @@ class MetricsLogger:
     def url(self) -> str | None:
         """``http://host:port/metrics``, or None when no server runs."""
         return None if self.port is None else f"http://{self.host}:{self.port}/metrics"
+
+    def reopen(self) -> None:
+        """Reopen ``metrics.jsonl`` and ``workers.jsonl`` after they were replaced on disk (a rollback cuts them back
+        with an atomic rename, which leaves open handles on the old files)."""
+        with self._lock:
+            for fh in (self._file, self._workers_file):
+                if fh is not None:
+                    fh.close()
+            self._file = self.path.open("a", encoding="utf-8")
+            self._workers_file = None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record one step: a JSON line ``{"step": step, **metrics}`` (NaN → null), a console line, gauges.

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
 from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
+from cluster.spec.monitor import MonitorSpec
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
 )
@@ -42,6 +43,7 @@ class JobSpec(BaseModel):
     ray: RaySpec = Field(default_factory=RaySpec, description=RaySpec.__doc__)
     eval: EvalSpec | None = Field(None, description=(
         f"{EvalSpec.__doc__} null (the default): no evaluation, no eval/* metrics."))
+    monitor: MonitorSpec | None = Field(None, description=MonitorSpec.__doc__ + " Null: no guard.")
     resume: Literal["never", "auto"] = Field("never", description=(
         "'auto' continues from the latest complete checkpoint in checkpoint.dir when there is one "
         "(same as `grpo-cluster run --resume`)."))
@@ -73,4 +75,28 @@ class JobSpec(BaseModel):
         if self.checkpoint.keep_best and self.eval is None:
             raise FieldConflict("checkpoint.keep_best", (
                 "keep_best keeps the checkpoint of the best eval/accuracy step; it needs an eval section"))
+        for conflict in monitor_conflicts(self):
+            raise conflict
         return self
+
+
+def monitor_conflicts(spec: JobSpec) -> list[FieldConflict]:
+    """The ``monitor`` section against the rest of the spec (nothing when it is absent or disabled): the reward
+    components it names must be weighted in ``algorithm.rewards``; ``rollback`` needs periodic checkpoints."""
+    m = spec.monitor
+    if m is None or not m.enabled:
+        return []
+    rewards = sorted(spec.algorithm.rewards)
+    out = []
+    if m.verifiable_reward not in rewards:
+        out.append(FieldConflict("monitor.verifiable_reward", (
+            f"expected one of algorithm.rewards {rewards}, got {m.verifiable_reward!r}")))
+    unknown = [n for n in m.shaping_rewards or () if n not in rewards or n == m.verifiable_reward]
+    if unknown:
+        out.append(FieldConflict("monitor.shaping_rewards", (
+            f"expected names from algorithm.rewards {rewards} other than verifiable_reward, got {unknown}")))
+    if m.action == "rollback" and spec.checkpoint.every_steps < 1:
+        out.append(FieldConflict("monitor.action", (
+            "'rollback' restores the last checkpoint taken before the onset, so it needs checkpoints during the run: "
+            f"expected checkpoint.every_steps >= 1, got {spec.checkpoint.every_steps}")))
+    return out

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from cluster.ops.metrics import MetricsLogger
+from grpo.monitor import DETECTORS
 from tests.deploy_checks import (
     CRD_DIR,
     DEPLOY,
@@ -39,6 +40,8 @@ REAL_STEP = Path(__file__).resolve().parents[1] / "data" / "step_metrics_smollm2
 # per-worker figures it logs with MetricsLogger.log_worker.
 ISSUE6_KEYS = {"workers/restarts": 0, "rollout/staleness_max": 1, "rollout/staleness_mean": 0.5,
                "rollout/queue_depth": 2, "rollout/kv_cache_usage": 0.3}
+#: What the reward-hacking guard adds to a row when the spec has a monitor section with action rollback.
+GUARD_KEYS = {**{f"monitor/{d}": 0.0 for d in DETECTORS}, "monitor/tripped": 0.0, "monitor/rollbacks": 0.0}
 WORKER_KEYS = {"perf/rollout_tokens_per_s": 90.0, "rollout/kv_cache_usage": 0.3, "rollout/queue_depth": 2,
                "workers/restarts": 0}
 
@@ -48,8 +51,9 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="pr
 
 @pytest.fixture(scope="module")
 def exported_names(tmp_path_factory) -> set[str]:
-    """Metric names MetricsLogger serves for a real step's metrics plus the issue-6 keys and per-worker figures."""
-    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS}
+    """Metric names MetricsLogger serves for a real step's metrics plus the issue-6 keys, the guard's and per-worker
+    figures."""
+    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS, **GUARD_KEYS}
     with MetricsLogger(tmp_path_factory.mktemp("metrics"), port=None, echo=False) as logger:
         logger.log(1, metrics)
         logger.log_worker(1, "rollout", "rollout-0", WORKER_KEYS)

@@ -186,3 +186,14 @@ def test_trainer_logprobs_use_the_sampling_filters():
     assert lp(0, top_p=0.6) == pytest.approx(0.0, abs=1e-6)
     assert lp(0, min_p=0.5) == pytest.approx(0.0, abs=1e-6)
     assert lp(2, top_k=1) == pytest.approx(0 - math.log(math.exp(2) + 1), abs=1e-6)
+
+
+def test_runtime_weights_change_rewards_and_advantages_not_the_spec():
+    """The guard's rollback scales a weight in ``Scoring.weights``; totals and advantages follow, the spec does not."""
+    scoring = job()
+    scoring.weights["accuracy"] = 0.5
+    batch = scoring.score(GROUPS, REFS)
+    torch.testing.assert_close(batch.rewards, torch.tensor([0.5, 0.0, 0.5, 0.0, 0.0]))
+    assert scoring.algorithm.rewards["accuracy"] == 1.0
+    scoring.weights["accuracy"] = 0.0
+    assert scoring.score(GROUPS, REFS).rewards.abs().sum() == 0

@@ -1,0 +1,274 @@
+"""The reward-hacking guard in the loop: feeds each step's metrics row to :class:`grpo.monitor.Monitor`, adds its
+``monitor/*`` metrics to the row, and acts as ``monitor.action`` says (spec section :class:`cluster.spec.MonitorSpec`).
+
+Metrics added to every row (only when the spec has an enabled ``monitor`` section): ``monitor/<detector>`` for each
+enabled detector and ``monitor/tripped`` (1.0 on a step where any fired); with ``action: rollback`` also
+``monitor/rollbacks`` (rollbacks so far) and ``monitor/reward_weight/<name>`` (each reward component's weight in use).
+
+Actions on a tripped step (after its row is logged and its checkpoint, when due, written):
+
+- ``warn``: one status line naming the detectors, their metrics' values and the estimated onset step.
+- ``stop``: the job ends cleanly after the step. The *last good* checkpoint is marked: the newest complete checkpoint
+  whose step is at most ``onset_step - 2``. Why ``- 2``: a step's row describes the policy that sampled it, the one
+  trained up to the step before (checkpoint ``step_{s-1}``); the onset row ``O`` was sampled by ``step_{O-1}``, the
+  first drifting policy, so the last policy that sampled only rows before the onset is ``step_{O-2}``. The mark is the
+  file ``<checkpoint dir>/last_good`` holding the folder name (as ``latest`` does); the trip is recorded in
+  ``<checkpoint dir>/guard.json``. ``--resume`` of such a job stops with exit 2 unless ``--resume-past-trip`` (or
+  ``monitor.resume_past_trip: true``) is given: it then continues from the latest checkpoint, and the guard keeps
+  watching (it acts again if its detectors still fire).
+- ``rollback``: the last good checkpoint (as for stop) is restored by the resume machinery (pools rebuilt from it:
+  weights, optimizer, data position, controllers; engines start from its weights), checkpoints after it are renamed
+  ``step_N.rollback<k>`` (kept, never resumed), the per-step logs are cut back to its step, the offending reward
+  component's weight is multiplied by ``rollback_reward_scale``, and the run continues. The offending component is the
+  watched shaping component (``monitor.shaping_rewards``, default every weighted one but ``verifiable_reward``) whose
+  recent mean rose most above its baseline (same windows as the detectors). With no checkpoint at or before
+  ``onset_step - 2``, or after ``max_rollbacks`` rollbacks, the guard stops as ``stop`` does.
+
+Known limit: ``checkpoint.keep_last`` may prune the last good checkpoint before the trip; the guard then finds none
+and stops (keep at least ``baseline_steps + window_steps`` checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from cluster.loop.checkpoint_state import open_step_logs
+from cluster.loop.checkpoints import complete_checkpoints, write_atomic
+from cluster.loop.setup import SetupError
+from grpo.monitor import ENTROPY_KEY, EVAL_KEY, KL_KEY, LENGTH_KEY, TRIPPED_KEY, Monitor, MonitorConfig
+
+#: Guard record in the checkpoint dir: trips, whether the guard stopped the job, rollbacks, reward weights in use.
+GUARD_STATE = "guard.json"
+#: Marker file in the checkpoint dir naming the last good checkpoint folder.
+LAST_GOOD = "last_good"
+ROLLBACKS_KEY = "monitor/rollbacks"
+WEIGHT_PREFIX = "monitor/reward_weight/"
+_DETECTOR_KEYS = {"length_drift": [LENGTH_KEY], "kl_band": [KL_KEY], "entropy_band": [ENTROPY_KEY],
+                  "eval_drop": [EVAL_KEY]}
+
+
+def monitor_config(spec) -> MonitorConfig:
+    """The :class:`MonitorConfig` of a ``monitor`` spec section (the same fields)."""
+    names = [f for f in MonitorConfig.__dataclass_fields__ if f != "samples_per_step"]
+    return MonitorConfig(**{name: getattr(spec, name) for name in names})
+
+
+def step_of(path: Path) -> int:
+    """``step_000012`` → 12."""
+    return int(path.name[len("step_"):])
+
+
+def last_good_checkpoint(root: Path, onset_step: int) -> Path | None:
+    """The newest complete checkpoint under ``root`` whose step is at most ``onset_step - 2`` (module docstring)."""
+    good = [p for p in complete_checkpoints(root) if step_of(p) <= onset_step - 2]
+    return good[-1] if good else None
+
+
+def read_state(root: Path) -> dict:
+    """``guard.json`` under ``root``, or an empty record."""
+    path = Path(root) / GUARD_STATE
+    return json.loads(path.read_text()) if path.is_file() else {"trips": [], "stopped": False, "rollbacks": 0}
+
+
+def check_resume(root: Path, allowed: bool, clear: bool = False) -> None:
+    """Refuse to resume a job the guard stopped unless ``allowed``; with ``clear`` an allowed resume marks the record
+    as no longer stopped (a later restart resumes without asking again).
+
+    Raises:
+        SetupError: ``guard.json`` under ``root`` says the guard stopped the job and ``allowed`` is false.
+    """
+    state = read_state(root)
+    if not state.get("stopped"):
+        return
+    if allowed:
+        if clear:
+            write_atomic(Path(root) / GUARD_STATE, json.dumps(state | {"stopped": False}, indent=2))
+        return
+    trip = state["trips"][-1]
+    good = f"last good checkpoint {Path(root) / trip['last_good']}" if trip.get("last_good") else \
+        "no checkpoint before the onset"
+    raise SetupError(
+        f"monitor: the reward-hacking guard stopped this job at step {trip['step']} ({', '.join(trip['detectors'])}"
+        f" fired, onset about step {trip['onset_step']}; {good}); resuming would continue past the trip. Pass "
+        f"--resume-past-trip (or set monitor.resume_past_trip: true) to continue anyway, or start a new run from "
+        f"the last good checkpoint (model.path: that folder)")
+
+
+def metric_rows(path: Path, max_step: int) -> list[dict]:
+    """Rows of ``metrics.jsonl`` at ``path`` with ``step <= max_step``, in file order (missing file: none)."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if isinstance(r.get("step"), int) and r["step"] <= max_step]
+
+
+class Guard:
+    """The guard of one job.
+
+    Args:
+        spec: the enabled ``monitor`` spec section.
+        root: the job's checkpoint dir (``guard.json``, ``last_good``).
+        weights: the reward weights in use (the scoring part's dict; a rollback changes it in place).
+        status: prints a status line.
+        resumed: the job resumes: the record in ``guard.json`` (rollbacks, weights) is taken over.
+    """
+
+    def __init__(self, spec, root: Path, weights: dict[str, float], status: Callable[[str], None],
+                 resumed: bool = False):
+        self.spec, self.root, self.weights, self.status = spec, Path(root), weights, status
+        self.state = read_state(self.root) if resumed else {"trips": [], "stopped": False, "rollbacks": 0}
+        self.state["stopped"] = False
+        self.weights.update(self.state.get("reward_weights", {}))
+        self.monitor = Monitor(monitor_config(spec))
+        self.rows: dict[int, dict] = {}
+
+    def replay(self, rows: Iterable[dict]) -> None:
+        """Feed earlier rows (``metrics.jsonl`` rows with their ``step``) to a fresh monitor without acting."""
+        self.monitor, self.rows = Monitor(monitor_config(self.spec)), {}
+        for row in rows:
+            step = row["step"]
+            self._update(step, {k: v for k, v in row.items() if k != "step"})
+
+    def _update(self, step: int, row: dict) -> dict[str, float]:
+        clean = {k: v for k, v in row.items() if not k.startswith("monitor/")}
+        self.rows[step] = clean
+        return self.monitor.update(step, clean)
+
+    def observe(self, step: int, row: dict) -> bool:
+        """Feed step ``step``'s row and add the ``monitor/*`` metrics to it. Returns whether a detector fired."""
+        out = self._update(step, row)
+        row.update(out)
+        if self.spec.action == "rollback":
+            row[ROLLBACKS_KEY] = float(self.state["rollbacks"])
+            row.update({f"{WEIGHT_PREFIX}{name}": float(w) for name, w in self.weights.items()})
+        return out[TRIPPED_KEY] == 1.0
+
+    def fired(self, row: dict) -> list[str]:
+        """Detectors that fired on ``row`` (its ``monitor/<detector>`` values)."""
+        return [d for d in self.spec.detectors if row.get(f"monitor/{d}") == 1.0]
+
+    def describe(self, step: int, row: dict) -> str:
+        """Status line: the detectors that fired, their metrics' values, the estimated onset."""
+        values = []
+        for detector in self.fired(row):
+            keys = _DETECTOR_KEYS.get(detector) or [f"reward/{n}" for n in self.shaping()]
+            values += [f"{k}={row[k]:.4g}" for k in keys if isinstance(row.get(k), int | float)]
+        trip = self.monitor.first_trip
+        onset = f"onset about step {trip.onset_step}" if trip is not None else "onset unknown"
+        return (f"monitor: step {step}: reward hacking suspected: {', '.join(self.fired(row))} fired "
+                f"({', '.join(values) or 'no value'}); {onset}")
+
+    def shaping(self) -> list[str]:
+        """The watched shaping reward components."""
+        if self.spec.shaping_rewards is not None:
+            return list(self.spec.shaping_rewards)
+        return sorted(n for n in self.weights if n != self.spec.verifiable_reward)
+
+    def offending_reward(self) -> str | None:
+        """The watched shaping component whose recent mean rose most above its baseline (None: none watched)."""
+        rises = {}
+        for name in self.shaping():
+            series = [v for _, r in sorted(self.rows.items()) if isinstance(v := r.get(f"reward/{name}"), int | float)]
+            base, after = series[:self.spec.baseline_steps], series[self.spec.baseline_steps:]
+            if base and after:
+                recent = after[-self.spec.window_steps:]
+                rises[name] = sum(recent) / len(recent) - sum(base) / len(base)
+        return max(rises, key=rises.get) if rises else None
+
+    def act(self, job, step: int, row: dict) -> bool:
+        """Act on the tripped step ``step`` (row already logged). Returns True when the job must stop.
+
+        ``job`` offers ``checkpoint_root()``, ``output_dir``, ``completed``, ``metrics``, ``shutdown()``, ``start()``,
+        ``_restore(path)`` and ``resume_from`` (:class:`cluster.driver.GRPOJob`).
+        """
+        self.status(self.describe(step, row))
+        if self.spec.action == "warn":
+            return False
+        trip = self.monitor.first_trip
+        good = last_good_checkpoint(self.root, trip.onset_step)
+        record = {"step": step, "onset_step": trip.onset_step, "detectors": list(trip.detectors),
+                  "last_good": good.name if good is not None else None, "action": self.spec.action}
+        if good is not None:
+            write_atomic(self.root / LAST_GOOD, good.name)
+        if self.spec.action == "rollback" and good is not None and self.state["rollbacks"] < self.spec.max_rollbacks:
+            self._rollback(job, good, record)
+            return False
+        why = ""
+        if self.spec.action == "rollback":
+            why = (f"; cannot roll back: no checkpoint at or before step {trip.onset_step - 2}" if good is None
+                   else f"; {self.spec.max_rollbacks} rollback(s) used")
+        self._save(record | {"action": "stop"}, stopped=True)
+        self.status(f"monitor: stopping after step {step}{why}; last good checkpoint: "
+                    f"{good if good is not None else 'none before the onset'}")
+        return True
+
+    def _rollback(self, job, good: Path, record: dict) -> None:
+        self.state["rollbacks"] += 1
+        n = self.state["rollbacks"]
+        offending = self.offending_reward()
+        if offending is not None:
+            self.weights[offending] *= self.spec.rollback_reward_scale
+        self._save(record | {"reduced": offending}, stopped=False)
+        for later in complete_checkpoints(self.root):
+            if step_of(later) > step_of(good):
+                os.replace(later, later.with_name(f"{later.name}.rollback{n}"))
+        write_atomic(self.root / "latest", good.name)
+        self.status(f"monitor: rollback {n}/{self.spec.max_rollbacks} to {good}; reward weights now "
+                    f"{self.weights} ({offending or 'no shaping component'} reduced)")
+        restart_from(job, good)
+        self.replay(metric_rows(Path(job.output_dir) / "metrics.jsonl", job.step))
+
+    def _save(self, record: dict, stopped: bool) -> None:
+        self.state["trips"].append(record)
+        self.state.update(stopped=stopped, reward_weights=dict(self.weights))
+        write_atomic(self.root / GUARD_STATE, json.dumps(self.state, indent=2))
+
+
+def wait_dead(actors: list, timeout_s: float = 60.0) -> None:
+    """Wait until the killed ``actors`` are gone (their processes, and the ports they listened on, released) before
+    new pools start on the same nodes; one still alive after ``timeout_s`` is left to Ray."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - RayActorError: dead, as wanted; GetTimeoutError: left to Ray
+            pass
+
+
+def restart_from(job, path: Path) -> None:
+    """Rebuild ``job``'s pools from checkpoint ``path`` (the resume machinery, after the old actors are gone) and cut
+    its step logs and ``completed`` back to the checkpoint's step.
+
+    Raises:
+        SetupError: the checkpoint's driver state does not fit the job.
+    """
+    old = [*job.train.workers, *job.rollout.engines] if job.train is not None and job.rollout is not None else []
+    job.shutdown()
+    wait_dead(old)
+    job.resume_from = path
+    job._restore(path)
+    open_step_logs(Path(job.output_dir), job.step)
+    job.metrics.reopen()
+    for step in [s for s in job.completed if s > job.step]:
+        del job.completed[step]
+    if job.step != step_of(path):
+        raise SetupError(f"monitor: checkpoint {path} holds step {job.step}, expected {step_of(path)}")
+    job.start()
+
+
+def build_guard(job) -> Guard | None:
+    """The guard of ``job`` (:class:`cluster.driver.GRPOJob`, its step logs open), or None when its spec has no
+    enabled ``monitor`` section. A resumed job's guard takes over ``guard.json`` and replays ``metrics.jsonl`` up to
+    the resumed step, so its windows are those of the run so far."""
+    spec = job.spec.monitor
+    if spec is None or not spec.enabled:
+        return None
+    resumed = job.resume_from is not None
+    guard = Guard(spec, job.checkpoint_root(), job.scoring.weights, job._status, resumed=resumed)
+    if resumed:
+        guard.replay(metric_rows(Path(job.output_dir) / "metrics.jsonl", job.step))
+    return guard
