@@ -77,7 +77,7 @@ class GRPOJob:
         self.requests = PromptQueue(self.sampler, self.prompt_ids, spec.seed)
         if not dry_run:
             (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
-        self._status(f"{len(prompts.examples)} prompts from {d.train_path} ({self.bad_rows} bad rows skipped, "
+        self._status(f"{len(prompts.examples)} prompts from {prompts.source} ({self.bad_rows} bad rows skipped, "
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         alg = spec.algorithm
         self.scoring = Scoring(alg, spec.rollout.max_response_tokens, model_eos_ids(self.model_path, tokenizer))

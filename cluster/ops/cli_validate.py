@@ -15,6 +15,7 @@ import math
 import sys
 from pathlib import Path
 
+from cluster.data.sources import describe_source
 from cluster.ops.prepare import prepare_job
 
 
@@ -73,7 +74,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
     lines = [
         ("spec", f"{Path(spec_path)} — job {s.name!r}, {s.total_steps} steps, {start}, seed {s.seed}"),
         ("model", f"{s.model.path} -> {job.model_path} ({s.model.dtype}); tokenizer loaded"),
-        ("data", f"{len(job.prompt_ids)} prompts from {s.data.train_path} ({job.bad_rows} bad rows skipped, "
+        ("data", f"{len(job.prompt_ids)} prompts from {describe_source(s.data)} ({job.bad_rows} bad rows skipped, "
                  f"{job.prompts_filtered} over data.max_prompt_tokens={s.data.max_prompt_tokens} dropped)"),
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
                     f"at most {r.max_response_tokens} tokens each"),
