@@ -50,7 +50,7 @@ class PlotError(ValueError):
 class Series:
     """One metric over the steps that logged it.
 
-    key: the metrics.jsonl key. steps: int steps, ascending as in the file. values: float, finite, one per step.
+    key: the metrics.jsonl key. steps: int steps, ascending, distinct. values: float, finite, one per step.
     """
 
     key: str
@@ -100,20 +100,24 @@ def _step(record: Mapping[str, Any]) -> int | None:
 
 
 def series(records: Sequence[Mapping[str, Any]], key: str) -> Series | None:
-    """The (step, value) pairs of ``key`` over the records that hold it as a finite number, in file order; None when
-    no record does. Records without an int ``step`` are ignored."""
-    steps, values = [], []
+    """The (step, value) pairs of ``key`` over the records that hold it as a finite number, ascending by step; None
+    when no record does. A step logged again (a run that rolled back or resumed redoes steps) keeps its last value,
+    the one the run's history now holds. Records without an int ``step`` are ignored."""
+    by_step: dict[int, float] = {}
     for record in records:
         step, value = _step(record), _finite(record.get(key))
         if step is not None and value is not None:
-            steps.append(step)
-            values.append(value)
-    return Series(key, tuple(steps), tuple(values)) if steps else None
+            by_step[step] = value
+    if not by_step:
+        return None
+    steps = tuple(sorted(by_step))
+    return Series(key, steps, tuple(by_step[s] for s in steps))
 
 
 def _steps_where_one(records: Sequence[Mapping[str, Any]], key: str) -> tuple[int, ...]:
-    found = series(records, key)
-    return tuple(sorted({s for s, v in zip(found.steps, found.values) if v >= 1.0})) if found else ()
+    """Steps on which any record has ``key`` >= 1 (a trip stays visible after a rollback redid its step)."""
+    return tuple(sorted({step for record in records if (step := _step(record)) is not None
+                         and (value := _finite(record.get(key))) is not None and value >= 1.0}))
 
 
 def plot_data(records: Sequence[Mapping[str, Any]]) -> PlotData:

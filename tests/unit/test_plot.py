@@ -56,6 +56,17 @@ def test_series_keeps_finite_numbers_in_step_order_and_skips_missing_and_null():
     assert series(records, "absent") is None
 
 
+def test_a_step_logged_again_keeps_its_last_value_but_its_trip_stays():
+    """A rollback redoes steps 3-4: the curves show the history as it stands, the trip at step 4 stays marked."""
+    records = [{"step": s, "actor/kl": 0.1 * s, "monitor/kl_band": 0.0, "monitor/tripped": 0.0} for s in (1, 2, 3)]
+    records += [{"step": 4, "actor/kl": 2.0, "monitor/kl_band": 1.0, "monitor/tripped": 1.0}]
+    records += [{"step": s, "actor/kl": 0.01, "monitor/kl_band": 0.0, "monitor/tripped": 0.0} for s in (3, 4, 5)]
+    data = plot_data(records)
+    assert data.kl.steps == (1, 2, 3, 4, 5)
+    assert data.kl.values == pytest.approx((0.1, 0.2, 0.01, 0.01, 0.01))
+    assert data.trips == (4,) and data.detectors == {"kl_band": (4,)}
+
+
 def test_plot_data_panels_from_a_full_run():
     data = plot_data(_records(with_eval=True, with_monitor=True))
     assert [s.key for s in data.rewards] == ["reward/mean", "reward/accuracy", "reward/format"]  # no std/failed/...
