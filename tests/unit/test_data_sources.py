@@ -168,3 +168,9 @@ def test_cli_validate_refuses_an_unknown_task_with_exit_2(tmp_path, capsys):
     assert main(["validate", str(spec)]) == 2
     err = capsys.readouterr().err
     assert "data.reasoning_gym.task: unknown reasoning-gym task 'no_such_task'" in err
+
+
+def test_the_reasoning_gym_example_spec_is_valid():
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "chain_sum_smollm2_cpu.yaml")
+    assert spec.data.source == "reasoning_gym" and spec.data.reasoning_gym.task == "chain_sum"
+    assert spec.algorithm.rewards == {"reasoning_gym": 1.0, "format": 0.1}
