@@ -174,3 +174,15 @@ def test_the_reasoning_gym_example_spec_is_valid():
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "chain_sum_smollm2_cpu.yaml")
     assert spec.data.source == "reasoning_gym" and spec.data.reasoning_gym.task == "chain_sum"
     assert spec.algorithm.rewards == {"reasoning_gym": 1.0, "format": 0.1}
+
+
+def test_reasoning_gym_fields_take_set_overrides_and_survive_the_yaml_round_trip(tmp_path):
+    from cluster.spec import load_spec_text, spec_to_yaml
+
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    spec = load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n"), [
+        "data.source=reasoning_gym", "data.reasoning_gym.task=basic_arithmetic",
+        "data.reasoning_gym.config.min_terms=2", "data.reasoning_gym.config.max_terms=2",
+        "algorithm.rewards={reasoning_gym: 1.0}"])
+    assert spec.data.reasoning_gym.config == {"min_terms": 2, "max_terms": 2}
+    assert load_spec_text(spec_to_yaml(spec), source="again.yaml") == spec
