@@ -81,7 +81,7 @@ class DataSpec(BaseModel):
     source: Literal["jsonl", "hf_datasets", "reasoning_gym"] = Field("jsonl", description=(
         "Where prompts come from: 'jsonl' (train_path/test_path jsonl files), 'hf_datasets' (local files read with "
         "the Hugging Face datasets library, see file_format and split), 'reasoning_gym' (generated, see "
-        "reasoning_gym; train_path is not used)."))
+        "reasoning_gym; train_path and test_path must then be null)."))
     train_path: str | None = Field(None, min_length=1, description=(
         "Training file: jsonl (one JSON object per line), or with source hf_datasets a parquet/arrow/json/csv file "
         "or glob; required unless source is reasoning_gym."))
@@ -110,6 +110,11 @@ class DataSpec(BaseModel):
                 raise FieldConflict("data.train_path",
                                     f"required key 'train_path' is missing (data.source {self.source!r})")
             return self
+        for name in ("train_path", "test_path"):
+            if getattr(self, name) is not None:
+                raise FieldConflict(f"data.{name}", (
+                    f"not used with data.source 'reasoning_gym' (its problems are generated, the held-out ones from "
+                    f"data.reasoning_gym.held_out_seed); expected null, got {getattr(self, name)!r}"))
         rg = self.reasoning_gym
         if rg.task is None:
             raise FieldConflict("data.reasoning_gym.task", "required with data.source 'reasoning_gym'")

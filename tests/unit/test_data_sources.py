@@ -147,6 +147,7 @@ def test_extract_final_answer():
     (RG_DATA.replace("seed: 7}", "seed: 7, held_out_seed: 20}"), RG_REWARDS, "data.reasoning_gym.held_out_seed",
      "overlap"),
     (RG_DATA, "", "algorithm.rewards", "'reasoning_gym' weight"),
+    (RG_DATA + "  test_path: test.jsonl\n", RG_REWARDS, "data.test_path", "not used with data.source 'reasoning_gym'"),
     (RG_DATA, "algorithm:\n  rewards: {reasoning_gym: 1.0, accuracy: 1.0}\n", "algorithm.rewards", "accuracy"),
 ])
 def test_bad_reasoning_gym_specs_are_refused_naming_the_field(tmp_path, data, rewards, field, needle):
@@ -181,7 +182,7 @@ def test_reasoning_gym_fields_take_set_overrides_and_survive_the_yaml_round_trip
 
     (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
     spec = load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n"), [
-        "data.source=reasoning_gym", "data.reasoning_gym.task=basic_arithmetic",
+        "data.source=reasoning_gym", "data.train_path=null", "data.reasoning_gym.task=basic_arithmetic",
         "data.reasoning_gym.config.min_terms=2", "data.reasoning_gym.config.max_terms=2",
         "algorithm.rewards={reasoning_gym: 1.0}"])
     assert spec.data.reasoning_gym.config == {"min_terms": 2, "max_terms": 2}
