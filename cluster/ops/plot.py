@@ -237,7 +237,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise PlotError(f"run folder {run_dir} not found (absolute: {run_dir.absolute()}); expected a job's "
+        what = "is a file, not a folder" if run_dir.exists() else "not found"
+        raise PlotError(f"run folder {run_dir} {what} (absolute: {run_dir.absolute()}); expected a job's "
                         f"output_dir holding {METRICS_FILE}")
     path = run_dir / METRICS_FILE
     if not path.is_file():

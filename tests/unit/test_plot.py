@@ -116,6 +116,7 @@ def test_cli_plot_writes_to_out(tmp_path, capsys):
 
 @pytest.mark.parametrize("setup,needle", [
     (lambda p: p / "missing", "not found"),
+    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "is a file, not a folder"),
     (lambda p: (p / "empty").mkdir() or p / "empty", "no metrics.jsonl"),
     (lambda p: _write_run(p, []), "no step records"),
 ])
