@@ -187,3 +187,15 @@ def test_reasoning_gym_fields_take_set_overrides_and_survive_the_yaml_round_trip
         "algorithm.rewards={reasoning_gym: 1.0}"])
     assert spec.data.reasoning_gym.config == {"min_terms": 2, "max_terms": 2}
     assert load_spec_text(spec_to_yaml(spec), source="again.yaml") == spec
+
+
+def test_validate_summarises_the_held_out_split_and_a_task_space_too_small_for_one(tmp_path):
+    from cluster.ops.cli_validate import held_out_summary
+
+    spec = load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS))
+    held_out, dropped = load_examples(spec.data, "held_out")
+    assert held_out_summary(spec.data) == (f"{len(held_out)} problems from reasoning-gym chain_sum (seed 47, 200 "
+                                           f"problems) ({dropped} dropped: also training problems)")
+    one_digit = RG_DATA.replace('"max_digits": 2', '"max_digits": 1').replace("size: 40", "size: 3000")
+    tiny = load_spec(_spec(tmp_path, one_digit, RG_REWARDS))
+    assert held_out_summary(tiny.data).startswith("none: data.reasoning_gym: all 200 held-out problems")
