@@ -15,7 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-from cluster.data.sources import describe_source
 from cluster.ops.prepare import prepare_job
 
 
@@ -62,7 +61,7 @@ def held_out_summary(data) -> str:
     """How many held-out problems a generated source leaves after dropping those also in training (small task spaces
     repeat problems), or why it has none."""
     from cluster.data import DataError
-    from cluster.data.sources import load_examples
+    from cluster.data.sources import describe_source, load_examples
 
     try:
         examples, dropped = load_examples(data, "held_out")
@@ -74,6 +73,7 @@ def held_out_summary(data) -> str:
 
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
+    from cluster.data.sources import describe_source
     from cluster.loop.pools import resources_needed
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
