@@ -5,6 +5,7 @@
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N]
+    grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
 
 Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
 
@@ -87,6 +88,18 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from cluster.ops.plot import PlotError, plot_run
+
+    try:
+        out = plot_run(args.run_dir, args.out)
+    except (PlotError, OSError) as exc:
+        print(f"grpo-cluster plot: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def _version() -> str:
     """The installed ``grpo-cluster`` distribution's version, from its package metadata."""
     from importlib.metadata import PackageNotFoundError, version
@@ -120,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.set_defaults(func=_cmd_eval)
+    plot = sub.add_parser("plot", help="PNG of a run's reward, held-out accuracy, length, KL and guard trips")
+    plot.add_argument("run_dir", help="the job's output_dir (holds metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")
+    plot.set_defaults(func=_cmd_plot)
     add_validate_command(sub)
     add_job_commands(sub)
     return parser

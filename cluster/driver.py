@@ -82,7 +82,7 @@ class GRPOJob:
         self.requests = PromptQueue(self.sampler, self.prompt_ids, spec.seed)
         if not dry_run:
             (self.output_dir / "spec.yaml").write_text(spec_to_yaml(spec))
-        self._status(f"{len(prompts.examples)} prompts from {d.train_path} ({self.bad_rows} bad rows skipped, "
+        self._status(f"{len(prompts.examples)} prompts from {prompts.source} ({self.bad_rows} bad rows skipped, "
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         self.evaluation = load_evaluation(spec, tokenizer, self._status)  # None without an eval section
         alg = spec.algorithm

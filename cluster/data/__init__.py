@@ -9,8 +9,9 @@ number (``grpo.rewards.gsm8k.parse_reference``, which the accuracy reward uses),
 is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project machines, or from
 https://github.com/openai/grade-school-math (``grade_school_math/data/``).
 
-The package also holds model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation
-(``evaluate``: pass@1 with the engine). May import ``grpo.rewards`` (answer parsing), ``cluster.spec``, transformers
+The package also holds the other prompt sources (``sources``: local Hugging Face ``datasets`` files, reasoning-gym
+tasks), model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation (``evaluate``: pass@1 with
+the engine). May import ``grpo.rewards`` (answer parsing), ``cluster.spec``, transformers
 and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
 """
 
@@ -25,8 +26,8 @@ from typing import Any, Literal
 
 from grpo.rewards.gsm8k import parse_reference
 
-__all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "PromptSampler", "build_chat_prompt",
-           "chat_prompt_ids"]
+__all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "parse_record", "PromptSampler",
+           "build_chat_prompt", "chat_prompt_ids"]
 
 ANSWER_MARKER = "####"
 
@@ -82,6 +83,13 @@ def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object with fields {question_field!r} and {answer_field!r}, "
                          f"got {type(row).__name__}")
+    return parse_record(row, index, question_field, answer_field)
+
+
+def parse_record(row: dict[str, Any], index: int, question_field: str, answer_field: str) -> Example:
+    """One row as a dict (a JSON object, or a row of a Hugging Face dataset) → Example; raises ValueError with the
+    reason (no location): missing/non-string field, not valid Unicode, empty question, answer without '####' or
+    without a number after it."""
     values = []
     for field in (question_field, answer_field):
         if field not in row:

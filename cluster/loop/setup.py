@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
+from cluster.data import DataError, Example, chat_prompt_ids
 from cluster.data.models import ModelError
+from cluster.data.sources import describe_source, load_examples
 from grpo.eos import eos_token_ids
 
 
@@ -29,12 +30,14 @@ class Prompts:
         ids: example index → chat-templated prompt token ids.
         bad_rows: rows of the file skipped as unreadable (``data.on_bad_row: skip``).
         filtered: rows dropped for being longer than ``data.max_prompt_tokens`` tokens.
+        source: where they came from, for status lines (`cluster.data.sources.describe_source`).
     """
 
     examples: list[Example]
     ids: dict[int, list[int]]
     bad_rows: int
     filtered: int
+    source: str
 
 
 def ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
@@ -81,25 +84,23 @@ def model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
 
 
 def load_prompts(data, tokenizer) -> Prompts:
-    """Read ``data.train_path``, chat-template and tokenize every prompt once, and drop (and count) those over
-    ``data.max_prompt_tokens``.
+    """Read the training prompts from ``data.source`` (``data.train_path`` by default), chat-template and tokenize
+    every prompt once, and drop (and count) those over ``data.max_prompt_tokens``.
 
     Args:
         data: the spec's ``data`` section.
         tokenizer: the model's tokenizer (its chat template builds the prompts).
 
     Raises:
-        DataError: the file cannot be read (prefixed ``data.train_path:``), or every prompt is too long.
+        DataError: the source cannot be read (prefixed with its spec field, ``data.train_path:``), or every prompt is
+            too long.
     """
-    try:
-        examples, bad_rows = load_jsonl_examples(data.train_path, question_field=data.question_field,
-                                                 answer_field=data.answer_field, on_bad_row=data.on_bad_row)
-    except DataError as exc:
-        raise DataError(f"data.train_path: {exc}") from None
+    examples, bad_rows = load_examples(data, "train")
     ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
     kept = [(ex, tok) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
     if not kept:
-        raise DataError(f"{data.train_path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="
-                        f"{data.max_prompt_tokens} tokens (the shortest has {min(map(len, ids))}); raise it")
+        raise DataError(f"{describe_source(data)}: all {len(examples)} prompts are longer than "
+                        f"data.max_prompt_tokens={data.max_prompt_tokens} tokens (the shortest has "
+                        f"{min(map(len, ids))}); raise it")
     return Prompts(examples=[ex for ex, _ in kept], ids={ex.index: list(tok) for ex, tok in kept}, bad_rows=bad_rows,
-                   filtered=len(examples) - len(kept))
+                   filtered=len(examples) - len(kept), source=describe_source(data))

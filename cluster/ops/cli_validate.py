@@ -57,8 +57,23 @@ def _cmd_validate(args) -> int:
     return 0
 
 
+def held_out_summary(data) -> str:
+    """How many held-out problems a generated source leaves after dropping those also in training (small task spaces
+    repeat problems), or why it has none."""
+    from cluster.data import DataError
+    from cluster.data.sources import describe_source, load_examples
+
+    try:
+        examples, dropped = load_examples(data, "held_out")
+    except DataError as exc:
+        return f"none: {exc}"
+    return (f"{len(examples)} problems from {describe_source(data, 'held_out')} ({dropped} dropped: also training "
+            f"problems)")
+
+
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
+    from cluster.data.sources import describe_source
     from cluster.loop.pools import resources_needed
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
@@ -73,8 +88,9 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
     lines = [
         ("spec", f"{Path(spec_path)} — job {s.name!r}, {s.total_steps} steps, {start}, seed {s.seed}"),
         ("model", f"{s.model.path} -> {job.model_path} ({s.model.dtype}); tokenizer loaded"),
-        ("data", f"{len(job.prompt_ids)} prompts from {s.data.train_path} ({job.bad_rows} bad rows skipped, "
+        ("data", f"{len(job.prompt_ids)} prompts from {describe_source(s.data)} ({job.bad_rows} bad rows skipped, "
                  f"{job.prompts_filtered} over data.max_prompt_tokens={s.data.max_prompt_tokens} dropped)"),
+        *([("held-out", held_out_summary(s.data))] if s.data.source == "reasoning_gym" else []),
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
                     f"at most {r.max_response_tokens} tokens each"),
         ("train", f"{t.world_size} rank(s), backend {t.backend}"),

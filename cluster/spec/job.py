@@ -77,6 +77,17 @@ class JobSpec(BaseModel):
                 "keep_best keeps the checkpoint of the best eval/accuracy step; it needs an eval section"))
         for conflict in monitor_conflicts(self):
             raise conflict
+        generated = self.data.source == "reasoning_gym"
+        weighted = {name for name, weight in self.algorithm.rewards.items() if weight != 0}
+        if generated and ("accuracy" in weighted or "reasoning_gym" not in weighted):
+            raise FieldConflict("algorithm.rewards", (
+                f"data.source 'reasoning_gym' is scored by the task's own scorer: expected a nonzero "
+                f"'reasoning_gym' weight and no 'accuracy' weight (it compares GSM8K numbers), got "
+                f"{dict(self.algorithm.rewards)}"))
+        if not generated and "reasoning_gym" in self.algorithm.rewards:
+            raise FieldConflict("algorithm.rewards", (
+                f"the 'reasoning_gym' reward scores problems from data.source 'reasoning_gym', got data.source "
+                f"{self.data.source!r}"))
         return self
 
 

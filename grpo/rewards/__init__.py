@@ -20,8 +20,9 @@ import torch
 from grpo.registry import Registry
 from grpo.rewards.gsm8k import accuracy_reward, extract_answer, format_reward, parse_reference
 from grpo.rewards.overlong import overlong_penalty
+from grpo.rewards.reasoning_gym import reasoning_gym_reward
 
-RewardFunctionName = Literal["accuracy", "format"]
+RewardFunctionName = Literal["accuracy", "format", "reasoning_gym"]
 OnError = Literal["raise", "none"]
 
 __all__ = [
@@ -131,6 +132,13 @@ def _format(completions: list[str], references: list[str]) -> list[float | None]
     """1.0 for a worked solution ending in one "#### <number>" line, never for the answer line alone (rules F1-F5 of
     `grpo.rewards.gsm8k`, `format_reward`); ignores references."""
     return [format_reward(c) for c in completions]
+
+
+@register_reward_function("reasoning_gym")
+def _reasoning_gym(completions: list[str], references: list[str]) -> list[float | None]:
+    """reasoning-gym's own scorer of the task each reference names (`grpo.rewards.reasoning_gym`): for prompts from
+    ``data.source: reasoning_gym``. A reference of another kind raises `ValueError` for the whole batch."""
+    return list(reasoning_gym_reward(completions, references))
 
 
 class CombinedRewards(NamedTuple):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.ops.metrics import MetricsLogger
-from grpo.monitor import DETECTORS
+from cluster.ops.metrics import MetricsLogger, prometheus_name
+from grpo.monitor import DETECTORS, TRIPPED_KEY
 from tests.deploy_checks import (
     CRD_DIR,
     DEPLOY,
@@ -42,6 +42,11 @@ ISSUE6_KEYS = {"workers/restarts": 0, "rollout/staleness_max": 1, "rollout/stale
                "rollout/queue_depth": 2, "rollout/kv_cache_usage": 0.3}
 #: What the reward-hacking guard adds to a row when the spec has a monitor section with action rollback.
 GUARD_KEYS = {**{f"monitor/{d}": 0.0 for d in DETECTORS}, "monitor/tripped": 0.0, "monitor/rollbacks": 0.0}
+# Keys of issue 14 (held-out evaluation between steps, the reward-hacking guard) that runs with `eval` / `monitor`
+# enabled log; the detectors' names come from the guard itself (grpo.monitor).
+EVAL_KEYS = {"eval/accuracy": 0.05, "eval/accuracy_ci_low": 0.03, "eval/accuracy_ci_high": 0.08, "eval/n": 200,
+             "eval/best_accuracy": 0.05}
+MONITOR_KEYS = {**{f"monitor/{name}": 0.0 for name in DETECTORS}, TRIPPED_KEY: 0.0}
 WORKER_KEYS = {"perf/rollout_tokens_per_s": 90.0, "rollout/kv_cache_usage": 0.3, "rollout/queue_depth": 2,
                "workers/restarts": 0}
 
@@ -51,9 +56,9 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="pr
 
 @pytest.fixture(scope="module")
 def exported_names(tmp_path_factory) -> set[str]:
-    """Metric names MetricsLogger serves for a real step's metrics plus the issue-6 keys, the guard's and per-worker
-    figures."""
-    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS, **GUARD_KEYS}
+    """Metric names MetricsLogger serves for a real step's metrics plus the issue-6 keys, the eval and guard keys
+    (with action rollback) and per-worker figures."""
+    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS, **GUARD_KEYS, **EVAL_KEYS, **MONITOR_KEYS}
     with MetricsLogger(tmp_path_factory.mktemp("metrics"), port=None, echo=False) as logger:
         logger.log(1, metrics)
         logger.log_worker(1, "rollout", "rollout-0", WORKER_KEYS)
@@ -275,6 +280,20 @@ def test_dashboard_is_valid_and_uses_exported_metrics(exported_names):
     assert {"grpo_reward_mean", "grpo_reward_accuracy", "grpo_response_length_mean", "grpo_actor_kl",
             "grpo_actor_clip_fraction", "grpo_perf_rollout_tokens_per_s", "grpo_perf_train_tokens_per_s",
             "grpo_timing_sync_s", "grpo_rollout_staleness_max", "grpo_workers_restarts", "grpo_step"} <= used
+    # what issue 14 asks for: held-out accuracy with its interval, the best so far, the guard and each detector
+    assert {prometheus_name(key) for key in (*EVAL_KEYS, *MONITOR_KEYS)} <= used
+
+
+def test_dashboard_eval_and_guard_panels_query_only_eval_and_monitor_metrics(exported_names):
+    dashboard = json.loads((DEPLOY / "grafana" / "grpo-cluster.json").read_text())
+    row = next(i for i, p in enumerate(dashboard["panels"]) if p["title"].startswith("Held-out evaluation"))
+    new_panels = dashboard["panels"][row + 1:]
+    assert {p["title"] for p in new_panels} >= {"Held-out accuracy (95 % interval)", "Best held-out accuracy",
+                                                 "Guard", "Guard detectors"}
+    emitted = {prometheus_name(key) for key in (*EVAL_KEYS, *MONITOR_KEYS)}
+    for panel in new_panels:
+        names = set().union(*(promql_metric_names(t["expr"]) for t in panel["targets"]))
+        assert names and names <= emitted & exported_names, (panel["title"], names - emitted)
 
 
 def test_dashboard_check_rejects_broken_dashboards(exported_names):

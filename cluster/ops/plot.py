@@ -1,0 +1,254 @@
+"""``grpo-cluster plot RUN_DIR``: one PNG of a run's learning curves from its ``metrics.jsonl``.
+
+Panels, all against the training step (x axis, shared):
+
+1. reward components: ``reward/mean`` and every ``reward/<function>`` (the driver's other summaries ``reward/std``,
+   ``reward/failed``, ``reward/none_fraction`` are left out: they are not rewards);
+2. held-out accuracy: ``eval/accuracy`` with its 95 % interval ``eval/accuracy_ci_low`` .. ``eval/accuracy_ci_high`` as
+   a band, and ``eval/best_accuracy``; evaluations are sparse (every ``eval.every_steps`` steps), so points are marked;
+3. response length: ``response_length/mean`` (tokens);
+4. KL: ``actor/kl`` (nats per token to the reference policy);
+5. guard: one row per detector ``monitor/<name>`` (``grpo.monitor.DETECTORS``) with a mark on each step it fired.
+
+Every step with ``monitor/tripped`` == 1 is also drawn as a red vertical line across all panels. A panel whose keys are
+absent from the file says "not logged" instead of drawing; nothing in the file's content makes the plot fail except a
+line that is not JSON.
+
+The data each panel draws is computed by :func:`plot_data` (no matplotlib), the drawing by :func:`render_png`
+(matplotlib's Agg canvas, no display needed, pyplot's global state untouched).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.ops.metrics import read_metrics_jsonl
+from grpo.monitor import DETECTORS, TRIPPED_KEY
+from grpo.rewards import REWARD_SUMMARY_METRICS
+
+__all__ = ["PlotData", "PlotError", "Series", "plot_data", "plot_run", "render_png", "series"]
+
+METRICS_FILE = "metrics.jsonl"
+DEFAULT_PNG = "plot.png"
+EVAL_KEY, EVAL_LOW_KEY, EVAL_HIGH_KEY = "eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high"
+EVAL_BEST_KEY = "eval/best_accuracy"
+LENGTH_KEY, KL_KEY = "response_length/mean", "actor/kl"
+REWARD_PREFIX = "reward/"
+#: reward/<summary> keys that are not a reward (counts, spread) and stay off the reward panel
+NOT_REWARDS = frozenset(f"{REWARD_PREFIX}{name}" for name in REWARD_SUMMARY_METRICS if name != "mean")
+
+
+class PlotError(ValueError):
+    """The run folder or its metrics.jsonl is missing, unreadable or holds no step records."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """One metric over the steps that logged it.
+
+    key: the metrics.jsonl key. steps: int steps, ascending, distinct. values: float, finite, one per step.
+    """
+
+    key: str
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+@dataclass(frozen=True)
+class PlotData:
+    """What each panel draws; an empty tuple (or None) means the panel's keys were not logged.
+
+    rewards: ``reward/mean`` first, then the components in alphabetical order. eval_accuracy, eval_low, eval_high,
+    eval_best: the held-out accuracy series (fractions in [0, 1]); the band is drawn over the steps that have both
+    bounds. length: mean response length, tokens. kl: nats per token. detectors: detector name → steps on which
+    ``monitor/<name>`` was 1, for every detector the file logs. trips: steps with ``monitor/tripped`` == 1.
+    guard_logged: whether any ``monitor/*`` key is in the file. num_steps: distinct steps in the file.
+    """
+
+    rewards: tuple[Series, ...]
+    eval_accuracy: Series | None
+    eval_low: Series | None
+    eval_high: Series | None
+    eval_best: Series | None
+    length: Series | None
+    kl: Series | None
+    detectors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    trips: tuple[int, ...] = ()
+    guard_logged: bool = False
+    num_steps: int = 0
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number (bool → 0/1) as float if finite, else None (null, strings, NaN written as null)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _step(record: Mapping[str, Any]) -> int | None:
+    step = record.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def series(records: Sequence[Mapping[str, Any]], key: str) -> Series | None:
+    """The (step, value) pairs of ``key`` over the records that hold it as a finite number, ascending by step; None
+    when no record does. A step logged again (a run that rolled back or resumed redoes steps) keeps its last value,
+    the one the run's history now holds. Records without an int ``step`` are ignored."""
+    by_step: dict[int, float] = {}
+    for record in records:
+        step, value = _step(record), _finite(record.get(key))
+        if step is not None and value is not None:
+            by_step[step] = value
+    if not by_step:
+        return None
+    steps = tuple(sorted(by_step))
+    return Series(key, steps, tuple(by_step[s] for s in steps))
+
+
+def _steps_where_one(records: Sequence[Mapping[str, Any]], key: str) -> tuple[int, ...]:
+    """Steps on which any record has ``key`` >= 1 (a trip stays visible after a rollback redid its step)."""
+    return tuple(sorted({step for record in records if (step := _step(record)) is not None
+                         and (value := _finite(record.get(key))) is not None and value >= 1.0}))
+
+
+def plot_data(records: Sequence[Mapping[str, Any]]) -> PlotData:
+    """Extract every panel's series from metrics.jsonl records (dicts with an int ``step``; see module doc)."""
+    keys = {k for record in records for k in record}
+    components = sorted(k for k in keys if k.startswith(REWARD_PREFIX) and k not in NOT_REWARDS
+                        and k != f"{REWARD_PREFIX}mean")
+    rewards = tuple(s for s in (series(records, k) for k in (f"{REWARD_PREFIX}mean", *components)) if s)
+    detectors = {name: _steps_where_one(records, f"monitor/{name}") for name in DETECTORS
+                 if f"monitor/{name}" in keys}
+    return PlotData(
+        rewards=rewards,
+        eval_accuracy=series(records, EVAL_KEY), eval_low=series(records, EVAL_LOW_KEY),
+        eval_high=series(records, EVAL_HIGH_KEY), eval_best=series(records, EVAL_BEST_KEY),
+        length=series(records, LENGTH_KEY), kl=series(records, KL_KEY),
+        detectors=detectors, trips=_steps_where_one(records, TRIPPED_KEY),
+        guard_logged=any(k.startswith("monitor/") for k in keys),
+        num_steps=len({s for s in map(_step, records) if s is not None}),
+    )
+
+
+def _band(low: Series, high: Series) -> tuple[list[int], list[float], list[float]]:
+    """Steps with both interval bounds (a step's last bounds win), ascending, and the bounds there."""
+    lows, highs = dict(zip(low.steps, low.values)), dict(zip(high.steps, high.values))
+    steps = sorted(set(lows) & set(highs))
+    return steps, [lows[s] for s in steps], [highs[s] for s in steps]
+
+
+def _not_logged(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"{what}: not logged", transform=ax.transAxes, ha="center", va="center", color="0.4")
+
+
+def _draw_rewards(ax, data: PlotData) -> None:
+    ax.set_title("Reward components (training samples)", loc="left", fontsize=10)
+    if not data.rewards:
+        return _not_logged(ax, "reward/*")
+    for s in data.rewards:
+        style = {"color": "black", "linewidth": 2.0} if s.key == f"{REWARD_PREFIX}mean" else {"linewidth": 1.2}
+        ax.plot(s.steps, s.values, label=s.key, **style)
+    ax.set_ylabel("reward")
+    ax.legend(fontsize=8, loc="best")
+
+
+def _draw_eval(ax, data: PlotData) -> None:
+    ax.set_title("Held-out accuracy (95 % Wilson interval)", loc="left", fontsize=10)
+    if data.eval_accuracy is None:
+        return _not_logged(ax, EVAL_KEY)
+    if data.eval_low is not None and data.eval_high is not None:
+        steps, lows, highs = _band(data.eval_low, data.eval_high)
+        ax.fill_between(steps, lows, highs, color="tab:green", alpha=0.2, label="95 % interval")
+    ax.plot(data.eval_accuracy.steps, data.eval_accuracy.values, "o-", color="tab:green", label=EVAL_KEY)
+    if data.eval_best is not None:
+        ax.plot(data.eval_best.steps, data.eval_best.values, "--", color="0.3", label=EVAL_BEST_KEY)
+    ax.set_ylabel("pass@1")
+    ax.legend(fontsize=8, loc="best")
+
+
+def _draw_line(ax, line: Series | None, title: str, ylabel: str, key: str) -> None:
+    ax.set_title(title, loc="left", fontsize=10)
+    if line is None:
+        return _not_logged(ax, key)
+    ax.plot(line.steps, line.values, color="tab:blue")
+    ax.set_ylabel(ylabel)
+
+
+def _draw_guard(ax, data: PlotData) -> None:
+    ax.set_title("Reward-hacking guard (detectors that fired)", loc="left", fontsize=10)
+    if not data.guard_logged:
+        return _not_logged(ax, "monitor/*")
+    names = list(data.detectors) or list(DETECTORS)
+    for row, name in enumerate(names):
+        steps = data.detectors.get(name, ())
+        ax.plot(steps, [row] * len(steps), "|", color="tab:red", markersize=12, markeredgewidth=2)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(-0.5, len(names) - 0.5)
+    if not data.trips:
+        ax.text(0.99, 0.95, "no trips", transform=ax.transAxes, ha="right", va="top", color="tab:green")
+
+
+def render_png(data: PlotData, out: str | Path, title: str = "") -> Path:
+    """Draw the five panels of ``data`` into a PNG at ``out`` (parent folders created); returns ``out``.
+
+    Raises OSError when the file cannot be written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 13), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(5, 1, sharex=True)
+    _draw_rewards(axes[0], data)
+    _draw_eval(axes[1], data)
+    _draw_line(axes[2], data.length, "Response length (mean)", "tokens", LENGTH_KEY)
+    _draw_line(axes[3], data.kl, "KL to the reference policy", "nats/token", KL_KEY)
+    _draw_guard(axes[4], data)
+    for ax in axes:
+        for step in data.trips:
+            ax.axvline(step, color="tab:red", alpha=0.35, linewidth=1.0)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    trips = f", guard tripped at step {data.trips[0]}" if data.trips else ""
+    fig.suptitle(f"{title} ({data.num_steps} steps{trips})" if title else f"{data.num_steps} steps{trips}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Read ``RUN_DIR/metrics.jsonl`` and write the PNG (default ``RUN_DIR/plot.png``); returns its path.
+
+    Raises:
+        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, or no record has a step.
+        OSError: the PNG cannot be written.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        what = "is a file, not a folder" if run_dir.exists() else "not found"
+        raise PlotError(f"run folder {run_dir} {what} (absolute: {run_dir.absolute()}); expected a job's "
+                        f"output_dir holding {METRICS_FILE}")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise PlotError(f"{path}: no {METRICS_FILE} in the run folder; expected the output_dir of a job that ran "
+                        f"at least one step")
+    try:
+        records = read_metrics_jsonl(path)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise PlotError(f"cannot read {path}: {exc}") from None
+    records = [r for r in records if isinstance(r, dict) and _step(r) is not None]
+    if not records:
+        raise PlotError(f"{path}: no step records (expected JSON lines with an int 'step')")
+    return render_png(plot_data(records), run_dir / DEFAULT_PNG if out is None else out, title=run_dir.name)

@@ -1,0 +1,149 @@
+"""Procedurally generated verifiable tasks from reasoning-gym (github.com/open-thought/reasoning-gym, Apache-2.0),
+scored by the task's own ``score_answer``.
+
+A task is a reasoning-gym dataset name (``chain_sum``, ``basic_arithmetic``, … 106 in 0.1.25) with a config (the
+dataset's config dataclass fields, e.g. ``{min_terms: 2, max_terms: 2}``), a seed and a size. reasoning-gym generates
+item ``i`` from ``random.Random(seed + i)`` (``ProceduralDataset.__getitem__`` of its datasets), so a
+(task, config, seed, index) tuple names one problem exactly, and two splits are disjoint in their generator seeds when
+their ranges ``[seed, seed + size)`` do not overlap (:func:`seed_ranges_overlap`).
+
+Each problem's reference, as the reward functions receive it, is a JSON object (:func:`encode_reference`) naming that
+tuple; the reward regenerates the entry (question, answer, metadata) and calls the task's ``score_answer`` on the
+answer extracted from the completion (:func:`extract_final_answer`): the text after the last ``####`` (the project's
+answer-line convention, see ``grpo.rewards.gsm8k``), else reasoning-gym's own ``<answer>…</answer>`` tag, else none
+(score 0). Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
+contains the oracle, so only the extracted answer (never the whole completion) is scored.
+
+Imports reasoning_gym lazily (only where a task is used), so the project runs without it for other data sources.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+__all__ = ["REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer", "generate_entries",
+           "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
+
+REFERENCE_KIND = "reasoning_gym"
+ANSWER_MARKER = "####"
+INSTALL_HINT = "pip install 'grpo-cluster[tasks]' (reasoning-gym==0.1.25)"
+
+
+def _registry() -> dict[str, Any]:
+    """reasoning-gym's dataset registry: name → (dataset class, config class); ImportError with the install hint."""
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as exc:
+        raise ImportError(f"reasoning-gym is not installed ({exc}); {INSTALL_HINT}") from None
+    return DATASETS
+
+
+def check_task(task: str, config: Mapping[str, Any]) -> None:
+    """Refuse an unknown task or a config its dataset rejects.
+
+    Raises:
+        ValueError: unknown task name (the message lists close names and the count of known ones), or a config
+            key/value the task's config class or its ``validate()`` refuses.
+        ImportError: reasoning-gym is not installed.
+    """
+    datasets = _registry()
+    if task not in datasets:
+        import difflib
+
+        close = difflib.get_close_matches(task, list(datasets), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown reasoning-gym task {task!r}{hint} ({len(datasets)} tasks known, e.g. chain_sum, "
+                         f"basic_arithmetic; see reasoning_gym.factory.DATASETS)")
+    _, config_cls = datasets[task]
+    reserved = sorted({"seed", "size"} & set(config))
+    if reserved:
+        raise ValueError(f"config key {reserved[0]!r} is set by the split (seed, size fields), not by the task config")
+    try:
+        cfg = config_cls(**dict(config), seed=0, size=1)
+        if hasattr(cfg, "validate"):
+            cfg.validate()
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"task {task!r} refuses config {dict(config)!r}: {exc or type(exc).__name__}") from None
+
+
+@lru_cache(maxsize=64)
+def _dataset(task: str, config_json: str, seed: int, size: int):
+    datasets = _registry()
+    dataset_cls, config_cls = datasets[task]
+    cfg = config_cls(**json.loads(config_json), seed=seed, size=size)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return dataset_cls(config=cfg)
+
+
+def _config_json(config: Mapping[str, Any]) -> str:
+    return json.dumps(dict(config), sort_keys=True)
+
+
+def generate_entries(task: str, config: Mapping[str, Any], seed: int, size: int) -> list[dict[str, Any]]:
+    """Items 0 .. size-1 of ``task`` with ``config`` and ``seed``: dicts with ``question``, ``answer`` (str) and
+    ``metadata``; the same arguments give the same items on every machine (reasoning-gym seeds each item)."""
+    dataset = _dataset(task, _config_json(config), seed, size)
+    return [dataset[i] for i in range(size)]
+
+
+def encode_reference(task: str, config: Mapping[str, Any], seed: int, size: int, index: int) -> str:
+    """The reference string of item ``index``: compact JSON ``{"kind": "reasoning_gym", "task", "config", "seed",
+    "size", "index"}`` with sorted keys."""
+    return json.dumps({"kind": REFERENCE_KIND, "task": task, "config": dict(config), "seed": seed, "size": size,
+                       "index": index}, sort_keys=True, separators=(",", ":"))
+
+
+def _decode_reference(reference: str) -> tuple[Any, dict[str, Any]]:
+    """(dataset, entry) named by an `encode_reference` string; ValueError for anything else."""
+    try:
+        ref = json.loads(reference)
+    except (TypeError, json.JSONDecodeError):
+        ref = None
+    if not isinstance(ref, dict) or ref.get("kind") != REFERENCE_KIND:
+        raise ValueError(f"expected a reasoning-gym reference (JSON with kind {REFERENCE_KIND!r}, written by "
+                         f"data.source: reasoning_gym), got {str(reference)[:80]!r}")
+    dataset = _dataset(ref["task"], _config_json(ref["config"]), int(ref["seed"]), int(ref["size"]))
+    return dataset, dataset[int(ref["index"])]
+
+
+def extract_final_answer(completion: str) -> str | None:
+    """The answer a completion gives: the first line after its last ``####``, stripped; else the last
+    ``<answer>…</answer>`` tag's content (reasoning_gym.utils.extract_answer's rule); else None.
+
+    >>> extract_final_answer("2 + 3 = 5\\n#### 5")
+    '5'
+    >>> extract_final_answer("<answer> 5 </answer>")
+    '5'
+    """
+    head, marker, tail = completion.rpartition(ANSWER_MARKER)
+    if marker:
+        line = tail.strip().split("\n", 1)[0].strip()
+        return line or None
+    tags = re.findall(r"<answer>\s?(.*?)\s?</answer>", completion, flags=re.DOTALL)
+    return tags[-1].strip() if tags else None
+
+
+def score_completion(completion: str, reference: str) -> float:
+    """reasoning-gym's ``score_answer`` (float in [0, 1]) of the completion's extracted answer for the referenced item.
+
+    Raises:
+        ValueError: ``reference`` is not a reasoning-gym reference (a data error: GSM8K data with this reward).
+    """
+    dataset, entry = _decode_reference(reference)
+    return float(dataset.score_answer(extract_final_answer(completion), entry))
+
+
+def reasoning_gym_reward(completions: list[str], references: list[str]) -> list[float]:
+    """Batch form of `score_completion` (the ``reasoning_gym`` reward function)."""
+    return [score_completion(c, r) for c, r in zip(completions, references, strict=True)]
+
+
+def seed_ranges_overlap(seed_a: int, size_a: int, seed_b: int, size_b: int) -> bool:
+    """Whether two splits share a generator seed: ``[seed_a, seed_a + size_a)`` and ``[seed_b, seed_b + size_b)``
+    intersect."""
+    return seed_a < seed_b + size_b and seed_b < seed_a + size_a

@@ -1,0 +1,201 @@
+"""Prompt sources beside jsonl (cluster/data/sources.py): local Hugging Face ``datasets`` files and reasoning-gym
+tasks; their spec fields (refused before Ray starts, naming the field) and the ``reasoning_gym`` reward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.data import DataError, Example
+from cluster.data.sources import describe_source, load_examples, load_hf_examples, reasoning_gym_examples
+from cluster.spec import SpecError, load_spec
+from grpo.rewards import combine_rewards
+from grpo.rewards.reasoning_gym import extract_final_answer, generate_entries, score_completion
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("datasets")
+pytest.importorskip("reasoning_gym")
+
+ROWS = {"problem": ["What is 2+3?", "What is 10-4?", "Bad?"], "solution": ["2+3=5\n#### 5", "#### 6", "no marker"]}
+EASY_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+
+
+def _parquet(tmp_path: Path, rows=ROWS, name="train.parquet") -> Path:
+    path = tmp_path / name
+    pq.write_table(pa.table(rows), path)
+    return path
+
+
+def _spec(tmp_path: Path, data: str, rewards: str = "") -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: 2\ndata:\n{data}{rewards}")
+    return path
+
+
+# ---- Hugging Face datasets files ----------------------------------------------------------------------------------
+def test_parquet_rows_load_like_jsonl_rows(tmp_path):
+    path = _parquet(tmp_path)
+    examples, skipped = load_hf_examples(str(path), question_field="problem", answer_field="solution",
+                                         on_bad_row="skip")
+    assert skipped == 1
+    assert examples == [Example(0, "What is 2+3?", "2+3=5\n#### 5", "5"), Example(1, "What is 10-4?", "#### 6", "6")]
+    with pytest.raises(DataError, match=r"train.parquet:row 2: answer has no '####' marker .*on_bad_row: skip"):
+        load_hf_examples(str(path), question_field="problem", answer_field="solution")
+
+
+def test_jsonl_and_glob_through_the_datasets_library(tmp_path):
+    for part in range(2):
+        rows = [{"question": f"Q{part}{i}?", "answer": f"#### {i}"} for i in range(3)]
+        (tmp_path / f"part{part}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    examples, skipped = load_hf_examples(str(tmp_path / "part*.jsonl"), file_format="json")
+    assert skipped == 0 and sorted(e.question for e in examples) == sorted(f"Q{p}{i}?" for p in range(2)
+                                                                            for i in range(3))
+    assert [e.index for e in examples] == list(range(6))
+
+
+@pytest.mark.parametrize("make,kwargs,needle", [
+    (lambda p: p / "missing.parquet", {}, "cannot load as 'parquet'"),
+    (lambda p: (p / "junk.parquet").write_text("not parquet") and p / "junk.parquet", {}, "cannot load"),
+    (_parquet, {"split": "test"}, "split 'test'"),
+    (_parquet, {}, "no column 'question'"),
+])
+def test_hf_files_that_cannot_be_used_are_refused(tmp_path, make, kwargs, needle):
+    with pytest.raises(DataError, match=needle):
+        load_hf_examples(str(make(tmp_path)), **kwargs)
+
+
+def test_spec_source_hf_datasets_reads_train_and_test_paths(tmp_path):
+    train, test = _parquet(tmp_path), _parquet(tmp_path, {k: v[:1] for k, v in ROWS.items()}, "test.parquet")
+    spec = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {train}\n  test_path: {test}\n"
+                                     f"  question_field: problem\n  answer_field: solution\n  on_bad_row: skip\n"))
+    assert [e.reference for e in load_examples(spec.data, "train")[0]] == ["5", "6"]
+    assert [e.reference for e in load_examples(spec.data, "held_out")[0]] == ["5"]
+    assert describe_source(spec.data) == f"{train} (parquet, split 'train')"
+    broken = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {tmp_path / 'nope.parquet'}\n"))
+    with pytest.raises(DataError, match=r"^data.train_path: .*nope.parquet"):
+        load_examples(broken.data)
+    with pytest.raises(DataError, match=r"^data.test_path: not set"):
+        load_examples(broken.data, "held_out")
+
+
+def test_default_source_is_jsonl_and_needs_train_path(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    spec = load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n"))
+    assert spec.data.source == "jsonl" and spec.data.reasoning_gym.task is None
+    assert describe_source(spec.data) == str(tmp_path / "t.jsonl")
+    assert load_examples(spec.data)[0] == [Example(0, "Q?", "#### 1", "1")]
+    with pytest.raises(SpecError, match=r"data.train_path: required key 'train_path' is missing"):
+        load_spec(_spec(tmp_path, "  source: hf_datasets\n"))
+
+
+# ---- reasoning-gym ------------------------------------------------------------------------------------------------
+RG_DATA = (f"  source: reasoning_gym\n"
+           f"  reasoning_gym: {{task: chain_sum, config: {json.dumps(EASY_SUMS)}, size: 40, seed: 7}}\n")
+RG_REWARDS = "algorithm:\n  rewards: {reasoning_gym: 1.0, format: 0.1}\n"
+
+
+def test_reasoning_gym_split_is_reproducible_by_seed_and_held_out_is_disjoint(tmp_path):
+    spec = load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS))
+    rg = spec.data.reasoning_gym
+    assert rg.eval_seed == 47  # seed + size: the first generator seed after the training range
+    train, skipped = load_examples(spec.data, "train")
+    again, _ = reasoning_gym_examples(rg, "train")
+    assert skipped == 0 and len(train) == 40 and train == again
+    assert [e.index for e in train] == list(range(40))
+    other_seed = load_spec(_spec(tmp_path, RG_DATA.replace("seed: 7", "seed: 8"), RG_REWARDS))
+    assert [e.question for e in reasoning_gym_examples(other_seed.data.reasoning_gym)[0]] != [e.question for e in train]
+    held_out, dropped = load_examples(spec.data, "held_out")
+    assert len(held_out) + dropped == rg.held_out_size == 200
+    assert not {e.question for e in held_out} & {e.question for e in train}
+    entries = generate_entries("chain_sum", EASY_SUMS, 7, 40)
+    assert [e.question for e in train] == [e["question"] for e in entries]
+    assert [e.answer for e in train] == [str(e["answer"]) for e in entries]
+    assert describe_source(spec.data, "held_out") == "reasoning-gym chain_sum (seed 47, 200 problems)"
+
+
+def test_reasoning_gym_reward_pays_the_right_answer_only(tmp_path):
+    spec = load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS))
+    train, _ = load_examples(spec.data)
+    ex = train[0]
+    right = int(ex.answer)
+    completions = [f"Adding step by step.\n#### {right}", f"#### {right + 1}", f"<answer>{right}</answer>",
+                   f"The answer is {right}.", ""]
+    refs = [ex.reference] * len(completions)
+    assert [score_completion(c, r) for c, r in zip(completions, refs)] == [1.0, 0.0, 1.0, 0.0, 0.0]
+    combined = combine_rewards(completions, refs, {"reasoning_gym": 1.0})
+    assert combined.total.tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    with pytest.raises(RuntimeError, match="expected a reasoning-gym reference"):
+        combine_rewards(["#### 5"], ["5"], {"reasoning_gym": 1.0})
+
+
+def test_extract_final_answer():
+    assert extract_final_answer("work\n#### 12\nextra") == "12"
+    assert extract_final_answer("#### a\n#### b ") == "b"
+    assert extract_final_answer("x <answer>1</answer> <answer> 2 </answer>") == "2"
+    assert extract_final_answer("no answer line 5") is None and extract_final_answer("####   ") is None
+
+
+@pytest.mark.parametrize("data,rewards,field,needle", [
+    (RG_DATA.replace("chain_sum", "chain_sums"), RG_REWARDS, "data.reasoning_gym.task",
+     "unknown reasoning-gym task 'chain_sums'; did you mean chain_sum"),
+    ("  source: reasoning_gym\n", RG_REWARDS, "data.reasoning_gym.task", "required"),
+    (RG_DATA.replace('"min_terms": 2', '"min_termz": 2'), RG_REWARDS, "data.reasoning_gym.config", "min_termz"),
+    (RG_DATA.replace('"min_terms": 2', '"min_terms": 5'), RG_REWARDS, "data.reasoning_gym.config", "chain_sum"),
+    (RG_DATA.replace("seed: 7}", "seed: 7, held_out_seed: 20}"), RG_REWARDS, "data.reasoning_gym.held_out_seed",
+     "overlap"),
+    (RG_DATA, "", "algorithm.rewards", "'reasoning_gym' weight"),
+    (RG_DATA + "  test_path: test.jsonl\n", RG_REWARDS, "data.test_path", "not used with data.source 'reasoning_gym'"),
+    (RG_DATA, "algorithm:\n  rewards: {reasoning_gym: 1.0, accuracy: 1.0}\n", "algorithm.rewards", "accuracy"),
+])
+def test_bad_reasoning_gym_specs_are_refused_naming_the_field(tmp_path, data, rewards, field, needle):
+    with pytest.raises(SpecError) as info:
+        load_spec(_spec(tmp_path, data, rewards))
+    assert f"{field}: " in str(info.value) and needle in str(info.value), str(info.value)
+
+
+def test_reasoning_gym_reward_needs_the_reasoning_gym_source(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    with pytest.raises(SpecError, match=r"algorithm.rewards: the 'reasoning_gym' reward scores problems from"):
+        load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n", RG_REWARDS))
+
+
+def test_cli_validate_refuses_an_unknown_task_with_exit_2(tmp_path, capsys):
+    from cluster.cli import main
+
+    spec = _spec(tmp_path, RG_DATA.replace("chain_sum", "no_such_task"), RG_REWARDS)
+    assert main(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "data.reasoning_gym.task: unknown reasoning-gym task 'no_such_task'" in err
+
+
+def test_the_reasoning_gym_example_spec_is_valid():
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "chain_sum_smollm2_cpu.yaml")
+    assert spec.data.source == "reasoning_gym" and spec.data.reasoning_gym.task == "chain_sum"
+    assert spec.algorithm.rewards == {"reasoning_gym": 1.0, "format": 0.1}
+
+
+def test_reasoning_gym_fields_take_set_overrides_and_survive_the_yaml_round_trip(tmp_path):
+    from cluster.spec import load_spec_text, spec_to_yaml
+
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    spec = load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n"), [
+        "data.source=reasoning_gym", "data.train_path=null", "data.reasoning_gym.task=basic_arithmetic",
+        "data.reasoning_gym.config.min_terms=2", "data.reasoning_gym.config.max_terms=2",
+        "algorithm.rewards={reasoning_gym: 1.0}"])
+    assert spec.data.reasoning_gym.config == {"min_terms": 2, "max_terms": 2}
+    assert load_spec_text(spec_to_yaml(spec), source="again.yaml") == spec
+
+
+def test_validate_summarises_the_held_out_split_and_a_task_space_too_small_for_one(tmp_path):
+    from cluster.ops.cli_validate import held_out_summary
+
+    spec = load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS))
+    held_out, dropped = load_examples(spec.data, "held_out")
+    assert held_out_summary(spec.data) == (f"{len(held_out)} problems from reasoning-gym chain_sum (seed 47, 200 "
+                                           f"problems) ({dropped} dropped: also training problems)")
+    one_digit = RG_DATA.replace('"max_digits": 2', '"max_digits": 1').replace("size: 40", "size: 3000")
+    tiny = load_spec(_spec(tmp_path, one_digit, RG_REWARDS))
+    assert held_out_summary(tiny.data).startswith("none: data.reasoning_gym: all 200 held-out problems")
