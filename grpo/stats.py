@@ -55,6 +55,7 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
     if isinstance(successes, bool) or not isinstance(successes, Real) or not 0 <= successes <= n:
         raise ValueError(f"successes must be a number in [0, n={n}], got {successes!r}")
     _check_confidence(confidence)
+    n, successes = int(n), float(successes)  # numpy scalars would overflow in their own dtype (4·n² for int8)
     z = NormalDist().inv_cdf(1.0 - (1.0 - confidence) / 2.0)
     p = successes / n
     denominator = 1.0 + z * z / n
@@ -62,7 +63,7 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
     half = z / denominator * math.sqrt(p * (1.0 - p) / n + z * z / (4 * n * n))
     low = 0.0 if successes == 0 else max(0.0, centre - half)
     high = 1.0 if successes == n else min(1.0, centre + half)
-    return low, high
+    return float(low), float(high)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

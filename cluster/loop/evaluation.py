@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
+from cluster.data.sources import load_examples, load_hf_examples
 from cluster.loop.checkpoints import TRAINER_STATE
 from cluster.loop.setup import SetupError
 from cluster.messages import GroupRequest, GroupResult, SamplingOverride
@@ -76,8 +77,10 @@ class EvalSet:
 
 
 def load_eval_set(ev, data, tokenizer) -> EvalSet:
-    """Read the held-out file (``eval.data_path``, else ``data.test_path``) with ``data``'s fields and prompt
-    (system prompt, suffix), drop prompts over ``data.max_prompt_tokens`` and keep the first ``eval.limit``.
+    """Read the held-out prompts with ``data``'s fields and prompt (system prompt, suffix), drop prompts over
+    ``data.max_prompt_tokens`` and keep the first ``eval.limit``. ``eval.data_path`` is read in the format of
+    ``data.source`` (jsonl, or the ``hf_datasets`` file format); without it, the source's own held-out split
+    (``data.test_path``, or a ``reasoning_gym`` source's held-out seeds).
 
     Args:
         ev: the spec's ``eval`` section. data: its ``data`` section. tokenizer: the model's tokenizer.
@@ -86,12 +89,18 @@ def load_eval_set(ev, data, tokenizer) -> EvalSet:
         DataError: the file is missing, unreadable or has no usable rows, or every prompt is too long; prefixed with
             the field that named the file.
     """
-    field, path = ("eval.data_path", ev.data_path) if ev.data_path is not None else ("data.test_path", data.test_path)
-    try:
-        examples, bad_rows = load_jsonl_examples(path, question_field=data.question_field,
-                                                 answer_field=data.answer_field, on_bad_row=data.on_bad_row)
-    except DataError as exc:
-        raise DataError(f"{field}: {exc}") from None
+    if ev.data_path is None:  # the source's own held-out split: data.test_path, or reasoning-gym's held-out seeds
+        field = "data.reasoning_gym" if data.source == "reasoning_gym" else "data.test_path"
+        path = "reasoning-gym held-out split" if data.source == "reasoning_gym" else data.test_path
+        examples, bad_rows = load_examples(data, "held_out")  # its DataError names the data field already
+    else:
+        field, path = "eval.data_path", ev.data_path
+        fields = dict(question_field=data.question_field, answer_field=data.answer_field, on_bad_row=data.on_bad_row)
+        try:
+            examples, bad_rows = (load_hf_examples(path, file_format=data.file_format, split=data.split, **fields)
+                                  if data.source == "hf_datasets" else load_jsonl_examples(path, **fields))
+        except DataError as exc:
+            raise DataError(f"{field}: {exc}") from None
     ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
     kept = [(ex, list(tok)) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
     if not kept:

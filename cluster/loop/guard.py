@@ -31,6 +31,7 @@ and stops (keep at least ``baseline_steps + window_steps`` checkpoints).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -68,9 +69,46 @@ def last_good_checkpoint(root: Path, onset_step: int) -> Path | None:
 
 
 def read_state(root: Path) -> dict:
-    """``guard.json`` under ``root``, or an empty record."""
+    """``guard.json`` under ``root``, or an empty record when there is none.
+
+    Raises:
+        SetupError: the file exists but is not a guard record (not JSON, wrong types, a folder), naming the file.
+    """
     path = Path(root) / GUARD_STATE
-    return json.loads(path.read_text()) if path.is_file() else {"trips": [], "stopped": False, "rollbacks": 0}
+    if not path.exists():
+        return {"trips": [], "stopped": False, "rollbacks": 0}
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        problem = _state_problem(state)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise SetupError(f"{path}: not a reward-hacking guard record ({problem}); move it away to resume without "
+                         f"the guard's history")
+    return state
+
+
+def _state_problem(state) -> str | None:
+    """What makes ``state`` (parsed ``guard.json``) unusable, or None."""
+    def number(x) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+    if not isinstance(state, dict):
+        return f"expected an object, got {type(state).__name__}"
+    if not isinstance(state.get("stopped", False), bool):
+        return f"'stopped': expected true or false, got {state['stopped']!r}"
+    if not isinstance(state.get("rollbacks", 0), int) or isinstance(state.get("rollbacks", 0), bool):
+        return f"'rollbacks': expected a whole number, got {state['rollbacks']!r}"
+    trips = state.get("trips", [])
+    trip_keys = {"step", "detectors", "onset_step"}
+    if not isinstance(trips, list) or not all(isinstance(t, dict) and trip_keys <= set(t) for t in trips):
+        return f"'trips': expected a list of objects with {sorted(trip_keys)}, got {trips!r:.200}"
+    if state.get("stopped") and not trips:
+        return "'stopped' is true but no trip is recorded"
+    weights = state.get("reward_weights", {})
+    if not isinstance(weights, dict) or not all(number(w) and w >= 0 for w in weights.values()):
+        return f"'reward_weights': expected {{name: weight >= 0}}, got {weights!r:.200}"
+    return None
 
 
 def check_resume(root: Path, allowed: bool, clear: bool = False) -> None:
@@ -121,7 +159,12 @@ class Guard:
         self.spec, self.root, self.weights, self.status = spec, Path(root), weights, status
         self.state = read_state(self.root) if resumed else {"trips": [], "stopped": False, "rollbacks": 0}
         self.state["stopped"] = False
-        self.weights.update(self.state.get("reward_weights", {}))
+        saved = self.state.get("reward_weights", {})
+        unknown = sorted(set(saved) - set(weights))
+        if unknown:
+            raise SetupError(f"{self.root / GUARD_STATE}: reward_weights {unknown} are not in algorithm.rewards "
+                             f"{sorted(weights)}; the spec's rewards changed since the guard wrote it")
+        self.weights.update(saved)
         self.monitor = Monitor(monitor_config(spec))
         self.rows: dict[int, dict] = {}
 

@@ -89,8 +89,12 @@ def _finite(value: Any) -> float | None:
     """A JSON number (bool → 0/1) as float if finite, else None (null, strings, NaN written as null)."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
+    if isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float range
+            return None
+        return number if math.isfinite(number) else None
     return None
 
 
@@ -232,7 +236,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Read ``RUN_DIR/metrics.jsonl`` and write the PNG (default ``RUN_DIR/plot.png``); returns its path.
 
     Raises:
-        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, or no record has a step.
+        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, no record has a step, values
+            cannot be drawn, or ``out`` is not a ``.png`` name or would overwrite a file that is not a PNG.
         OSError: the PNG cannot be written.
     """
     run_dir = Path(run_dir)
@@ -244,11 +249,29 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not path.is_file():
         raise PlotError(f"{path}: no {METRICS_FILE} in the run folder; expected the output_dir of a job that ran "
                         f"at least one step")
+    out = run_dir / DEFAULT_PNG if out is None else Path(out)
+    _check_out(out, path)
     try:
         records = read_metrics_jsonl(path)
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise PlotError(f"cannot read {path}: {exc}") from None
     records = [r for r in records if isinstance(r, dict) and _step(r) is not None]
     if not records:
         raise PlotError(f"{path}: no step records (expected JSON lines with an int 'step')")
-    return render_png(plot_data(records), run_dir / DEFAULT_PNG if out is None else out, title=run_dir.name)
+    try:
+        return render_png(plot_data(records), out, title=run_dir.name)
+    except (ValueError, OverflowError) as exc:  # values matplotlib cannot place on an axis (e.g. ±1e308)
+        raise PlotError(f"{path}: cannot draw its values ({type(exc).__name__}: {exc})") from None
+
+
+def _check_out(out: Path, metrics: Path) -> None:
+    """Refuse an output that is not a ``.png`` name, is the run's metrics file, or would overwrite another kind of
+    file (only an earlier PNG may be replaced)."""
+    if out.suffix.lower() != ".png":
+        raise PlotError(f"--out {out}: expected a .png file name (the plot is written as PNG)")
+    if out.exists() and metrics.exists() and out.resolve() == metrics.resolve():
+        raise PlotError(f"--out {out}: that is the run's {METRICS_FILE}; choose another file")
+    if out.is_file():
+        with out.open("rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                raise PlotError(f"--out {out}: exists and is not a PNG; refusing to overwrite it")

@@ -88,9 +88,20 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
     consistent: a held-out file is named (``eval.data_path`` or ``data.test_path``), and the longest prompt the job
     accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
     out = []
-    if ev.data_path is None and data.test_path is None:
+    generated = data.source == "reasoning_gym"
+    if ev.data_path is None and data.test_path is None and not generated:
         out.append(FieldConflict("eval.data_path", (
-            "expected a held-out jsonl file: set eval.data_path (or data.test_path), got neither")))
+            "expected a held-out file: set eval.data_path (or data.test_path), got neither")))
+    if generated and ev.data_path is None and ev.accuracy_reward != "reasoning_gym":
+        out.append(FieldConflict("eval.accuracy_reward", (
+            "the held-out split of data.source 'reasoning_gym' is scored by the task's own scorer: expected "
+            f"'reasoning_gym', got {ev.accuracy_reward!r}")))
+    for name in ("accuracy_reward", "format_reward"):
+        if getattr(ev, name) == "reasoning_gym" and (not generated or ev.data_path is not None):
+            out.append(FieldConflict(f"eval.{name}", (
+                "'reasoning_gym' scores problems of the reasoning-gym held-out split only: expected data.source "
+                f"'reasoning_gym' and no eval.data_path, got data.source {data.source!r}, eval.data_path "
+                f"{ev.data_path!r}")))
     if ev.max_tokens is not None:
         context = rollout.max_model_len or data.max_prompt_tokens + rollout.max_response_tokens
         named = ("rollout.max_model_len" if rollout.max_model_len

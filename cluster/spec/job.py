@@ -106,8 +106,13 @@ def monitor_conflicts(spec: JobSpec) -> list[FieldConflict]:
     if unknown:
         out.append(FieldConflict("monitor.shaping_rewards", (
             f"expected names from algorithm.rewards {rewards} other than verifiable_reward, got {unknown}")))
-    if m.action == "rollback" and spec.checkpoint.every_steps < 1:
+    ckpt = spec.checkpoint
+    if m.action == "rollback" and not 1 <= ckpt.every_steps < spec.total_steps:
         out.append(FieldConflict("monitor.action", (
             "'rollback' restores the last checkpoint taken before the onset, so it needs checkpoints during the run: "
-            f"expected checkpoint.every_steps >= 1, got {spec.checkpoint.every_steps}")))
+            f"expected 1 <= checkpoint.every_steps < total_steps ({spec.total_steps}), got {ckpt.every_steps}")))
+    elif m.action == "rollback" and ckpt.keep_last is not None and ckpt.keep_last < 2:
+        out.append(FieldConflict("monitor.action", (
+            "'rollback' restores a checkpoint taken before the onset, which is never the newest one: expected "
+            f"checkpoint.keep_last null or >= 2, got {ckpt.keep_last}")))
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from cluster.spec.fields import SPEC_CONFIG
 
@@ -69,3 +69,11 @@ class MonitorSpec(BaseModel):
         "rollback: after this many rollbacks the next trip stops the job as 'stop' does."))
     resume_past_trip: bool = Field(False, description=(
         "Let `--resume` continue a job the guard stopped (same as `grpo-cluster run --resume-past-trip`)."))
+
+    @field_validator("detectors")
+    @classmethod
+    def _distinct_detectors(cls, detectors: tuple[str, ...]) -> tuple[str, ...]:
+        repeated = sorted({d for d in detectors if detectors.count(d) > 1})
+        if repeated:
+            raise ValueError(f"expected distinct detector names, got {list(detectors)} ({repeated} repeated)")
+        return detectors

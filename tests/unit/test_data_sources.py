@@ -199,3 +199,43 @@ def test_validate_summarises_the_held_out_split_and_a_task_space_too_small_for_o
     one_digit = RG_DATA.replace('"max_digits": 2', '"max_digits": 1').replace("size: 40", "size: 3000")
     tiny = load_spec(_spec(tmp_path, one_digit, RG_REWARDS))
     assert held_out_summary(tiny.data).startswith("none: data.reasoning_gym: all 200 held-out problems")
+
+
+# ---- held-out evaluation on the source's own split ------------------------------------------------------------------
+@pytest.fixture
+def char_prompts(monkeypatch):
+    """Prompt ids of one token per question character (enough for the prompt-length filter), no tokenizer."""
+    import cluster.loop.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "chat_prompt_ids",
+                        lambda tok, examples, system, suffix: [[0] * len(e.question) for e in examples])
+
+
+def test_eval_reads_the_reasoning_gym_held_out_split_and_scores_it_with_the_task(tmp_path, char_prompts):
+    from cluster.loop.evaluation import load_eval_set
+
+    spec = load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS + "eval: {accuracy_reward: reasoning_gym, limit: 5}\n"))
+    evalset = load_eval_set(spec.eval, spec.data, None)
+    held_out, _ = load_examples(spec.data, "held_out")
+    assert evalset.examples == held_out[:5] and evalset.field == "data.reasoning_gym"
+    with pytest.raises(SpecError, match=r"eval\.accuracy_reward: .*expected 'reasoning_gym', got 'accuracy'"):
+        load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS + "eval: {}\n"))
+
+
+def test_the_reasoning_gym_reward_in_eval_needs_the_reasoning_gym_split(tmp_path):
+    jsonl = f"  train_path: {tmp_path / 't.jsonl'}\n  test_path: {tmp_path / 't.jsonl'}\n"
+    with pytest.raises(SpecError, match=r"eval\.accuracy_reward: 'reasoning_gym' scores problems of the reasoning-gym"):
+        load_spec(_spec(tmp_path, jsonl, "eval: {accuracy_reward: reasoning_gym}\n"))
+    with pytest.raises(SpecError, match=r"eval\.format_reward: 'reasoning_gym' scores"):
+        load_spec(_spec(tmp_path, jsonl, "eval: {format_reward: reasoning_gym}\n"))
+
+
+def test_eval_data_path_of_an_hf_datasets_source_is_read_in_its_format(tmp_path, char_prompts):
+    from cluster.loop.evaluation import load_eval_set
+
+    train = _parquet(tmp_path)
+    held = _parquet(tmp_path, {"problem": ["What is 1+1?"], "solution": ["1+1=2\n#### 2"]}, name="held.parquet")
+    spec = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {train}\n  question_field: problem\n"
+                                     f"  answer_field: solution\n  on_bad_row: skip\n", f"eval: {{data_path: {held}}}\n"))
+    evalset = load_eval_set(spec.eval, spec.data, None)
+    assert [e.reference for e in evalset.examples] == ["2"] and evalset.field == "eval.data_path"

@@ -63,7 +63,7 @@ def test_invalid_values_name_the_field_and_line(section, field, message):
 
 
 def test_a_held_out_file_is_required_and_a_longer_cap_fits_a_larger_context():
-    with pytest.raises(SpecError, match="eval.data_path: expected a held-out jsonl file: set eval.data_path"):
+    with pytest.raises(SpecError, match="eval.data_path: expected a held-out file: set eval.data_path"):
         load_spec_text("output_dir: o\ntotal_steps: 2\ndata: {train_path: t}\neval: {}\n")
     spec = load_spec_text(BASE + "rollout: {max_model_len: 1024}\neval: {max_tokens: 512, data_path: held.jsonl}\n")
     assert (spec.eval.max_tokens, spec.eval.data_path) == (512, "held.jsonl")

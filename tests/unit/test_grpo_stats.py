@@ -127,3 +127,12 @@ def test_accuracy_estimate():
     assert est.accuracy == pytest.approx(0.1) and (est.problems, est.samples) == (10, 40)
     assert (est.ci_low, est.ci_high) == pytest.approx(_wilson_by_quadratic(1, 10, 1.6448536269514722), abs=1e-12)
     assert accuracy_estimate([[1, 1]] * 5)[1:3] == (pytest.approx(5 / (5 + Z95**2)), 1.0)
+
+
+def test_wilson_interval_numpy_scalars_match_python_ints():
+    """Small numpy integer dtypes would overflow in 4·n² inside their own dtype; the interval must not change."""
+    import numpy as np
+
+    expected = wilson_interval(3, 10)
+    for got in (wilson_interval(np.int32(3), np.uint8(10)), wilson_interval(np.int8(3), np.int8(10))):
+        assert got == pytest.approx(expected, abs=1e-12) and all(type(x) is float for x in got)

@@ -96,8 +96,14 @@ def test_out_of_range_threshold_is_refused_naming_the_field(field, value):
 
 
 def test_cross_checks_name_the_field():
-    with pytest.raises(SpecError, match=r"monitor\.action.*checkpoint\.every_steps >= 1, got 0"):
+    with pytest.raises(SpecError, match=r"monitor\.action.*1 <= checkpoint\.every_steps < total_steps \(10\), got 0"):
         load_spec_text(BASE + "monitor: {action: rollback}\n")
+    with pytest.raises(SpecError, match=r"monitor\.action.*total_steps \(10\), got 10"):  # never before an onset
+        load_spec_text(BASE + "monitor: {action: rollback}\ncheckpoint: {every_steps: 10}\n")
+    with pytest.raises(SpecError, match=r"monitor\.action.*keep_last null or >= 2, got 1"):
+        load_spec_text(BASE + "monitor: {action: rollback}\ncheckpoint: {every_steps: 2, keep_last: 1}\n")
+    with pytest.raises(SpecError, match=r"monitor\.detectors.*distinct.*\['kl_band'\] repeated"):
+        load_spec_text(BASE + "monitor: {detectors: [kl_band, kl_band]}\n")
     with pytest.raises(SpecError, match=r"monitor\.verifiable_reward.*\['accuracy', 'format'\], got 'correct'"):
         load_spec_text(BASE + "monitor: {verifiable_reward: correct}\n")
     with pytest.raises(SpecError, match=r"monitor\.shaping_rewards"):
@@ -210,3 +216,31 @@ def test_rollback_without_good_checkpoint_stops(tmp_path):
     assert _run(job, [0.001, 2.0]) == 2  # onset 2: needs a checkpoint <= 0
     assert "cannot roll back: no checkpoint at or before step 0" in job.messages[-1]
     assert not (job.root / LAST_GOOD).exists()
+
+
+@pytest.mark.parametrize("content", [
+    "garbage", "", "[]", "null", '{"stopped": true, "trips": []}', '{"stopped": true, "trips": [{}]}',
+    '{"trips": null}', '{"stopped": "false"}', '{"reward_weights": {"format": "x"}}', b"\xff\xfe",
+])
+def test_a_corrupt_guard_record_is_a_setup_error_naming_the_file(tmp_path, content):
+    """A damaged guard.json stops --resume with a SetupError (exit 2 from the CLI) naming the file, whatever is in
+    it, and never lets the resume through silently."""
+    path = tmp_path / GUARD_STATE
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    for allowed in (False, True):
+        with pytest.raises(SetupError, match=f"{path}: not a reward-hacking guard record"):
+            check_resume(tmp_path, allowed=allowed)
+
+
+def test_a_guard_record_folder_is_refused(tmp_path):
+    (tmp_path / GUARD_STATE).mkdir()
+    with pytest.raises(SetupError, match="not a reward-hacking guard record"):
+        check_resume(tmp_path, allowed=False)
+
+
+def test_saved_weights_of_rewards_the_spec_no_longer_has_are_refused(tmp_path):
+    (tmp_path / GUARD_STATE).write_text(json.dumps({"trips": [], "reward_weights": {"format": 0.1, "bogus": 1.0}}))
+    weights = {"accuracy": 1.0, "format": 0.2}
+    with pytest.raises(SetupError, match=r"reward_weights \['bogus'\] are not in algorithm.rewards"):
+        Guard(MonitorSpec(), tmp_path, weights, print, resumed=True)
+    assert weights == {"accuracy": 1.0, "format": 0.2}

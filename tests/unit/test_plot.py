@@ -132,3 +132,34 @@ def test_plot_refuses_a_line_that_is_not_json(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2\n')
     with pytest.raises(PlotError, match=r"metrics.jsonl:2: invalid JSON"):
         plot_run(run)
+
+
+def test_out_that_would_destroy_a_file_is_refused_and_the_file_kept(tmp_path, capsys):
+    """``--out`` naming the run's metrics.jsonl, another existing file, or a non-.png name exits 2 and writes
+    nothing; an earlier plot (a PNG) may be replaced."""
+    run = _write_run(tmp_path, _records(with_eval=False, with_monitor=False))
+    before = (run / "metrics.jsonl").read_bytes()
+    (run / "spec.yaml").write_text("name: x\n")
+    for out, needle in ((run / "metrics.jsonl", "expected a .png"), (run / "spec.yaml", "expected a .png"),
+                        (tmp_path / "x.svg", "expected a .png")):
+        assert main(["plot", str(run), "--out", str(out)]) == 2
+        assert needle in capsys.readouterr().err
+    (run / "notes.png").write_text("my notes, not a picture")
+    assert main(["plot", str(run), "--out", str(run / "notes.png")]) == 2
+    assert "is not a PNG" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_bytes() == before and not (tmp_path / "x.svg").exists()
+    assert (run / "notes.png").read_text() == "my notes, not a picture"
+    first = plot_run(run)
+    assert plot_run(run, first) == first  # replacing the earlier plot is fine
+
+
+@pytest.mark.parametrize("line", ['{"step": 1, "reward/mean": 1' + "0" * 400 + "}",
+                                  '{"step": 1, "actor/kl": 1e308}\n{"step": 2, "actor/kl": 1e308}',
+                                  '{"step": 1, "reward/mean": 1.79e308}\n{"step": 2, "reward/mean": -1.79e308}'])
+def test_values_at_the_edge_of_float_range_do_not_crash(tmp_path, capsys, line):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(line + "\n")
+    assert main(["plot", str(run)]) in (0, 2)  # drawn, or refused in one line; never a traceback
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
