@@ -62,7 +62,7 @@ class MonitorSpec(BaseModel):
         "marks the last checkpoint taken before the onset as checkpoints/last_good (`--resume` then refuses to "
         "continue unless given --resume-past-trip); 'rollback' restores that checkpoint (weights, optimizer, data "
         "position), multiplies the offending reward component's weight by rollback_reward_scale and continues "
-        "(needs checkpoint.every_steps >= 1)."))
+        "(needs 1 <= checkpoint.every_steps < total_steps and checkpoint.keep_last null or >= 2)."))
     rollback_reward_scale: float = Field(0.5, ge=0, lt=1, description=(
         "rollback: the offending reward component's weight is multiplied by this (0 switches it off)."))
     max_rollbacks: int = Field(2, ge=1, le=1000, strict=True, description=(
