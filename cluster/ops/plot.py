@@ -20,9 +20,10 @@ The data each panel draws is computed by :func:`plot_data` (no matplotlib), the 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ __all__ = ["PlotData", "PlotError", "Series", "plot_data", "plot_run", "render_p
 
 METRICS_FILE = "metrics.jsonl"
 DEFAULT_PNG = "plot.png"
+GUARD_RECORD = Path("checkpoints") / "guard.json"
+"""Where the guard records its trips (``<checkpoint.dir>/guard.json``; the default checkpoint dir of a run)."""
 EVAL_KEY, EVAL_LOW_KEY, EVAL_HIGH_KEY = "eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high"
 EVAL_BEST_KEY = "eval/best_accuracy"
 LENGTH_KEY, KL_KEY = "response_length/mean", "actor/kl"
@@ -236,9 +239,26 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Read ``RUN_DIR/metrics.jsonl`` and write the PNG (default ``RUN_DIR/plot.png``); returns its path.
 
     Raises:
-        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, no record has a step, values
-            cannot be drawn, or ``out`` is not a ``.png`` name or would overwrite a file that is not a PNG.
+        PlotError: as :func:`run_data`; values cannot be drawn; or ``out`` is not a ``.png`` name or would overwrite a
+            file that is not a PNG.
         OSError: the PNG cannot be written.
+    """
+    run_dir = Path(run_dir)
+    out = run_dir / DEFAULT_PNG if out is None else Path(out)
+    _check_out(out, run_dir / METRICS_FILE)
+    data = run_data(run_dir)
+    try:
+        return render_png(data, out, title=run_dir.name)
+    except (ValueError, OverflowError) as exc:  # values matplotlib cannot place on an axis (e.g. ±1e308)
+        raise PlotError(f"{run_dir / METRICS_FILE}: cannot draw its values ({type(exc).__name__}: {exc})") from None
+
+
+def run_data(run_dir: str | Path) -> PlotData:
+    """The panels' data of a run folder: :func:`plot_data` of its metrics.jsonl, plus the trips the guard recorded
+    in ``checkpoints/guard.json`` (a rollback cuts metrics.jsonl back before the tripped row).
+
+    Raises:
+        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, or no record has a step.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -249,8 +269,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not path.is_file():
         raise PlotError(f"{path}: no {METRICS_FILE} in the run folder; expected the output_dir of a job that ran "
                         f"at least one step")
-    out = run_dir / DEFAULT_PNG if out is None else Path(out)
-    _check_out(out, path)
     try:
         records = read_metrics_jsonl(path)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -258,10 +276,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     records = [r for r in records if isinstance(r, dict) and _step(r) is not None]
     if not records:
         raise PlotError(f"{path}: no step records (expected JSON lines with an int 'step')")
-    try:
-        return render_png(plot_data(records), out, title=run_dir.name)
-    except (ValueError, OverflowError) as exc:  # values matplotlib cannot place on an axis (e.g. ±1e308)
-        raise PlotError(f"{path}: cannot draw its values ({type(exc).__name__}: {exc})") from None
+    data = plot_data(records)
+    recorded = _recorded_trips(run_dir / GUARD_RECORD)
+    return replace(data, trips=tuple(sorted(set(data.trips) | recorded))) if recorded else data
 
 
 def _check_out(out: Path, metrics: Path) -> None:
@@ -275,3 +292,13 @@ def _check_out(out: Path, metrics: Path) -> None:
         with out.open("rb") as f:
             if f.read(8) != b"\x89PNG\r\n\x1a\n":
                 raise PlotError(f"--out {out}: exists and is not a PNG; refusing to overwrite it")
+
+
+def _recorded_trips(path: Path) -> set[int]:
+    """Steps of the trips the guard recorded in ``path`` (its ``guard.json``); empty when there is none or it cannot
+    be read (the plot still draws what metrics.jsonl holds)."""
+    try:
+        trips = json.loads(path.read_text(encoding="utf-8")).get("trips", [])
+        return {t["step"] for t in trips if isinstance(t.get("step"), int) and not isinstance(t["step"], bool)}
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
+        return set()

@@ -163,3 +163,17 @@ def test_values_at_the_edge_of_float_range_do_not_crash(tmp_path, capsys, line):
     assert main(["plot", str(run)]) in (0, 2)  # drawn, or refused in one line; never a traceback
     err = capsys.readouterr().err
     assert "Traceback" not in err
+
+
+def test_a_trip_cut_from_metrics_by_a_rollback_is_drawn_from_the_guard_record(tmp_path):
+    """A rollback cuts metrics.jsonl back to the last good step, dropping the tripped row; the guard's record
+    (checkpoints/guard.json) still names the step, so the plot marks it. A damaged record is ignored."""
+    run = _write_run(tmp_path, _records(with_eval=False, with_monitor=True, steps=5))
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "guard.json").write_text(json.dumps({"trips": [{"step": 7, "detectors": ["kl_band"],
+                                                                           "onset_step": 5}]}))
+    from cluster.ops.plot import run_data
+
+    assert run_data(run).trips == (7,) and plot_run(run).is_file()
+    (run / "checkpoints" / "guard.json").write_text("{broken")
+    assert run_data(run).trips == ()
