@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.registered import temporarily_registered
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -28,14 +30,8 @@ def parity_reward(completions: list[str], references: list[str]) -> list[float]:
 def parity_registered():
     """Register the test reward ``parity`` unless it is there; removed again after the
     module when this fixture added it, so the rest of the session sees the builtin registry."""
-    from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
+    yield from temporarily_registered("parity", parity_reward)
 
-    added = "parity" not in REWARD_FUNCTIONS
-    if added:
-        register_reward_function("parity")(parity_reward)
-    yield "parity"
-    if added:
-        REWARD_FUNCTIONS.pop("parity")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.registered import temporarily_registered
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 
@@ -26,14 +28,7 @@ def short_reward(completions: list[str], references: list[str]) -> list[float]:
 
 @pytest.fixture
 def short_registered():
-    from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-
-    added = "short" not in REWARD_FUNCTIONS
-    if added:
-        register_reward_function("short")(short_reward)
-    yield "short"
-    if added:
-        REWARD_FUNCTIONS.pop("short")
+    yield from temporarily_registered("short", short_reward)
 
 
 def test_guard_rolls_back_then_stops_and_resume_refuses(tiny_model_dir, gsm8k_train_path, short_registered,
