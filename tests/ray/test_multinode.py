@@ -172,14 +172,24 @@ def test_pools_on_two_nodes_sync_by_broadcast(two_nodes, make_spec):
 
 
 def _remove_rollout_node_at(job, step: int, two_nodes, then=None) -> dict:
-    """Before step ``step`` samples, kill the rollout node (and then call ``then``); returns what was removed."""
+    """Before step ``step`` samples, kill the rollout node (and then call ``then``); returns what was removed.
+
+    A lost machine takes every process on it down at once. Killing the raylet alone does not: the engine's Ray
+    worker answers direct actor calls until it notices its raylet is gone, so a short step could still sample on the
+    "lost" node (seen once in CI). The engine's worker and its children (the vLLM engine core) are killed with the
+    raylet, before the step samples."""
     removed: dict = {}
     original = job.rollout.generate
 
     def generate(requests, on_groups=None):
         if job.step == step and not removed:
-            removed["procs"] = _descendants(job.rollout.infos[0].pid)
+            worker = job.rollout.infos[0].pid
+            try:
+                removed["procs"] = [psutil.Process(worker), *_descendants(worker)]
+            except psutil.NoSuchProcess:
+                removed["procs"] = []
             removed["node"] = two_nodes.remove_rollout_node()
+            removed["killed"] = _reap(removed["procs"])
             if then is not None:
                 then()
         return original(requests, on_groups)
