@@ -67,6 +67,12 @@ class ReasoningGymSpec(BaseModel):
         "Its range [held_out_seed, held_out_seed + held_out_size) must not overlap [seed, seed + size); held-out "
         "problems whose question also appears in training are dropped."))
 
+    answer_extraction: Literal["marker", "last_number"] = Field("marker", description=(
+        "How the reasoning_gym reward reads a completion's answer: 'marker' (the line after the last '####', else "
+        "an <answer> tag, else no answer: score 0) or 'last_number' (the same, else the completion's last number, "
+        "lm-evaluation-harness's flexible-extract; for small models that rarely write the marker). Training and "
+        "held-out problems are scored alike."))
+
     @property
     def eval_seed(self) -> int:
         """The held-out split's generator seed (``held_out_seed``, or ``seed + size`` when that is null)."""

@@ -11,7 +11,11 @@ Each problem's reference, as the reward functions receive it, is a JSON object (
 tuple; the reward regenerates the entry (question, answer, metadata) and calls the task's ``score_answer`` on the
 answer extracted from the completion (:func:`extract_final_answer`): the text after the last ``####`` (the project's
 answer-line convention, see ``grpo.rewards.gsm8k``), else reasoning-gym's own ``<answer>…</answer>`` tag, else none
-(score 0). Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
+(score 0). With ``answer_extraction: last_number`` (``data.reasoning_gym.answer_extraction``, carried in the
+reference) a completion with neither falls back to its last number (lm-evaluation-harness's "flexible-extract" rule for
+GSM8K): small instruct models rarely write the marker (``../shared/GUIDE.md``: SmolLM2-135M-Instruct on chain_sum), so
+under the strict rule nearly every group is all-zero and carries no GRPO signal. The fallback still pays only a
+correct number: it cannot be won without the answer. Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
 contains the oracle, so only the extracted answer (never the whole completion) is scored.
 
 Imports reasoning_gym lazily (only where a task is used), so the project runs without it for other data sources.
@@ -25,11 +29,14 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer", "generate_entries",
+__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer", "generate_entries",
            "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
 
 REFERENCE_KIND = "reasoning_gym"
 ANSWER_MARKER = "####"
+#: How the answer is read from a completion (see the module docstring); "marker" is the default.
+ANSWER_EXTRACTIONS = ("marker", "last_number")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 INSTALL_HINT = "pip install 'grpo-cluster[tasks]' (reasoning-gym==0.1.25)"
 
 
@@ -91,15 +98,24 @@ def generate_entries(task: str, config: Mapping[str, Any], seed: int, size: int)
     return [dataset[i] for i in range(size)]
 
 
-def encode_reference(task: str, config: Mapping[str, Any], seed: int, size: int, index: int) -> str:
+def encode_reference(task: str, config: Mapping[str, Any], seed: int, size: int, index: int,
+                     answer_extraction: str = "marker") -> str:
     """The reference string of item ``index``: compact JSON ``{"kind": "reasoning_gym", "task", "config", "seed",
-    "size", "index"}`` with sorted keys."""
-    return json.dumps({"kind": REFERENCE_KIND, "task": task, "config": dict(config), "seed": seed, "size": size,
-                       "index": index}, sort_keys=True, separators=(",", ":"))
+    "size", "index"}`` with sorted keys, plus ``"answer_extraction"`` when it is not the default ``"marker"``.
+
+    Raises:
+        ValueError: ``answer_extraction`` not in :data:`ANSWER_EXTRACTIONS`.
+    """
+    if answer_extraction not in ANSWER_EXTRACTIONS:
+        raise ValueError(f"answer_extraction must be one of {ANSWER_EXTRACTIONS}, got {answer_extraction!r}")
+    ref = {"kind": REFERENCE_KIND, "task": task, "config": dict(config), "seed": seed, "size": size, "index": index}
+    if answer_extraction != "marker":
+        ref["answer_extraction"] = answer_extraction
+    return json.dumps(ref, sort_keys=True, separators=(",", ":"))
 
 
-def _decode_reference(reference: str) -> tuple[Any, dict[str, Any]]:
-    """(dataset, entry) named by an `encode_reference` string; ValueError for anything else."""
+def _decode_reference(reference: str) -> tuple[Any, dict[str, Any], str]:
+    """(dataset, entry, answer_extraction) named by an `encode_reference` string; ValueError for anything else."""
     try:
         ref = json.loads(reference)
     except (TypeError, json.JSONDecodeError):
@@ -107,25 +123,37 @@ def _decode_reference(reference: str) -> tuple[Any, dict[str, Any]]:
     if not isinstance(ref, dict) or ref.get("kind") != REFERENCE_KIND:
         raise ValueError(f"expected a reasoning-gym reference (JSON with kind {REFERENCE_KIND!r}, written by "
                          f"data.source: reasoning_gym), got {str(reference)[:80]!r}")
+    extraction = ref.get("answer_extraction", "marker")
+    if extraction not in ANSWER_EXTRACTIONS:
+        raise ValueError(f"reasoning-gym reference has answer_extraction {extraction!r}, expected one of "
+                         f"{ANSWER_EXTRACTIONS}")
     dataset = _dataset(ref["task"], _config_json(ref["config"]), int(ref["seed"]), int(ref["size"]))
-    return dataset, dataset[int(ref["index"])]
+    return dataset, dataset[int(ref["index"])], extraction
 
 
-def extract_final_answer(completion: str) -> str | None:
+def extract_final_answer(completion: str, answer_extraction: str = "marker") -> str | None:
     """The answer a completion gives: the first line after its last ``####``, stripped; else the last
-    ``<answer>…</answer>`` tag's content (reasoning_gym.utils.extract_answer's rule); else None.
+    ``<answer>…</answer>`` tag's content (reasoning_gym.utils.extract_answer's rule); else, with
+    ``answer_extraction="last_number"``, its last number (commas removed); else None.
 
     >>> extract_final_answer("2 + 3 = 5\\n#### 5")
     '5'
     >>> extract_final_answer("<answer> 5 </answer>")
     '5'
+    >>> extract_final_answer("So 12 - 19 = -7.", "last_number")
+    '-7'
     """
     head, marker, tail = completion.rpartition(ANSWER_MARKER)
     if marker:
         line = tail.strip().split("\n", 1)[0].strip()
         return line or None
     tags = re.findall(r"<answer>\s?(.*?)\s?</answer>", completion, flags=re.DOTALL)
-    return tags[-1].strip() if tags else None
+    if tags:
+        return tags[-1].strip()
+    if answer_extraction == "last_number":
+        numbers = _NUMBER.findall(completion)
+        return numbers[-1].replace(",", "") if numbers else None
+    return None
 
 
 def score_completion(completion: str, reference: str) -> float:
@@ -134,8 +162,8 @@ def score_completion(completion: str, reference: str) -> float:
     Raises:
         ValueError: ``reference`` is not a reasoning-gym reference (a data error: GSM8K data with this reward).
     """
-    dataset, entry = _decode_reference(reference)
-    return float(dataset.score_answer(extract_final_answer(completion), entry))
+    dataset, entry, extraction = _decode_reference(reference)
+    return float(dataset.score_answer(extract_final_answer(completion, extraction), entry))
 
 
 def reasoning_gym_reward(completions: list[str], references: list[str]) -> list[float]:

@@ -138,6 +138,35 @@ def test_extract_final_answer():
     assert extract_final_answer("no answer line 5") is None and extract_final_answer("####   ") is None
 
 
+def test_extract_final_answer_last_number_fallback():
+    # the marker and the tag still win; only a completion with neither falls back to its last number
+    assert extract_final_answer("3 + 4 = 7\n#### 8", "last_number") == "8"
+    assert extract_final_answer("7 <answer>9</answer> 10", "last_number") == "9"
+    assert extract_final_answer("12 - 19 = -7.", "last_number") == "-7"
+    assert extract_final_answer("it is 1,234 or 5.50 apples", "last_number") == "5.50"
+    assert extract_final_answer("total 1,234.", "last_number") == "1234"
+    assert extract_final_answer("no digits here", "last_number") is None
+    assert extract_final_answer("####   ", "last_number") is None  # an empty answer line is no answer
+
+
+def test_last_number_extraction_rides_in_the_reference_and_pays_the_right_number_only(tmp_path):
+    data = RG_DATA.replace("seed: 7}", "seed: 7, answer_extraction: last_number}")
+    spec = load_spec(_spec(tmp_path, data, RG_REWARDS))
+    assert spec.data.reasoning_gym.answer_extraction == "last_number"
+    for split in ("train", "held_out"):
+        ex = load_examples(spec.data, split)[0][0]
+        assert json.loads(ex.reference)["answer_extraction"] == "last_number"
+        right = int(ex.answer)
+        assert score_completion(f"The sum is {right}.", ex.reference) == 1.0
+        assert score_completion(f"The sum is {right + 1}.", ex.reference) == 0.0
+        assert score_completion(f"{right}\n#### {right + 1}", ex.reference) == 0.0  # the marker wins
+    strict = load_examples(load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS)).data)[0][0]
+    assert "answer_extraction" not in json.loads(strict.reference)  # default references are unchanged
+    assert score_completion(f"The sum is {int(strict.answer)}.", strict.reference) == 0.0
+    with pytest.raises(SpecError, match="data.reasoning_gym.answer_extraction"):
+        load_spec(_spec(tmp_path, RG_DATA.replace("seed: 7}", "seed: 7, answer_extraction: first}"), RG_REWARDS))
+
+
 @pytest.mark.parametrize("data,rewards,field,needle", [
     (RG_DATA.replace("chain_sum", "chain_sums"), RG_REWARDS, "data.reasoning_gym.task",
      "unknown reasoning-gym task 'chain_sums'; did you mean chain_sum"),
