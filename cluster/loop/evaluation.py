@@ -64,7 +64,8 @@ class EvalSet:
     Attributes:
         path: the jsonl file read. field: the spec field that named it (``eval.data_path`` or ``data.test_path``).
         examples: the P rows evaluated, in file order. prompt_ids: P chat-templated prompts (token ids).
-        bad_rows: unreadable rows skipped (``data.on_bad_row: skip``). filtered: rows dropped for being longer than
+        bad_rows: unreadable rows skipped (``data.on_bad_row: skip``); for a reasoning-gym held-out split, problems
+            dropped because their question is also a training one. filtered: rows dropped for being longer than
             ``data.max_prompt_tokens`` tokens (the engines' context is sized for those).
     """
 
@@ -224,8 +225,11 @@ def load_evaluation(spec, tokenizer, status: Callable[[str], None]) -> HeldOutEv
     if ev is None:
         return None
     evalset = load_eval_set(ev, spec.data, tokenizer)
+    # a generated held-out split has no unreadable rows: what it drops are problems also in the training split
+    dropped = "also in the training split" if spec.data.source == "reasoning_gym" and ev.data_path is None else \
+        "bad rows"
     status(f"eval: {len(evalset.examples)} held-out prompts x {ev.samples} from {evalset.path} ({evalset.bad_rows} "
-           f"bad rows skipped, {evalset.filtered} over data.max_prompt_tokens dropped)")
+           f"{dropped} skipped, {evalset.filtered} over data.max_prompt_tokens dropped)")
     return HeldOutEval(ev, evalset, spec.seed, spec.total_steps, ev.max_tokens or spec.rollout.max_response_tokens,
                        keep_best=spec.checkpoint.keep_best)
 

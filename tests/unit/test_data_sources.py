@@ -206,6 +206,17 @@ def test_the_reasoning_gym_example_spec_is_valid():
     assert spec.algorithm.rewards == {"reasoning_gym": 1.0, "format": 0.1}
 
 
+def test_the_learning_example_spec_evaluates_and_guards_the_task_it_trains():
+    """examples/learn_cpu.yaml, the measured laptop run (README): eval at step 0, every 10 steps and at the end on the
+    held-out split, scored like training (last-number fallback); the guard's verifiable reward is the task scorer."""
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "learn_cpu.yaml")
+    rg = spec.data.reasoning_gym
+    assert (rg.task, rg.answer_extraction, spec.total_steps) == ("chain_sum", "last_number", 40)
+    assert spec.eval.at_start and spec.eval.at_end and spec.eval.every_steps == 10
+    assert spec.eval.accuracy_reward == spec.monitor.verifiable_reward == "reasoning_gym"
+    assert spec.monitor.enabled and spec.checkpoint.keep_best
+
+
 def test_reasoning_gym_fields_take_set_overrides_and_survive_the_yaml_round_trip(tmp_path):
     from cluster.spec import load_spec_text, spec_to_yaml
 
