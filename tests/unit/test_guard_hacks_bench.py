@@ -11,7 +11,7 @@ from bench.guard_hacks import CASES, hack_format_only, hack_length, hack_short, 
 
 def test_hack_rewards_pay_what_they_claim():
     assert hack_short(["", "x" * 200, "x" * 800], [""] * 3) == [1.0, 0.5, 0.0]
-    assert hack_length(["x" * 100, "x" * 2000], [""] * 2) == [0.1, 1.0]
+    assert hack_length(["x" * 100, "x" * 2000], [""] * 2) == [0.25, 1.0]
     # the pre-#14 format reward: any '#### <number>' line pays, work or no work
     assert hack_format_only(["#### 42", "so 6*7\n#### 42\n", "#### forty", "42"], [""] * 4) == [1.0, 1.0, 0.0, 0.0]
 
