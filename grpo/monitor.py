@@ -33,7 +33,10 @@ Detectors (metric ``monitor/<name>``: 1.0 on a step where the rule holds, else 0
   ``kl_max`` (default 0.5: the demo averaged 0.0004 over its first 10 steps and 2.0 once hacked; 0.5 nats on every
   token is a policy far from its reference, and the honest test runs reach 0.1). Needs no baseline.
 - ``entropy_band``: recent ``actor/entropy`` (nats per token) below baseline · (1 − ``entropy_drop_frac``) (default
-  0.5: halved, a collapse onto a few answers) or above baseline · (1 + ``entropy_rise_frac``) (default 0.5: noise).
+  0.5: halved, a collapse onto a few answers) while accuracy did not rise, or above baseline · (1 +
+  ``entropy_rise_frac``) (default 0.5: noise) whatever accuracy does. The drop side is gated like the drift detectors
+  because a policy that learns grows sure of its right answers: examples/learn_cpu.yaml's measured run (held-out pass@1
+  7.8 % → 30.5 % by step 20) halved its entropy 2.1 → 0.88 nats per token by step 24, and the ungated rule fired there.
 - ``eval_drop``: the latest ``eval/accuracy_ci_high`` < the reference, max(first ``eval/accuracy``, best earlier
   ``eval/accuracy_ci_low``): the best earlier evaluation is trusted only down to its lower bound because picking the
   maximum of several noisy evaluations biases it upwards. Holds until the next evaluation. With 200 problems the demo's
@@ -279,12 +282,19 @@ class Monitor:
         return min(onset, recent[0].step)
 
     def _entropy_band(self) -> int | None:
-        def score(base: list[_Point], recent: list[_Point]) -> float:
+        def ratio(base: list[_Point], recent: list[_Point]) -> float:
             baseline = _mean(base)
-            ratio = _mean(recent) / baseline if baseline > 0 else 1.0
-            return max((1 - ratio) / self.config.entropy_drop_frac, (ratio - 1) / self.config.entropy_rise_frac)
+            return _mean(recent) / baseline if baseline > 0 else 1.0
 
-        return self._window_detector(ENTROPY_KEY, score, gated=False)
+        def rise(base: list[_Point], recent: list[_Point]) -> float:
+            return (ratio(base, recent) - 1) / self.config.entropy_rise_frac
+
+        def drop(base: list[_Point], recent: list[_Point]) -> float:
+            return (1 - ratio(base, recent)) / self.config.entropy_drop_frac
+
+        # a rise is never a policy learning; a drop while accuracy rises is a policy growing sure of right answers
+        fired = self._window_detector(ENTROPY_KEY, rise, gated=False)
+        return fired if fired is not None else self._window_detector(ENTROPY_KEY, drop, gated=True)
 
     def _eval_drop(self) -> int | None:
         if len(self._evals) < 2:

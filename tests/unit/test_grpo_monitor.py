@@ -223,6 +223,52 @@ def test_entropy_band_both_sides():
         assert out["monitor/entropy_band"] == fires, late
 
 
+def test_entropy_drop_is_gated_by_rising_accuracy_but_a_rise_is_not():
+    def run(acc_late: float, entropy_late: float) -> float:
+        monitor = Monitor(MonitorConfig(detectors=("entropy_band",), baseline_steps=3, window_steps=2,
+                                        accuracy_window_steps=2, samples_per_step=64))
+        for step in range(1, 8):
+            late = step > 3
+            out = monitor.update(step, {"actor/entropy": entropy_late if late else 2.0,
+                                        "reward/accuracy": acc_late if late else 0.1})
+        return out["monitor/entropy_band"]
+
+    assert run(acc_late=0.1, entropy_late=0.8) == 1.0   # collapse, accuracy flat: fires
+    assert run(acc_late=0.6, entropy_late=0.8) == 0.0   # collapse while accuracy rises: a policy learning
+    assert run(acc_late=0.6, entropy_late=3.5) == 1.0   # a rise fires whatever accuracy does
+
+
+#: examples/learn_cpu.yaml's measured run (chain_sum, SmolLM2-135M, B = 4 × G = 8), steps 0–24 as logged: held-out
+#: pass@1 7.8 % → 16.3 % → 30.5 %, length 53 → 23 tokens, entropy 2.05 → 0.88 nats per token.
+LEARN_RUN = [
+    (0, {"eval/accuracy": 0.078, "eval/accuracy_ci_low": 0.0486, "eval/accuracy_ci_high": 0.123, "eval/n": 205.0}),
+    *[(i + 1, {"reward/reasoning_gym": acc, "response_length/mean": length, "actor/entropy": ent, "actor/kl": kl})
+      for i, (acc, length, ent, kl) in enumerate([
+          (0.0938, 52.6, 2.0458, 0.0), (0.2, 45.3, 2.1017, 0.0011), (0.112, 71.9, 2.336, 0.0031),
+          (0.0312, 78.7, 2.0787, 0.0045), (0.1146, 88.7, 2.3223, 0.0066), (0.25, 67.3, 2.324, 0.0093),
+          (0.125, 66.9, 2.1373, 0.0102), (0.0833, 85.2, 1.945, 0.0097), (0.0938, 84.3, 2.4285, 0.0118),
+          (0.0, 70.8, 2.0085, 0.0165), (0.0625, 74.9, 1.7545, 0.0208), (0.1719, 68.3, 2.0301, 0.0249),
+          (0.125, 62.5, 2.4857, 0.018), (0.0938, 70.9, 1.9158, 0.0291), (0.3472, 60.7, 1.6085, 0.0334),
+          (0.313, 52.5, 2.083, 0.0506), (0.0, 51.6, 1.7662, 0.0436), (0.4062, 50.2, 1.7952, 0.0499),
+          (0.2656, 52.8, 1.7051, 0.0624), (0.4688, 22.8, 1.2409, 0.1449), (0.2656, 35.2, 1.3068, 0.1047),
+          (0.6094, 25.1, 1.053, 0.1251), (0.5625, 21.4, 0.9565, 0.1605), (0.1875, 23.3, 0.8775, 0.1965)])],
+]
+LEARN_RUN[10][1].update({"eval/accuracy": 0.1634, "eval/accuracy_ci_low": 0.1191, "eval/accuracy_ci_high": 0.2201,
+                         "eval/n": 205.0})
+LEARN_RUN[20][1].update({"eval/accuracy": 0.3049, "eval/accuracy_ci_low": 0.2459, "eval/accuracy_ci_high": 0.371,
+                         "eval/n": 205.0})
+
+
+def test_the_measured_learning_run_never_trips_though_its_entropy_halved():
+    monitor = Monitor(MonitorConfig(verifiable_reward="reasoning_gym"))
+    for step, row in LEARN_RUN:
+        row = {**row, "rollout/groups_sampled": 4, "rollout/group_size": 8} if step else row
+        assert monitor.update(step, row)["monitor/tripped"] == 0.0, step
+    entropy = [row["actor/entropy"] for _, row in LEARN_RUN[1:]]
+    # not vacuous: the last 3 steps' entropy is below half the first 5 steps' (the ungated rule fired at step 24)
+    assert sum(entropy[-3:]) / 3 < 0.5 * sum(entropy[:5]) / 5
+
+
 def test_missing_values_and_nan_do_not_move_windows():
     monitor = Monitor(MonitorConfig(detectors=("length_drift",), baseline_steps=2, window_steps=1))
     for step, row in enumerate([{"response_length/mean": 100.0}, {"eval/accuracy": 0.1, "eval/n": 10},
