@@ -47,7 +47,7 @@ class MonitorSpec(BaseModel):
     kl_max: float = Field(0.5, gt=0, le=1e6, description=(
         "kl_band fires when the recent mean of actor/kl (nats per token) is above this."))
     entropy_drop_frac: float = Field(0.5, gt=0, lt=1, description=(
-        "entropy_band fires when actor/entropy falls below baseline x (1 - this)."))
+        "entropy_band fires when actor/entropy falls below baseline x (1 - this) while accuracy did not rise."))
     entropy_rise_frac: float = Field(0.5, gt=0, le=1e6, description=(
         "entropy_band fires when actor/entropy rises above baseline x (1 + this)."))
     eval_confidence: float = Field(0.95, gt=0, lt=1, description=(
