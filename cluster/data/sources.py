@@ -114,7 +114,8 @@ def reasoning_gym_examples(rg, split: Split = "train") -> tuple[list[Example], i
     except (ImportError, ValueError, TypeError, AssertionError) as exc:
         raise DataError(f"data.reasoning_gym: cannot generate task {rg.task!r}: {exc}") from None
     examples = [Example(index=i, question=e["question"], answer=str(e["answer"]),
-                        reference=encode_reference(rg.task, config, seed, size, i, rg.answer_extraction))
+                        reference=encode_reference(rg.task, config, seed, size, i, rg.answer_extraction,
+                                                   rg.partial_credit))
                 for i, e in enumerate(entries) if e["question"] not in seen]
     if not examples:
         raise DataError(f"data.reasoning_gym: all {size} held-out problems of {rg.task!r} also appear among the "

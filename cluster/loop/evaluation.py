@@ -138,8 +138,10 @@ def score_eval(groups: list[GroupResult], references: list[str], accuracy_reward
     Raises:
         ValueError: no groups, groups of different k, or a score outside [0, 1].
     """
-    per_problem = [_scores(accuracy_reward, g.texts, [ref] * len(g.texts)) for g, ref in zip(groups, references,
-                                                                                               strict=True)]
+    # correct = full credit: a partial score (reasoning-gym's decimal scorer pays 0.75 for "-191" against 191) is a
+    # wrong answer, so pass@1 and its Wilson interval are of 0/1 outcomes
+    per_problem = [[1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, g.texts, [ref] * len(g.texts))]
+                   for g, ref in zip(groups, references, strict=True)]
     est = accuracy_estimate(per_problem)
     lengths = [len(ids) for g in groups for ids in g.response_ids]
     reasons = [r for g in groups for r in g.finish_reasons]

@@ -72,6 +72,9 @@ class ReasoningGymSpec(BaseModel):
         "an <answer> tag, else no answer: score 0) or 'last_number' (the same, else the completion's last number, "
         "lm-evaluation-harness's flexible-extract; for small models that rarely write the marker). Training and "
         "held-out problems are scored alike."))
+    partial_credit: bool = Field(False, description=(
+        "Pass the task scorer's partial scores through as reward (e.g. chain_sum pays 0.75 for '-191' against 191). "
+        "false (default): 1.0 for a full score, else 0.0. Held-out pass@1 counts full scores only either way."))
 
     @property
     def eval_seed(self) -> int:

@@ -15,7 +15,13 @@ answer-line convention, see ``grpo.rewards.gsm8k``), else reasoning-gym's own ``
 reference) a completion with neither falls back to its last number (lm-evaluation-harness's "flexible-extract" rule for
 GSM8K): small instruct models rarely write the marker (``../shared/GUIDE.md``: SmolLM2-135M-Instruct on chain_sum), so
 under the strict rule nearly every group is all-zero and carries no GRPO signal. The fallback still pays only a
-correct number: it cannot be won without the answer. Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
+correct number: it cannot be won without the answer.
+
+Partial credit. Some reasoning-gym scorers pay part of a point for a wrong answer: chain_sum's decimal scorer pays
+``len(oracle) / len(answer)`` when the answer contains the oracle as a substring, so ``-191``, ``1911`` and ``191.5``
+earn 0.75, 0.75 and 0.6 against 191 (a sign error would get a positive GRPO advantage). By default the reward is
+therefore 1.0 for a full score and 0.0 otherwise; ``data.reasoning_gym.partial_credit: true`` (carried in the
+reference) passes the task's score through unchanged. Held-out pass@1 counts full scores only either way. Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
 contains the oracle, so only the extracted answer (never the whole completion) is scored.
 
 Imports reasoning_gym lazily (only where a task is used), so the project runs without it for other data sources.
@@ -99,9 +105,10 @@ def generate_entries(task: str, config: Mapping[str, Any], seed: int, size: int)
 
 
 def encode_reference(task: str, config: Mapping[str, Any], seed: int, size: int, index: int,
-                     answer_extraction: str = "marker") -> str:
+                     answer_extraction: str = "marker", partial_credit: bool = False) -> str:
     """The reference string of item ``index``: compact JSON ``{"kind": "reasoning_gym", "task", "config", "seed",
-    "size", "index"}`` with sorted keys, plus ``"answer_extraction"`` when it is not the default ``"marker"``.
+    "size", "index"}`` with sorted keys, plus ``"answer_extraction"`` when it is not the default ``"marker"`` and
+    ``"partial_credit": true`` when set.
 
     Raises:
         ValueError: ``answer_extraction`` not in :data:`ANSWER_EXTRACTIONS`.
@@ -111,11 +118,14 @@ def encode_reference(task: str, config: Mapping[str, Any], seed: int, size: int,
     ref = {"kind": REFERENCE_KIND, "task": task, "config": dict(config), "seed": seed, "size": size, "index": index}
     if answer_extraction != "marker":
         ref["answer_extraction"] = answer_extraction
+    if partial_credit:
+        ref["partial_credit"] = True
     return json.dumps(ref, sort_keys=True, separators=(",", ":"))
 
 
-def _decode_reference(reference: str) -> tuple[Any, dict[str, Any], str]:
-    """(dataset, entry, answer_extraction) named by an `encode_reference` string; ValueError for anything else."""
+def _decode_reference(reference: str) -> tuple[Any, dict[str, Any], str, bool]:
+    """(dataset, entry, answer_extraction, partial_credit) named by an `encode_reference` string; ValueError for
+    anything else."""
     try:
         ref = json.loads(reference)
     except (TypeError, json.JSONDecodeError):
@@ -128,7 +138,7 @@ def _decode_reference(reference: str) -> tuple[Any, dict[str, Any], str]:
         raise ValueError(f"reasoning-gym reference has answer_extraction {extraction!r}, expected one of "
                          f"{ANSWER_EXTRACTIONS}")
     dataset = _dataset(ref["task"], _config_json(ref["config"]), int(ref["seed"]), int(ref["size"]))
-    return dataset, dataset[int(ref["index"])], extraction
+    return dataset, dataset[int(ref["index"])], extraction, ref.get("partial_credit") is True
 
 
 def extract_final_answer(completion: str, answer_extraction: str = "marker") -> str | None:
@@ -157,13 +167,15 @@ def extract_final_answer(completion: str, answer_extraction: str = "marker") -> 
 
 
 def score_completion(completion: str, reference: str) -> float:
-    """reasoning-gym's ``score_answer`` (float in [0, 1]) of the completion's extracted answer for the referenced item.
+    """The completion's score for the referenced item: 1.0 when reasoning-gym's ``score_answer`` gives its extracted
+    answer full credit, else 0.0; with ``partial_credit`` in the reference, ``score_answer`` itself (float in [0, 1]).
 
     Raises:
         ValueError: ``reference`` is not a reasoning-gym reference (a data error: GSM8K data with this reward).
     """
-    dataset, entry, extraction = _decode_reference(reference)
-    return float(dataset.score_answer(extract_final_answer(completion, extraction), entry))
+    dataset, entry, extraction, partial = _decode_reference(reference)
+    score = float(dataset.score_answer(extract_final_answer(completion, extraction), entry))
+    return score if partial else (1.0 if score >= 1.0 else 0.0)
 
 
 def reasoning_gym_reward(completions: list[str], references: list[str]) -> list[float]:

@@ -206,6 +206,21 @@ def test_the_reasoning_gym_example_spec_is_valid():
     assert spec.algorithm.rewards == {"reasoning_gym": 1.0, "format": 0.1}
 
 
+def test_partial_credit_is_off_by_default_and_rides_in_the_reference(tmp_path):
+    data = RG_DATA.replace("seed: 7}", "seed: 7, answer_extraction: last_number}")
+    ex = load_examples(load_spec(_spec(tmp_path, data, RG_REWARDS)).data)[0][0]
+    right = int(ex.answer)
+    wrong_but_containing = [f"{right}1", f"{right}.5", f"-{right}" if right > 0 else f"{right}1"]
+    # chain_sum's scorer pays len(oracle)/len(answer) for an answer containing the oracle: a wrong answer, 0.0 here
+    assert [score_completion(c, ex.reference) for c in wrong_but_containing] == [0.0, 0.0, 0.0]
+    assert score_completion(str(right), ex.reference) == 1.0 and "partial_credit" not in json.loads(ex.reference)
+    with_partial = data.replace("last_number}", "last_number, partial_credit: true}")
+    partial = load_examples(load_spec(_spec(tmp_path, with_partial, RG_REWARDS)).data)[0][0]
+    assert json.loads(partial.reference)["partial_credit"] is True
+    scores = [score_completion(c, partial.reference) for c in wrong_but_containing]
+    assert all(0.0 < s < 1.0 for s in scores), scores
+
+
 def test_the_learning_example_spec_evaluates_and_guards_the_task_it_trains():
     """examples/learn_cpu.yaml, the measured laptop run (README): eval at step 0, every 10 steps and at the end on the
     held-out split, scored like training (last-number fallback); the guard's verifiable reward is the task scorer."""

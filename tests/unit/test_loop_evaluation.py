@@ -99,9 +99,19 @@ def test_rewards():
 
     register_reward_function("eval_test_unscored")(lambda c, r: [None, float("nan"), 1.0])
     register_reward_function("eval_test_two")(lambda c, r: [2.0] * len(c))
+    register_reward_function("eval_test_partial")(lambda c, r: [0.75, 0.999, 1.0, 0.0][:len(c)])
     yield
     REWARD_FUNCTIONS.pop("eval_test_unscored")
     REWARD_FUNCTIONS.pop("eval_test_two")
+    REWARD_FUNCTIONS.pop("eval_test_partial")
+
+
+def test_partial_credit_is_a_wrong_answer_in_pass_at_1(test_rewards):
+    """A scorer's partial point (reasoning-gym pays 0.75 for '-191' against 191) is not a pass: pass@1 counts full
+    scores only, so the Wilson interval is over 0/1 outcomes."""
+    groups = [result(GroupRequest(0, [1], group_size=4), ["a", "b", "c", "d"], [1] * 4, ["stop"] * 4)]
+    m = score_eval(groups, ["1"], "eval_test_partial", None)
+    assert m["eval/accuracy"] == pytest.approx(1 / 4) and m["eval/n"] == 4.0
 
 
 def test_a_completion_without_a_score_counts_as_wrong_and_out_of_range_scores_are_refused(test_rewards):
