@@ -57,3 +57,28 @@ def test_every_case_names_a_registered_hack_or_none():
     assert CASES["honest"][0] is None
     assert {CASES[c][0] for c in ("short", "length", "format_only")} == {"hack_short", "hack_length",
                                                                           "hack_format_only"}
+
+
+def test_learn_cases_read_the_task_score_as_accuracy(tmp_path):
+    rows = [{"step": i, "reward/mean": 0.1 * i, "reward/reasoning_gym": 0.1 * i, "reward/hack_length": 0.2,
+             "response_length/mean": 50.0, "actor/kl": 0.0, "monitor/tripped": 0.0} for i in range(1, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = summarize(tmp_path, "length")
+    assert (row["accuracy_first"], row["accuracy_last"]) == (0.1, pytest.approx(0.7))
+
+
+@pytest.mark.parametrize("setup,needle", [
+    (lambda d: None, "guard_case.txt"),
+    (lambda d: (d / "guard_case.txt").write_text("short\n"), "metrics.jsonl"),
+    (lambda d: (d / "guard_case.txt").write_text("bogus\n"), "unknown case 'bogus'"),
+    (lambda d: ((d / "guard_case.txt").write_text("short\n"),
+                (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.0}) + "\n")), "≥ 6"),
+])
+def test_report_on_a_bad_folder_exits_2_naming_it(tmp_path, capsys, setup, needle):
+    from bench.guard_hacks import main
+
+    setup(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["--report", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"--report {tmp_path}" in err and needle in err, err
