@@ -3,7 +3,8 @@ starting weights' row (step 0), eval/* keys on the steps' rows, sane values, Pro
 ``checkpoint.keep_best`` keeping the best step's checkpoint past ``keep_last``.
 
 A random model never solves GSM8K, so which step is best is set by a test reward used as ``eval.accuracy_reward``:
-``eval_script`` pays 0.0, 1.0 and 0.5 at the job's first, second and third evaluation (steps 0, 1, 2), so step 1 is
+``eval_script`` pays no problem, every problem and the first problem only at the job's first, second and third
+evaluation (steps 0, 1, 2: pass@1 0, 1 and 1/3; pass@1 counts full scores, so a script of 0/1 scores), so step 1 is
 the best and its checkpoint must survive ``keep_last: 1``. The GSM8K verifier itself is tested in tests/unit.
 """
 
@@ -19,19 +20,22 @@ from grpo.stats import wilson_interval
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 PROBLEMS = 3
-SCRIPT = (0.0, 1.0, 0.5)  # eval_script's score at the job's 1st, 2nd, 3rd evaluation
+SCRIPT = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (1.0, 0.0, 0.0))  # eval_script's score per problem, per evaluation
+ACCURACY = [sum(scores) / PROBLEMS for scores in SCRIPT]
 
 
 @pytest.fixture(scope="module")
 def eval_script():
-    """Register ``eval_script``: every completion scores SCRIPT[i] in the i-th evaluation (PROBLEMS calls each)."""
+    """Register ``eval_script``: in the i-th evaluation (PROBLEMS calls, one per problem) problem j scores
+    SCRIPT[i][j]."""
     from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 
     calls = []
 
     def script(completions: list[str], references: list[str]) -> list[float]:
         calls.append(len(completions))
-        return [SCRIPT[(len(calls) - 1) // PROBLEMS]] * len(completions)
+        evaluation, problem = divmod(len(calls) - 1, PROBLEMS)
+        return [SCRIPT[evaluation][problem]] * len(completions)
 
     register_reward_function("eval_script")(script)
     yield calls
@@ -79,10 +83,10 @@ def test_step_0_row_then_eval_keys_on_every_step_row(eval_run):
 
 def test_eval_values_are_sane(eval_run):
     rows = eval_run["rows"]
-    assert [r["eval/accuracy"] for r in rows] == list(SCRIPT)
+    assert [r["eval/accuracy"] for r in rows] == pytest.approx(ACCURACY)
     for r in rows:
         assert r["eval/n"] == r["eval/problems"] == PROBLEMS
-        low, high = wilson_interval(r["eval/accuracy"] * PROBLEMS, PROBLEMS)
+        low, high = wilson_interval(round(r["eval/accuracy"] * PROBLEMS), PROBLEMS)
         assert (r["eval/accuracy_ci_low"], r["eval/accuracy_ci_high"]) == pytest.approx((low, high))
         assert r["eval/accuracy_ci_low"] <= r["eval/accuracy"] <= r["eval/accuracy_ci_high"]
         assert 0 < r["eval/response_length_mean"] <= 8  # eval.max_tokens, not rollout.max_response_tokens (16)
@@ -106,6 +110,6 @@ def test_keep_best_keeps_the_best_steps_checkpoint_past_keep_last(eval_run):
 def test_prometheus_has_eval_gauges(eval_run):
     driver = f'job="{eval_run["spec"].name}",pool="driver",worker="driver"'
     samples = eval_run["samples"]
-    assert samples[f"grpo_eval_accuracy{{{driver}}}"] == 0.5
+    assert samples[f"grpo_eval_accuracy{{{driver}}}"] == pytest.approx(1 / 3)
     assert samples[f"grpo_eval_best_step{{{driver}}}"] == 1.0
     assert samples[f"grpo_eval_n{{{driver}}}"] == PROBLEMS
