@@ -1,5 +1,6 @@
 """Measure the reward-hacking guard (``monitor`` spec section, grpo/monitor.py) on real runs: inject a hackable
-reward into a real job (the GSM8K demo, or examples/learn_cpu.yaml for the length hack), run it with ``monitor.action: warn`` so the run continues past a trip, and report
+reward into a real job (the GSM8K demo, or examples/learn_cpu.yaml for the length hack), run it with
+``monitor.action: warn`` so the run continues past a trip, and report
 the step the hack set in (its *onset*, judged in hindsight from the hacked quantity, never from the detectors), the
 step the guard first fired and which detectors fired, and trips before the onset (false alarms). ``honest`` runs the
 demo's own rewards (``honest_learn``: examples/learn_cpu.yaml's): any trip there is a false alarm.
@@ -35,13 +36,13 @@ Prints a table and, last, one JSON line (``bench/_common.print_json``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 from pathlib import Path
 
 from bench._common import REPO_ROOT, print_json, print_table
+from cluster.ops.metrics import read_metrics_jsonl
 
 GSM8K = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
 LEARN = REPO_ROOT / "examples" / "learn_cpu.yaml"
@@ -118,8 +119,7 @@ def summarize(run_dir: Path, case: str) -> dict:
     if case not in CASES:
         raise KeyError(f"unknown case {case!r}; expected one of {sorted(CASES)}")
     verifiable = "reward/reasoning_gym" if CASES[case][1] == LEARN else "reward/accuracy"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "reward/mean" in r]
+    rows = [r for r in read_metrics_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
     if len(rows) < 6:
         raise ValueError(f"{run_dir / 'metrics.jsonl'} has {len(rows)} training steps; the onset rule needs ≥ 6")
     steps = [int(r["step"]) for r in rows]

@@ -21,8 +21,8 @@ Partial credit. Some reasoning-gym scorers pay part of a point for a wrong answe
 ``len(oracle) / len(answer)`` when the answer contains the oracle as a substring, so ``-191``, ``1911`` and ``191.5``
 earn 0.75, 0.75 and 0.6 against 191 (a sign error would get a positive GRPO advantage). By default the reward is
 therefore 1.0 for a full score and 0.0 otherwise; ``data.reasoning_gym.partial_credit: true`` (carried in the
-reference) passes the task's score through unchanged. Held-out pass@1 counts full scores only either way. Scores are in [0, 1]; reasoning-gym's default scorer pays ``len(oracle) / len(answer)`` for an answer that
-contains the oracle, so only the extracted answer (never the whole completion) is scored.
+reference) passes the task's score through unchanged. Held-out pass@1 counts full scores only either way. Scores are
+in [0, 1]. Only the extracted answer (never the whole completion) is scored, because of that substring rule.
 
 Imports reasoning_gym lazily (only where a task is used), so the project runs without it for other data sources.
 """
@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer", "generate_entries",
-           "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
+__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer",
+           "generate_entries", "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
 
 REFERENCE_KIND = "reasoning_gym"
 ANSWER_MARKER = "####"
