@@ -118,6 +118,12 @@ class DataSpec(BaseModel):
             if self.train_path is None:
                 raise FieldConflict("data.train_path",
                                     f"required key 'train_path' is missing (data.source {self.source!r})")
+            defaults = ReasoningGymSpec()
+            for name in ReasoningGymSpec.model_fields:
+                if getattr(self.reasoning_gym, name) != getattr(defaults, name):
+                    raise FieldConflict(f"data.reasoning_gym.{name}", (
+                        f"used only with data.source 'reasoning_gym', got data.source {self.source!r}; drop it or "
+                        f"set data.source: reasoning_gym"))
             return self
         for name in ("train_path", "test_path"):
             if getattr(self, name) is not None:

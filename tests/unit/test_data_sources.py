@@ -191,6 +191,16 @@ def test_reasoning_gym_reward_needs_the_reasoning_gym_source(tmp_path):
         load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n", RG_REWARDS))
 
 
+def test_reasoning_gym_settings_on_another_source_are_refused_but_its_dumped_defaults_load(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 1"}) + "\n")
+    jsonl = f"  train_path: {tmp_path / 't.jsonl'}\n"
+    with pytest.raises(SpecError, match=r"data.reasoning_gym.answer_extraction: used only with data.source "
+                                        r"'reasoning_gym', got data.source 'jsonl'"):
+        load_spec(_spec(tmp_path, jsonl + "  reasoning_gym: {answer_extraction: last_number}\n"))
+    dumped = load_spec(_spec(tmp_path, jsonl + "  reasoning_gym: {task: null, size: 2000, partial_credit: false}\n"))
+    assert dumped.data.source == "jsonl"
+
+
 def test_cli_validate_refuses_an_unknown_task_with_exit_2(tmp_path, capsys):
     from cluster.cli import main
 
