@@ -21,8 +21,9 @@ The injected rewards (weight 1.0 next to the verifiable reward's 1.0; the spec's
   ``#### <number>``, with or without work before it (what the 40-step demo learned to game).
 
 Every case sets ``train.lr`` 2e-5 (the demo's 5e-6 × 4), so a hack sets in within ~10 steps, and turns
-checkpoints off; held-out evaluation runs only where the spec has it (learn_cpu: at the start and the end for
-``length``, also every 10 steps for ``honest_learn``). The accuracy columns read the verifiable reward of the case's
+checkpoints off; held-out evaluation runs only in the learn_cpu cases (at the start and the end for ``length``, also
+every 10 steps for ``honest_learn``) and in ``honest`` (the GSM8K demo's own: 100 test rows at the start and the end);
+the GSM8K hack cases turn it off, as they were measured. The accuracy columns read the verifiable reward of the case's
 spec (``reward/accuracy`` on GSM8K, ``reward/reasoning_gym`` on learn_cpu).
 
 Onset (hindsight): the hacked series is the per-step mean of the injected component, ``reward/<hack>``; baseline =
@@ -69,11 +70,12 @@ HACKS = {"hack_short": hack_short, "hack_length": hack_length, "hack_format_only
 _NO_MID_EVAL = ["eval.every_steps=null"]
 #: case → (injected reward or None, spec, extra overrides).
 CASES: dict[str, tuple[str | None, Path, list[str]]] = {
-    "short": ("hack_short", GSM8K, ['algorithm.rewards={"accuracy": 1.0, "hack_short": 1.0}', "train.lr=2e-5"]),
+    "short": ("hack_short", GSM8K, ['algorithm.rewards={"accuracy": 1.0, "hack_short": 1.0}', "train.lr=2e-5",
+                                    "eval=null"]),
     "length": ("hack_length", LEARN, ['algorithm.rewards={"reasoning_gym": 1.0, "hack_length": 1.0}',
                                       "train.lr=2e-5", *_NO_MID_EVAL]),
     "format_only": ("hack_format_only", GSM8K, ['algorithm.rewards={"accuracy": 1.0, "hack_format_only": 1.0}',
-                                                "train.lr=2e-5"]),
+                                                "train.lr=2e-5", "eval=null"]),
     "honest": (None, GSM8K, []),
     "honest_learn": (None, LEARN, []),
 }

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
 
     out_dir = tempfile.mkdtemp(prefix="step_budget_")
     overrides = [f"output_dir={out_dir}", "metrics.port=null", "checkpoint.every_steps=0",
-                 "checkpoint.save_final=false", f"total_steps={args.steps}", *args.set]
+                 "checkpoint.save_final=false", "eval=null", f"total_steps={args.steps}", *args.set]
     if args.response_tokens is not None:
         overrides.append(f"rollout.max_response_tokens={args.response_tokens}")
     spec = load_spec(args.spec, overrides)

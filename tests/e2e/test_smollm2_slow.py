@@ -59,7 +59,7 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     out = tmp_path / "run"
     spec = load_spec(EXAMPLE, [
         "total_steps=1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=32",
-        f"output_dir={out}", "metrics.port=0",
+        f"output_dir={out}", "metrics.port=0", "eval=null",
     ])
     assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
     ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, log_to_driver=False)
