@@ -4,7 +4,7 @@
     grpo-cluster run SPEC.yaml --resume [--resume-past-trip]   # continue; past a reward-hacking guard stop only if told
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
-    grpo-cluster eval --model DIR --data FILE [--limit N]
+    grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
 
 Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
@@ -72,19 +72,32 @@ def _cmd_run(args) -> int:
 
 def _cmd_eval(args) -> int:
     from cluster.data import DataError
-    from cluster.data.evaluate import evaluate_gsm8k
+    from cluster.data.evaluate import evaluate_gsm8k, read_per_problem, write_per_problem
+    from grpo.stats import paired_comparison
     from cluster.data.models import ModelError
 
     try:
+        baseline = read_per_problem(args.against) if args.against else None
         result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
+        if args.per_problem:  # written first: a mismatched --against below loses no evaluation
+            write_per_problem(args.per_problem, result)
+        if baseline is not None and len(baseline) != result["n"]:
+            raise ValueError(f"--against {args.against}: {len(baseline)} problems, this evaluation has "
+                             f"{result['n']}; use the same --data and --limit")
     except (DataError, ModelError, ValueError, OSError) as exc:
         print(f"grpo-cluster eval: {exc}", file=sys.stderr)
         return 2
     print(f"GSM8K pass@1 = {result['pass@1']:.4f} on {result['n']} problems "
           f"(format {result['format']:.3f}, mean length {result['mean_tokens']:.0f} tokens, "
           f"truncated {result['truncated']:.2f}, {result['tokens_per_s']:.0f} tok/s)")
+    summary = {k: v for k, v in result.items() if k != "problems"}
+    if baseline is not None:
+        paired = paired_comparison(baseline, [row["correct"] for row in result["problems"]])
+        print(f"against {args.against}: {paired.before} -> {paired.after} correct of {paired.n}; "
+              f"{paired.gained} gained, {paired.lost} lost; McNemar exact p = {paired.p_value:.3f}")
+        summary["paired"] = paired._asdict()
     if args.json:
-        print(json.dumps({"model": args.model, **result}))
+        print(json.dumps({"model": args.model, **summary}))
     return 0
 
 
@@ -132,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="first N rows only")
     ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
+    ev.add_argument("--per-problem", metavar="FILE", help="write each problem's outcome and completion (jsonl)")
+    ev.add_argument("--against", metavar="FILE", help=(
+        "a --per-problem file of another model on the same problems: print gains, losses and McNemar's exact p"))
     ev.set_defaults(func=_cmd_eval)
     plot = sub.add_parser("plot", help="PNG of a run's reward, held-out accuracy, length, KL and guard trips")
     plot.add_argument("run_dir", help="the job's output_dir (holds metrics.jsonl)")

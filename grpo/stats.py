@@ -27,7 +27,8 @@ from numbers import Integral, Real
 from statistics import NormalDist
 from typing import NamedTuple
 
-__all__ = ["AccuracyEstimate", "accuracy_estimate", "mean_at_k", "pass_at_1", "pass_at_k", "wilson_interval"]
+__all__ = ["AccuracyEstimate", "PairedComparison", "accuracy_estimate", "mean_at_k", "paired_comparison",
+           "pass_at_1", "pass_at_k", "wilson_interval"]
 
 
 def _check_confidence(confidence: float) -> None:
@@ -157,3 +158,43 @@ def accuracy_estimate(per_problem: Sequence[Sequence[float]], confidence: float 
     problems = len(per_problem)
     low, high = wilson_interval(min(accuracy * problems, problems), problems, confidence)
     return AccuracyEstimate(accuracy, low, high, problems, problems * len(per_problem[0]))
+
+
+class PairedComparison(NamedTuple):
+    """Two models' 0/1 outcomes on the same problems. ``gained``: wrong before, right after; ``lost``: right before,
+    wrong after; ``p_value``: McNemar's exact two-sided test that gains and losses are equally likely."""
+
+    n: int
+    before: int
+    after: int
+    gained: int
+    lost: int
+    p_value: float
+
+
+def paired_comparison(before: Sequence[float], after: Sequence[float]) -> PairedComparison:
+    """Compare two models on the same problems, problem by problem (McNemar's exact test).
+
+    Only the discordant problems carry information about a difference: under "no change" each of the
+    ``gained + lost`` of them is a gain with probability 1/2, so the two-sided p-value is
+    ``min(1, 2 · P[Binomial(gained + lost, 1/2) ≤ min(gained, lost)])`` (McNemar 1947; the exact form, e.g.
+    Agresti, *Categorical Data Analysis*, 3rd ed., §11.1). With few correct answers (a 135M model on GSM8K) this is
+    far sharper than comparing two Wilson intervals, which ignore that the problems are the same.
+
+    Args:
+        before, after: per-problem scores in {0, 1} (floats or ints), same length and problem order.
+
+    Raises:
+        ValueError: different lengths, no problems, or a score other than 0 or 1.
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(f"expected two equally long, non-empty score lists, got {len(before)} and {len(after)}")
+    a, b = _scores(before, "before"), _scores(after, "after")
+    if any(v not in (0.0, 1.0) for v in a + b):
+        raise ValueError("paired_comparison needs 0/1 scores (one sample per problem)")
+    gained = sum(1 for x, y in zip(a, b) if x == 0.0 and y == 1.0)
+    lost = sum(1 for x, y in zip(a, b) if x == 1.0 and y == 0.0)
+    m = gained + lost
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2**m
+    return PairedComparison(n=len(a), before=int(sum(a)), after=int(sum(b)), gained=gained, lost=lost,
+                            p_value=min(1.0, 2 * tail))

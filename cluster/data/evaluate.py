@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 
@@ -42,7 +43,9 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     engine's context length is the longest prompt plus ``max_tokens``.
 
     Returns:
-        ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s"}`` (fractions in [0, 1]).
+        ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s", "problems"}`` (fractions
+        in [0, 1]); ``problems`` holds one dict per problem in file order: ``index`` (row among the usable rows),
+        ``correct`` and ``format`` (0/1 scores), ``tokens``, ``truncated`` (bool), ``completion`` (text).
 
     Raises:
         ValueError: ``limit`` not None and < 1, or ``max_tokens`` < 1 (checked before anything is loaded).
@@ -83,4 +86,34 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
         "mean_tokens": sum(n_tokens) / n,
         "truncated": sum(o.outputs[0].finish_reason == "length" for o in outs) / n,
         "seconds": seconds, "tokens_per_s": sum(n_tokens) / max(seconds, 1e-9),
+        "problems": [{"index": i, "correct": a, "format": f, "tokens": k, "truncated": o.outputs[0].finish_reason ==
+                      "length", "completion": t} for i, (a, f, k, o, t) in enumerate(zip(acc, fmt, n_tokens, outs,
+                                                                                           texts))],
     }
+
+
+def write_per_problem(path: str, result: dict) -> None:
+    """Write ``result["problems"]`` (from :func:`evaluate_gsm8k`) to ``path`` as jsonl, one problem per line."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in result["problems"]:
+            fh.write(json.dumps(row) + "\n")
+
+
+def read_per_problem(path: str) -> list[float]:
+    """The ``correct`` scores, in order, of a file :func:`write_per_problem` wrote.
+
+    Raises:
+        ValueError: a line that is not such a row, naming file and line. OSError: the file cannot be read.
+    """
+    scores = []
+    with open(path, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            try:
+                row = json.loads(line)
+                if row["index"] != len(scores) or row["correct"] not in (0, 1):
+                    raise ValueError
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{line_no}: expected a per-problem row of `grpo-cluster eval --per-problem` "
+                                 f"(index {len(scores)}, correct 0 or 1)") from None
+            scores.append(float(row["correct"]))
+    return scores

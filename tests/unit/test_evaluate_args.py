@@ -101,3 +101,32 @@ def test_limit_and_context_length(tmp_path, monkeypatch):
     assert result["n"] == 3
     result = evaluate_gsm8k("fake-model", str(data), limit=1, max_tokens=8, system_prompt=None)
     assert result["n"] == 1 and seen["max_model_len"] == (1 + 1) + 8
+
+
+def test_per_problem_file_and_paired_comparison_from_the_cli(tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+
+    install_fakes(monkeypatch)
+    data = tmp_path / "d.jsonl"  # the fake engine answers 5 to everything: rows 0 and 2 right, 1 and 3 wrong
+    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": f"#### {a}"}) + "\n"
+                            for i, a in enumerate([5, 6, 5, 7])))
+    out = tmp_path / "now.jsonl"
+    assert main(["eval", "--model", "fake", "--data", str(data), "--per-problem", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["correct"], r["truncated"]) for r in rows] == [(0, 1.0, False), (1, 0.0, False),
+                                                                          (2, 1.0, False), (3, 0.0, False)]
+    assert rows[0]["completion"].endswith("#### 5") and rows[0]["tokens"] == 3
+
+    base = tmp_path / "base.jsonl"  # the baseline had rows 1 and 3 right: 2 gained, 2 lost
+    base.write_text("".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate([0, 1, 0, 1])))
+    capsys.readouterr()
+    assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(base), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert f"against {base}: 2 -> 2 correct of 4; 2 gained, 2 lost; McNemar exact p = 1.000" in printed
+    assert json.loads(printed.splitlines()[-1])["paired"]["gained"] == 2
+
+    assert main(["eval", "--model", "fake", "--data", str(data), "--limit", "3", "--against", str(base)]) == 2
+    assert "4 problems, this evaluation has 3; use the same --data and --limit" in capsys.readouterr().err
+    base.write_text(json.dumps({"index": 0, "correct": 0.5}) + "\n")
+    assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(base)]) == 2
+    assert f"{base}:1: expected a per-problem row" in capsys.readouterr().err

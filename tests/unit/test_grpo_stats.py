@@ -6,7 +6,7 @@ from itertools import combinations
 
 import pytest
 
-from grpo.stats import accuracy_estimate, mean_at_k, pass_at_1, pass_at_k, wilson_interval
+from grpo.stats import accuracy_estimate, mean_at_k, paired_comparison, pass_at_1, pass_at_k, wilson_interval
 
 Z95 = 1.959963984540054  # Φ⁻¹(0.975), from tables
 
@@ -136,3 +136,36 @@ def test_wilson_interval_numpy_scalars_match_python_ints():
     expected = wilson_interval(3, 10)
     for got in (wilson_interval(np.int32(3), np.uint8(10)), wilson_interval(np.int8(3), np.int8(10))):
         assert got == pytest.approx(expected, abs=1e-12) and all(type(x) is float for x in got)
+
+
+# ---- paired comparison (McNemar's exact test) ------------------------------------------------------------------------
+def test_paired_comparison_by_hand():
+    # 4 lost, 2 gained, 1 right in both, 1 wrong in both: m = 6 discordant; P[X <= 2] = (1 + 6 + 15) / 64.
+    before = [1, 1, 1, 1, 0, 0, 1, 0]
+    after = [0, 0, 0, 0, 1, 1, 1, 0]
+    got = paired_comparison(before, after)
+    assert (got.n, got.before, got.after, got.gained, got.lost) == (8, 5, 3, 2, 4)
+    assert got.p_value == pytest.approx(2 * 22 / 64, abs=1e-15)
+    # Symmetric in the direction of the change; 0 vs 5 discordant gives 2 / 32.
+    assert paired_comparison(after, before).p_value == got.p_value
+    assert paired_comparison([0] * 5, [1] * 5).p_value == pytest.approx(2 / 32, abs=1e-15)
+
+
+def test_paired_comparison_matches_the_binomial_sum_by_enumeration():
+    # P[Binomial(m, 1/2) <= k] counted over all 2^m outcomes of the discordant problems.
+    for gained, lost in [(0, 0), (1, 0), (3, 1), (2, 7), (5, 5)]:
+        m = gained + lost
+        tail = sum(1 for bits in range(2**m) if bin(bits).count("1") <= min(gained, lost)) / 2**m
+        got = paired_comparison([0] * gained + [1] * lost + [1], [1] * gained + [0] * lost + [1])
+        assert got.p_value == pytest.approx(min(1.0, 2 * tail), abs=1e-15), (gained, lost)
+
+
+@pytest.mark.parametrize("before, after, match", [
+    ([1, 0], [1], "equally long"),
+    ([], [], "non-empty"),
+    ([0.5], [1], "0/1 scores"),
+    ([1], [float("nan")], "scores in"),
+])
+def test_paired_comparison_errors(before, after, match):
+    with pytest.raises(ValueError, match=match):
+        paired_comparison(before, after)
