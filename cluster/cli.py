@@ -72,32 +72,42 @@ def _cmd_run(args) -> int:
 
 def _cmd_eval(args) -> int:
     from cluster.data import DataError
-    from cluster.data.evaluate import evaluate_gsm8k, read_per_problem, write_per_problem
-    from grpo.stats import paired_comparison
+    from cluster.data.evaluate import (check_same_problems, check_writable, eval_questions, evaluate_gsm8k,
+                                       read_per_problem, write_per_problem)
     from cluster.data.models import ModelError
+    from grpo.stats import paired_comparison
 
-    try:
+    try:  # everything that can be checked without the engine, before the (slow) evaluation
+        questions = eval_questions(args.data, args.limit)
         baseline = read_per_problem(args.against) if args.against else None
+        if baseline is not None:
+            check_same_problems(baseline, questions, args.against)
+        if args.per_problem:
+            check_writable(args.per_problem, args.data)
         result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
-        if args.per_problem:  # written first: a mismatched --against below loses no evaluation
-            write_per_problem(args.per_problem, result)
-        if baseline is not None and len(baseline) != result["n"]:
-            raise ValueError(f"--against {args.against}: {len(baseline)} problems, this evaluation has "
-                             f"{result['n']}; use the same --data and --limit")
     except (DataError, ModelError, ValueError, OSError) as exc:
         print(f"grpo-cluster eval: {exc}", file=sys.stderr)
         return 2
+    write_error = None
+    if args.per_problem:
+        try:
+            write_per_problem(args.per_problem, result)
+        except OSError as exc:  # reported after the figures below, which are printed regardless
+            write_error = f"grpo-cluster eval: --per-problem {args.per_problem}: not written: {exc}"
     print(f"GSM8K pass@1 = {result['pass@1']:.4f} on {result['n']} problems "
           f"(format {result['format']:.3f}, mean length {result['mean_tokens']:.0f} tokens, "
           f"truncated {result['truncated']:.2f}, {result['tokens_per_s']:.0f} tok/s)")
     summary = {k: v for k, v in result.items() if k != "problems"}
     if baseline is not None:
-        paired = paired_comparison(baseline, [row["correct"] for row in result["problems"]])
+        paired = paired_comparison([row["correct"] for row in baseline], [row["correct"] for row in result["problems"]])
         print(f"against {args.against}: {paired.before} -> {paired.after} correct of {paired.n}; "
               f"{paired.gained} gained, {paired.lost} lost; McNemar exact p = {paired.p_value:.3f}")
         summary["paired"] = paired._asdict()
     if args.json:
         print(json.dumps({"model": args.model, **summary}))
+    if write_error:
+        print(write_error, file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from cluster.data import chat_prompt_ids, load_jsonl_examples
 from cluster.spec import DEFAULT_SYSTEM_PROMPT
@@ -45,7 +48,8 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     Returns:
         ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s", "problems"}`` (fractions
         in [0, 1]); ``problems`` holds one dict per problem in file order: ``index`` (row among the usable rows),
-        ``correct`` and ``format`` (0/1 scores), ``tokens``, ``truncated`` (bool), ``completion`` (text).
+        ``question`` (its text, which identifies the problem for ``--against``), ``correct`` and ``format`` (0/1
+        scores), ``tokens``, ``truncated`` (bool), ``completion`` (text).
 
     Raises:
         ValueError: ``limit`` not None and < 1, or ``max_tokens`` < 1 (checked before anything is loaded).
@@ -86,34 +90,100 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
         "mean_tokens": sum(n_tokens) / n,
         "truncated": sum(o.outputs[0].finish_reason == "length" for o in outs) / n,
         "seconds": seconds, "tokens_per_s": sum(n_tokens) / max(seconds, 1e-9),
-        "problems": [{"index": i, "correct": a, "format": f, "tokens": k, "truncated": o.outputs[0].finish_reason ==
-                      "length", "completion": t} for i, (a, f, k, o, t) in enumerate(zip(acc, fmt, n_tokens, outs,
-                                                                                           texts))],
+        "problems": [{"index": i, "question": e.question, "correct": a, "format": f, "tokens": k,
+                      "truncated": o.outputs[0].finish_reason == "length", "completion": t}
+                     for i, (e, a, f, k, o, t) in enumerate(zip(examples, acc, fmt, n_tokens, outs, texts))],
     }
 
 
-def write_per_problem(path: str, result: dict) -> None:
-    """Write ``result["problems"]`` (from :func:`evaluate_gsm8k`) to ``path`` as jsonl, one problem per line."""
-    with open(path, "w", encoding="utf-8") as fh:
-        for row in result["problems"]:
-            fh.write(json.dumps(row) + "\n")
-
-
-def read_per_problem(path: str) -> list[float]:
-    """The ``correct`` scores, in order, of a file :func:`write_per_problem` wrote.
+def eval_questions(data: str, limit: int | None) -> list[str]:
+    """The question texts, in order, that :func:`evaluate_gsm8k` with the same ``data`` and ``limit`` scores (cheap:
+    reads the file only, so ``--against`` and ``--per-problem`` can be checked before the engine starts).
 
     Raises:
-        ValueError: a line that is not such a row, naming file and line. OSError: the file cannot be read.
+        ValueError: ``limit`` not None or an int >= 1. DataError: the data file is missing or malformed.
     """
-    scores = []
-    with open(path, encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
+    check_eval_args(limit, 1)
+    examples, _ = load_jsonl_examples(data)
+    return [e.question for e in (examples if limit is None else examples[:limit])]
+
+
+def check_writable(path: str, data: str) -> None:
+    """Raise OSError unless ``path`` can take a ``--per-problem`` file: not a folder, not the ``--data`` file, in an
+    existing folder this process may write to. Checked before the evaluation, so its work is not lost to a typo."""
+    target = Path(path)
+    if target.is_dir():
+        raise OSError(f"--per-problem {path}: is a folder; give a file path")
+    if target.exists() and Path(data).exists() and target.samefile(data):
+        raise OSError(f"--per-problem {path}: is the --data file; writing there would overwrite the dataset")
+    folder = target.parent
+    if not folder.is_dir():
+        raise OSError(f"--per-problem {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise OSError(f"--per-problem {path}: not writable (permission denied)")
+
+
+def write_per_problem(path: str, result: dict) -> None:
+    """Write ``result["problems"]`` (from :func:`evaluate_gsm8k`) to ``path`` as jsonl, one problem per line.
+
+    Written to a temporary file in the same folder and renamed over ``path``, so a failed write (disk full) leaves
+    any earlier file at ``path`` (possibly this run's ``--against`` baseline) whole.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            for row in result["problems"]:
+                fh.write(json.dumps(row) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_per_problem(path: str) -> list[dict]:
+    """The rows, in order, of a file :func:`write_per_problem` wrote: dicts with ``index``, ``correct`` (0.0 or 1.0)
+    and ``question`` (None in a file written before questions were recorded) and ``line`` (1-based line number).
+
+    Raises:
+        ValueError: no rows, invalid UTF-8, or a line that is not such a row (index 0, 1, ... in order, correct 0 or
+            1, question a string if present), naming file and line. OSError: the file cannot be read (missing, a
+            folder).
+    """
+    rows: list[dict] = []
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
             try:
-                row = json.loads(line)
-                if row["index"] != len(scores) or row["correct"] not in (0, 1):
+                row = json.loads(raw.decode("utf-8"))
+                question = row.get("question")
+                if (row["index"] != len(rows) or row["correct"] not in (0, 1)
+                        or (question is not None and not isinstance(question, str))):
                     raise ValueError
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):  # UnicodeDecodeError is a ValueError
                 raise ValueError(f"{path}:{line_no}: expected a per-problem row of `grpo-cluster eval --per-problem` "
-                                 f"(index {len(scores)}, correct 0 or 1)") from None
-            scores.append(float(row["correct"]))
-    return scores
+                                 f"(index {len(rows)}, correct 0 or 1, question text)") from None
+            rows.append({"index": len(rows), "correct": float(row["correct"]), "question": question,
+                         "line": line_no})
+    if not rows:
+        raise ValueError(f"{path}: no per-problem rows (empty file); expected one line per problem of "
+                         f"`grpo-cluster eval --per-problem`")
+    return rows
+
+
+def check_same_problems(rows: list[dict], questions: list[str], path: str) -> None:
+    """Raise ValueError unless the ``--against`` rows are the problems about to be evaluated, in the same order.
+
+    Args:
+        rows: from :func:`read_per_problem`. questions: from :func:`eval_questions`. path: the rows' file, for the
+            message.
+    """
+    if len(rows) != len(questions):
+        raise ValueError(f"--against {path}: {len(rows)} problems, this evaluation has {len(questions)}; use the same "
+                         f"--data and --limit")
+    for row, question in zip(rows, questions):
+        if row["question"] is not None and row["question"] != question:
+            raise ValueError(f"--against {path}:{row['line']}: problem {row['index']} is {row['question'][:60]!r}, "
+                             f"in --data it is {question[:60]!r}; use the same --data (file and row order)")

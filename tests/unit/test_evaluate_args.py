@@ -1,10 +1,12 @@
-"""``cluster.data.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine context
-length sized from the longest tokenized prompt, prompts handed to vLLM as token ids (vLLM and the tokenizer replaced
-by fakes)."""
+"""``cluster.data.evaluate.evaluate_gsm8k``: argument checks before anything loads, the row limit, and the engine
+context length sized from the longest tokenized prompt, prompts handed to vLLM as token ids; ``grpo-cluster eval
+--per-problem/--against``: bad files refused before the engine starts, naming file and line (vLLM and the tokenizer
+replaced by fakes)."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -116,6 +118,7 @@ def test_per_problem_file_and_paired_comparison_from_the_cli(tmp_path, monkeypat
     assert [(r["index"], r["correct"], r["truncated"]) for r in rows] == [(0, 1.0, False), (1, 0.0, False),
                                                                           (2, 1.0, False), (3, 0.0, False)]
     assert rows[0]["completion"].endswith("#### 5") and rows[0]["tokens"] == 3
+    assert [r["question"] for r in rows] == ["q0?", "q1?", "q2?", "q3?"]
 
     base = tmp_path / "base.jsonl"  # the baseline had rows 1 and 3 right: 2 gained, 2 lost
     base.write_text("".join(json.dumps({"index": i, "correct": c}) + "\n" for i, c in enumerate([0, 1, 0, 1])))
@@ -130,3 +133,107 @@ def test_per_problem_file_and_paired_comparison_from_the_cli(tmp_path, monkeypat
     base.write_text(json.dumps({"index": 0, "correct": 0.5}) + "\n")
     assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(base)]) == 2
     assert f"{base}:1: expected a per-problem row" in capsys.readouterr().err
+
+
+def gsm8k_rows(path: Path, answers: list[int], prefix: str = "q") -> Path:
+    path.write_text("".join(json.dumps({"question": f"{prefix}{i}?", "answer": f"#### {a}"}) + "\n"
+                            for i, a in enumerate(answers)))
+    return path
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ("", ":? no per-problem rows \\(empty file\\)"),
+    ('{"index": 0, "correct": 1}\n{"index": 1, "corr', ":2: expected a per-problem row"),  # truncated last line
+    ('{"index": 0, "correct": 1}\n{"index": 0, "correct": 0}\n', ":2: expected a per-problem row .* \\(index 1,"),
+    (b"\xff\xfe\x00binary", ":1: expected a per-problem row"),
+    ('{"index": 0, "correct": 1, "question": 7}\n', ":1: expected a per-problem row"),
+    ('[0, 1]\n', ":1: expected a per-problem row"),
+    ('{"index": 0, "correct": 1}\n', "1 problems, this evaluation has 4; use the same --data and --limit"),
+    ("".join(json.dumps({"index": i, "question": f"q{q}?", "correct": 0}) + "\n" for i, q in enumerate([0, 1, 3, 2])),
+     ":3: problem 2 is 'q3\\?', in --data it is 'q2\\?'; use the same --data"),  # other order
+    ("".join(json.dumps({"index": i, "question": f"other{i}?", "correct": 0}) + "\n" for i in range(4)),
+     ":1: problem 0 is 'other0\\?', in --data it is 'q0\\?'"),  # another dataset of the same size
+])
+def test_bad_against_file_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys, content, message):
+    from cluster.cli import main
+
+    seen = install_fakes(monkeypatch)
+    data = gsm8k_rows(tmp_path / "d.jsonl", [5, 6, 5, 7])
+    base = tmp_path / "base.jsonl"
+    if isinstance(content, bytes):
+        base.write_bytes(content)
+    elif content is not None:
+        base.write_text(content)
+    out = tmp_path / "now.jsonl"
+    assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(base), "--per-problem",
+                 str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(base) in err
+    assert re.search(message, err), err
+    assert not seen and not out.exists()  # no engine built, nothing written
+
+
+def test_against_a_folder_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+
+    seen = install_fakes(monkeypatch)
+    data = gsm8k_rows(tmp_path / "d.jsonl", [5])
+    assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err and not seen
+
+
+@pytest.mark.parametrize("where, message", [
+    ("folder", "is a folder; give a file path"),
+    ("no_such_folder/out.jsonl", "does not exist"),
+    ("d.jsonl", "is the --data file"),
+])
+def test_bad_per_problem_path_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys, where, message):
+    from cluster.cli import main
+
+    seen = install_fakes(monkeypatch)
+    data = gsm8k_rows(tmp_path / "d.jsonl", [5, 6])
+    (tmp_path / "folder").mkdir()
+    assert main(["eval", "--model", "fake", "--data", str(data), "--per-problem", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert f"--per-problem {tmp_path / where}: " in err and message in err, err
+    assert not seen
+    assert json.loads(data.read_text().splitlines()[0])["answer"] == "#### 5"  # the dataset is untouched
+
+
+def test_failed_per_problem_write_after_evaluation_still_prints_the_figures(tmp_path, monkeypatch, capsys):
+    import cluster.data.evaluate
+    from cluster.cli import main
+
+    install_fakes(monkeypatch)
+    data = gsm8k_rows(tmp_path / "d.jsonl", [5, 6])
+    out = tmp_path / "now.jsonl"
+    out.write_text("earlier file\n")
+
+    def disk_full(fh_path, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cluster.data.evaluate.os, "replace", disk_full)
+    assert main(["eval", "--model", "fake", "--data", str(data), "--per-problem", str(out), "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "GSM8K pass@1 = 0.5000 on 2 problems" in captured.out
+    assert json.loads(captured.out.splitlines()[-1])["n"] == 2
+    assert f"--per-problem {out}: not written: [Errno 28] No space left on device" in captured.err
+    assert out.read_text() == "earlier file\n"  # the earlier file is whole and no temporary file is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "now.jsonl"]
+
+
+def test_per_problem_may_replace_the_against_file(tmp_path, monkeypatch, capsys):
+    from cluster.cli import main
+
+    install_fakes(monkeypatch)
+    data = gsm8k_rows(tmp_path / "d.jsonl", [5, 6, 5])
+    base = tmp_path / "base.jsonl"
+    base.write_text("".join(json.dumps({"index": i, "question": f"q{i}?", "correct": c}) + "\n"
+                            for i, c in enumerate([0, 1, 1])))
+    assert main(["eval", "--model", "fake", "--data", str(data), "--against", str(base), "--per-problem",
+                 str(base)]) == 0
+    assert "2 -> 2 correct of 3; 1 gained, 1 lost" in capsys.readouterr().out  # compared with the old contents
+    rows = [json.loads(line) for line in base.read_text().splitlines()]
+    assert [(r["index"], r["question"], r["correct"]) for r in rows] == [(0, "q0?", 1.0), (1, "q1?", 0.0),
+                                                                         (2, "q2?", 1.0)]
