@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
 __all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "algorithm_conflicts", "reward_names"]
 
@@ -44,35 +44,36 @@ class AlgorithmSpec(BaseModel):
     # ---- advantages
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
         "Group advantage: grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)."))
-    adv_eps: float = Field(1e-6, gt=0, description="Added to the group std before dividing (grpo).")
+    adv_eps: float = Field(1e-6, strict=True, gt=0, description="Added to the group std before dividing (grpo).")
     adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
     # ---- policy loss
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
         "seq-mean-token-mean", description="How per-token losses are reduced to one scalar.")
-    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="Lower ratio clip: ratio >= 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
-    dual_clip_c: float | None = Field(None, gt=1, description=(
+    clip_eps_low: float = Field(0.2, strict=True, ge=0, lt=1, description=(
+        "Lower ratio clip: ratio >= 1 - clip_eps_low."))
+    clip_eps_high: float = Field(0.2, strict=True, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
+    dual_clip_c: float | None = Field(None, strict=True, gt=1, description=(
         "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|; null disables."))
-    entropy_coef: float = Field(0.0, ge=0, description="Weight of the entropy bonus.")
+    entropy_coef: float = Field(0.0, strict=True, ge=0, description="Weight of the entropy bonus.")
     num_iterations: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Optimizer steps per rollout batch; the behaviour logprobs of all of them are the trainer's, before the "
         "first step."))
-    tis_cap: float | None = Field(None, gt=0, description=(
+    tis_cap: float | None = Field(None, strict=True, gt=0, description=(
         "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap); "
         "null disables."))
     # ---- KL to the reference policy
-    kl_coef: float = Field(0.04, ge=0, description=(
+    kl_coef: float = Field(0.04, strict=True, ge=0, description=(
         "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive)."))
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     kl_in_reward: bool = Field(False, description=(
         "Put the KL in the reward as a per-token penalty (return-to-go added to the advantage) instead of the loss."))
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: beta = kl_coef; adaptive: beta steered so the measured KL approaches kl_target (Ziegler et al. 2019)."))
-    kl_target: float = Field(0.01, gt=0, description="Adaptive controller: target KL in nats per token.")
+    kl_target: float = Field(0.01, strict=True, gt=0, description="Adaptive controller: target KL in nats per token.")
     kl_horizon_sequences: int = Field(10_000, ge=1, strict=True, description=(
         "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
     # ---- rewards
-    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
+    rewards: dict[str, StrictFloat] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
         f"Reward function name -> weight; names from {', '.join(REWARD_NAMES)}."))
     reward_combine: Literal["sum-then-normalise", "normalise-then-sum"] = Field(
         "sum-then-normalise", description=(
@@ -87,7 +88,8 @@ class AlgorithmSpec(BaseModel):
     overlong_buffer_tokens: int | None = Field(None, ge=1, strict=True, description=(
         "DAPO soft overlong punishment: penalty ramps from 0 to -overlong_penalty_factor over the last this-many "
         "tokens before max_response_tokens; null disables."))
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="Scale of the overlong penalty (reward units).")
+    overlong_penalty_factor: float = Field(1.0, strict=True, ge=0, description=(
+        "Scale of the overlong penalty (reward units)."))
     # ---- sampling
     dynamic_sampling: bool = Field(False, description=(
         "DAPO dynamic sampling: drop groups whose advantages are all zero and sample more prompts until "
@@ -100,7 +102,7 @@ class AlgorithmSpec(BaseModel):
     group_size_max: int | None = Field(None, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
         "Adaptive group size: double G (up to this) after a step whose all-equal group fraction exceeds "
         "group_size_rise_threshold; null disables."))
-    group_size_rise_threshold: float = Field(0.5, gt=0, le=1, description=(
+    group_size_rise_threshold: float = Field(0.5, strict=True, gt=0, le=1, description=(
         "All-equal group fraction above which the adaptive group size rises."))
 
     @field_validator("rewards")

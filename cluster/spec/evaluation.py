@@ -45,7 +45,7 @@ class EvalSpec(BaseModel):
     samples: int = Field(1, ge=1, le=MAX_EVAL_SAMPLES, strict=True, description=(
         "Completions per prompt (k). 1 gives pass@1; k > 1 gives mean@k (the mean over prompts of the fraction "
         "of its k completions that are correct) and needs temperature > 0."))
-    temperature: float = Field(0.0, ge=0, le=10, description=(
+    temperature: float = Field(0.0, strict=True, ge=0, le=10, description=(
         "Sampling temperature; 0 is greedy decoding. A value in (0, 0.01) is refused (vLLM would raise it to "
         "0.01). Sampling uses top_p 1, top_k off and a fixed seed per prompt and sample, the same at every eval."))
     accuracy_reward: str = Field("accuracy", min_length=1, description=(

@@ -23,8 +23,9 @@ __all__ = [
 #: Model config of every spec section: unknown keys rejected, frozen after validation, no inf/NaN.
 SPEC_CONFIG = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-# Integer fields are strict: YAML (and --set) ints are accepted, but not true/false, "4" or 4.0. Upper bounds catch
-# typos (an extra digit) before any resource is reserved.
+# Integer fields are strict: YAML (and --set) ints are accepted, but not true/false, "4" or 4.0. Float fields are
+# strict too: ints and floats are accepted, true/false and strings ("0.5") are not (a lax float field took
+# `kl_coef: yes` as 1.0). Upper bounds catch typos (an extra digit) before any resource is reserved.
 MAX_SEQUENCE_TOKENS = 1_048_576
 MAX_SEED = 2**31 - 1
 MAX_TOP_K = 16_777_216  # far above any vocabulary; catches a mistyped extra digit

@@ -15,7 +15,8 @@ Loading (:func:`load_spec`)::
   ``<file>:<line>: <dotted.field>: <message> (got <value>)``, with ``--set <key>`` in place of the line for
   values that came from an override (of the field, a section above it, or a key inside it).
 - Integer fields are strict: ``4`` is accepted, ``true``, ``"4"`` and ``4.0`` are not (``--set x=4`` parses as an
-  int). Counts and sizes have upper bounds that catch a mistyped extra digit.
+  int). Float fields take ints and floats, not ``true`` or ``"0.5"``. Counts and sizes have upper bounds that catch
+  a mistyped extra digit.
 """
 
 from __future__ import annotations

@@ -36,21 +36,21 @@ class MonitorSpec(BaseModel):
         "Latest steps (after the baseline) averaged as a metric's recent value."))
     accuracy_window_steps: int = Field(6, ge=1, le=10_000, strict=True, description=(
         "Latest steps of the verifiable reward averaged for the 'accuracy rose' gate of the drift detectors."))
-    noise_z: float = Field(2.33, gt=0, le=100, description=(
+    noise_z: float = Field(2.33, strict=True, gt=0, le=100, description=(
         "Standard errors a rise must exceed to count (2.33: one-sided 99 %)."))
-    length_drift_frac: float = Field(0.3, gt=0, lt=1, description=(
+    length_drift_frac: float = Field(0.3, strict=True, gt=0, lt=1, description=(
         "length_drift fires when response_length/mean moves by this fraction of its baseline (either direction) "
         "and accuracy did not rise."))
-    saturation_rise: float = Field(0.2, gt=0, le=1e6, description=(
+    saturation_rise: float = Field(0.2, strict=True, gt=0, le=1e6, description=(
         "reward_saturation fires when a shaping reward component rises by this much (reward units) beyond its "
         "noise and accuracy did not rise."))
-    kl_max: float = Field(0.5, gt=0, le=1e6, description=(
+    kl_max: float = Field(0.5, strict=True, gt=0, le=1e6, description=(
         "kl_band fires when the recent mean of actor/kl (nats per token) is above this."))
-    entropy_drop_frac: float = Field(0.5, gt=0, lt=1, description=(
+    entropy_drop_frac: float = Field(0.5, strict=True, gt=0, lt=1, description=(
         "entropy_band fires when actor/entropy falls below baseline x (1 - this) while accuracy did not rise."))
-    entropy_rise_frac: float = Field(0.5, gt=0, le=1e6, description=(
+    entropy_rise_frac: float = Field(0.5, strict=True, gt=0, le=1e6, description=(
         "entropy_band fires when actor/entropy rises above baseline x (1 + this)."))
-    eval_confidence: float = Field(0.95, gt=0, lt=1, description=(
+    eval_confidence: float = Field(0.95, strict=True, gt=0, lt=1, description=(
         "Wilson interval coverage for eval rows that carry eval/n but no eval/accuracy_ci_* keys."))
     verifiable_reward: str = Field("accuracy", min_length=1, description=(
         "The reward component that measures the task (reward/<name>, 0/1); it must be in algorithm.rewards."))
@@ -63,7 +63,7 @@ class MonitorSpec(BaseModel):
         "continue unless given --resume-past-trip); 'rollback' restores that checkpoint (weights, optimizer, data "
         "position), multiplies the offending reward component's weight by rollback_reward_scale and continues "
         "(needs 1 <= checkpoint.every_steps < total_steps and checkpoint.keep_last null or >= 2)."))
-    rollback_reward_scale: float = Field(0.5, ge=0, lt=1, description=(
+    rollback_reward_scale: float = Field(0.5, strict=True, ge=0, lt=1, description=(
         "rollback: the offending reward component's weight is multiplied by this (0 switches it off)."))
     max_rollbacks: int = Field(2, ge=1, le=1000, strict=True, description=(
         "rollback: after this many rollbacks the next trip stops the job as 'stop' does."))

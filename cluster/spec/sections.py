@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictFloat, field_validator, model_validator
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
 from cluster.spec.fields import (
@@ -155,34 +155,35 @@ class RolloutSpec(BaseModel):
 
     model_config = SPEC_CONFIG
     replicas: int = Field(1, ge=1, le=4096, strict=True, description="Number of rollout engine replicas (Ray actors).")
-    num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs Ray reserves per rollout replica.")
-    num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs Ray reserves per rollout replica.")
+    num_cpus_per_replica: float = Field(1.0, strict=True, ge=0, description="CPUs Ray reserves per rollout replica.")
+    num_gpus_per_replica: float = Field(0.0, strict=True, ge=0, description="GPUs Ray reserves per rollout replica.")
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Tensor-parallel ranks inside one engine replica."))
     prompts_per_step: int = Field(4, ge=1, le=65536, strict=True, description="B: prompts sampled per training step.")
     group_size: int = Field(4, ge=2, le=MAX_GROUP_SIZE, strict=True, description=(
         "G: completions per prompt (a group); advantages compare them."))
-    temperature: float = Field(1.0, ge=MIN_TEMPERATURE, le=10, description=(
+    temperature: float = Field(1.0, strict=True, ge=MIN_TEMPERATURE, le=10, description=(
         "Sampling temperature, at least 0.01: vLLM raises a lower one to 0.01 (SamplingParams), so the engine would "
         "sample at another temperature than the trainer's logprobs assume."))
-    top_p: float = Field(1.0, gt=0, le=1, description=(
+    top_p: float = Field(1.0, strict=True, gt=0, le=1, description=(
         "Nucleus sampling probability mass; 1 is off. The trainer's logprobs are renormalised over the same kept set "
         "(grpo.logprobs.filter_logits_)."))
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K, strict=True, description=(
         "Sample from the k most likely tokens (ties with the k-th kept, as in vLLM); 0 or -1 is off (vLLM's "
         "semantics), as is k >= vocabulary size."))
-    min_p: float = Field(0.0, ge=0, lt=1, description=(
+    min_p: float = Field(0.0, strict=True, ge=0, lt=1, description=(
         "Drop tokens whose probability is below min_p times the most likely token's; 0 is off. vLLM applies it "
         "after the temperature, before top-k and top-p."))
     max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Completion length cap in tokens."))
-    kv_cache_gib: float = Field(2.0, gt=0, description="CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, lt=1, description=(
+    kv_cache_gib: float = Field(2.0, strict=True, gt=0, description=(
+        "CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."))
+    gpu_memory_utilization: float = Field(0.5, strict=True, gt=0, lt=1, description=(
         "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))
     enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
     max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Engine context length in tokens; null lets the engine use the model's own."))
-    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+    timeout_s: float = Field(900, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
         "Seconds to wait for one step's rollouts before failing."))
     max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
         "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
@@ -209,23 +210,23 @@ class TrainSpec(BaseModel):
     model_config = SPEC_CONFIG
     world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
         "Number of train ranks (Ray actors in one process group)."))
-    num_cpus_per_worker: float = Field(1.0, ge=0, description="CPUs Ray reserves per train rank.")
-    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs Ray reserves per train rank.")
+    num_cpus_per_worker: float = Field(1.0, strict=True, ge=0, description="CPUs Ray reserves per train rank.")
+    num_gpus_per_worker: float = Field(0.0, strict=True, ge=0, description="GPUs Ray reserves per train rank.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
         "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
     num_threads: int | None = Field(None, ge=1, le=4096, strict=True, description=(
         "torch intra-op threads per rank; null keeps torch's."))
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
-    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    lr: float = Field(1e-6, strict=True, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, strict=True, ge=0, description="AdamW decoupled weight decay.")
+    betas: tuple[StrictFloat, StrictFloat] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    max_grad_norm: float = Field(1.0, strict=True, gt=0, description="Global gradient-norm clip.")
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "dtype in which FSDP2 reduces (averages) gradients over the train ranks. With model.dtype bfloat16/float16 "
         "the policy trains in mixed precision: float32 parameters and AdamW state, forward/backward in model.dtype, "
         "gradients reduced in this dtype; it must be float32 or model.dtype."))
     max_tokens_per_microbatch: int = Field(4096, ge=16, le=16_777_216, strict=True, description=(
         "Token budget of one forward/backward pass."))
-    timeout_s: float = Field(900, gt=0, le=MAX_TIMEOUT_S, description=(
+    timeout_s: float = Field(900, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
         "Seconds to wait for one train step before failing."))
     oversize_sequences: Literal["own", "error"] = Field("own", description=(
         "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
@@ -285,7 +286,7 @@ class SyncSpec(BaseModel):
     verify_full_every: int = Field(10, ge=1, strict=True, description=(
         "With verify 'sample': policy versions between full checks (K); sampled checks cover every tensor once "
         "per K consecutive versions."))
-    timeout_s: float = Field(300, gt=0, le=MAX_TIMEOUT_S, description=(
+    timeout_s: float = Field(300, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
         "Seconds one weight sync (and forming the sync group) may take; an engine that dies or stalls becomes an "
         "error naming it within this limit."))
     mode: Literal["broadcast", "ipc", "auto"] = Field("broadcast", description=(

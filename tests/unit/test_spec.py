@@ -273,6 +273,46 @@ def test_integer_fields_are_strict(tmp_path, section, key, value):
         load_spec(write(tmp_path, MINIMAL), [f"{dotted}={value}"])
 
 
+def _float_fields() -> list[tuple[str, str]]:
+    """(section, key) of every float field (float or float | None) of the spec's sections, found by walking JobSpec."""
+    import types
+
+    out = []
+    for section, field in JobSpec.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, types.UnionType):  # an optional section: eval, monitor
+            ann = next(a for a in ann.__args__ if a is not type(None))
+        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
+            out += [(section, key) for key, sub in ann.model_fields.items() if sub.annotation in (float, float | None)]
+    return out
+
+
+def test_float_fields_found():
+    fields = _float_fields()
+    assert {("eval", "temperature"), ("monitor", "kl_max"), ("algorithm", "kl_coef"), ("train", "lr")} <= set(fields)
+    assert len(fields) >= 30
+
+
+@pytest.mark.parametrize("section, key", _float_fields())
+def test_float_fields_refuse_booleans_and_strings(tmp_path, section, key):
+    # A lax float field took `kl_coef: yes` (YAML 1.1 true) as 1.0 and `temperature: '0.5'` as 0.5.
+    for value in ("true", "'0.5'"):
+        with pytest.raises(SpecError, match=rf"{section}.{key}: Input should be a valid number"):
+            load_spec(write(tmp_path, with_value(section, key, value)))
+        with pytest.raises(SpecError, match=rf"--set {section}.{key}: {section}.{key}: Input should be a valid number"):
+            load_spec(write(tmp_path, MINIMAL), [f"{section}.{key}={value}"])
+
+
+def test_float_fields_take_ints_and_floats(tmp_path):
+    spec = load_spec(write(tmp_path, MINIMAL + "train:\n  lr: 1e-6\n  betas: [0, 0.5]\n  max_grad_norm: 2\n"),
+                     ["algorithm.kl_coef=0", "algorithm.rewards={accuracy: 1, format: 0.25}"])
+    assert (spec.train.lr, spec.train.betas, spec.train.max_grad_norm) == (1e-6, (0.0, 0.5), 2.0)
+    assert spec.algorithm.kl_coef == 0.0 and spec.algorithm.rewards == {"accuracy": 1.0, "format": 0.25}
+    for key, value in (("train.betas", "[0.9, true]"), ("algorithm.rewards", "{accuracy: yes}")):
+        with pytest.raises(SpecError, match=rf"{key}\.\w+: Input should be a valid number"):
+            load_spec(write(tmp_path, MINIMAL), [f"{key}={value}"])
+
+
 def test_integer_fields_accept_yaml_and_set_ints(tmp_path):
     spec = load_spec(write(tmp_path, MINIMAL + "rollout:\n  group_size: 8\nsync:\n  bucket_bytes: '4096'\n"),
                      ["rollout.prompts_per_step=16", "seed=7", "train.max_tokens_per_microbatch=16"])
