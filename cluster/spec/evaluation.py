@@ -34,7 +34,7 @@ class EvalSpec(BaseModel):
         "Evaluate the starting weights before step 1 (logged as a row of its own with step 0; a resumed job does "
         "not repeat it)."))
     at_end: bool = Field(True, description="Evaluate after the last step (total_steps).")
-    data_path: str | None = Field(None, description=(
+    data_path: str | None = Field(None, min_length=1, description=(
         "Held-out jsonl file (the same row format and fields as data.train_path); null uses data.test_path. A "
         "relative path is resolved like data.train_path."))
     limit: int | None = Field(None, ge=1, le=100_000_000, strict=True, description=(

@@ -94,7 +94,8 @@ class DataSpec(BaseModel):
     train_path: str | None = Field(None, min_length=1, description=(
         "Training file: jsonl (one JSON object per line), or with source hf_datasets a parquet/arrow/json/csv file "
         "or glob; required unless source is reasoning_gym."))
-    test_path: str | None = Field(None, description="Optional held-out file (same format) for evaluation.")
+    test_path: str | None = Field(None, min_length=1, description=(
+        "Optional held-out file (same format) for evaluation."))
     file_format: Literal["parquet", "arrow", "json", "csv"] = Field("parquet", description=(
         "source hf_datasets: the datasets builder that reads the files (datasets.load_dataset(file_format, "
         "data_files=...)); 'json' reads jsonl too."))

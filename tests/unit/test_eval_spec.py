@@ -54,6 +54,8 @@ def test_set_overrides_reach_the_optional_section_and_round_trip():
                                                    "context (data.max_prompt_tokens + rollout.max_response_tokens = "
                                                    "768), got 512 + 300"),
     ("eval: {unknown: 1}", "eval.unknown", "unknown key 'unknown'; allowed: every_steps"),
+    ("eval: {data_path: ''}", "eval.data_path", "String should have at least 1 character"),  # was "file . is a folder"
+    ("eval: {temperature: true}", "eval.temperature", "Input should be a valid number"),  # was 1.0
     ("checkpoint: {keep_best: true}", "checkpoint.keep_best", "it needs an eval section"),
 ])
 def test_invalid_values_name_the_field_and_line(section, field, message):
@@ -63,6 +65,9 @@ def test_invalid_values_name_the_field_and_line(section, field, message):
 
 
 def test_a_held_out_file_is_required_and_a_longer_cap_fits_a_larger_context():
+    with pytest.raises(SpecError, match="job.yaml:3: data.test_path: String should have at least 1 character"):
+        load_spec_text("output_dir: o\ntotal_steps: 2\ndata: {train_path: t, test_path: ''}\neval: {}\n",
+                       source="job.yaml")
     with pytest.raises(SpecError, match="eval.data_path: expected a held-out file: set eval.data_path"):
         load_spec_text("output_dir: o\ntotal_steps: 2\ndata: {train_path: t}\neval: {}\n")
     spec = load_spec_text(BASE + "rollout: {max_model_len: 1024}\neval: {max_tokens: 512, data_path: held.jsonl}\n")
