@@ -211,8 +211,8 @@ def test_paired_comparison_many_discordant_problems_is_exact_and_fast():
     import time
 
     m = 20_000
-    start = time.perf_counter()
+    start = time.process_time()
     got = paired_comparison([0] * (m // 2 - 1) + [1] * (m // 2 + 1), [1] * (m // 2 - 1) + [0] * (m // 2 + 1))
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert got.p_value == pytest.approx(1 - math.comb(m, m // 2) / 2**m, rel=1e-15)
-    assert elapsed < 5.0, f"{elapsed:.1f} s"
+    assert elapsed < 5.0, f"{elapsed:.1f} CPU s"
