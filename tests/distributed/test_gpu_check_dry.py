@@ -1,6 +1,7 @@
 """``bash scripts/gpu_check.sh --dry-run``: every section of the device check that can run on CPU runs and passes
 (gloo instead of NCCL, the shared-memory transport instead of CUDA IPC, tiny models), the CUDA-only one is skipped
-with its reason, and the run reports its total time (about 2 minutes on 2 idle cores; not asserted). Starts gloo groups of two processes."""
+with its reason, and the run reports its total time (about 2 minutes on 2 idle cores; not asserted). Starts
+gloo groups of two processes."""
 
 from __future__ import annotations
 
