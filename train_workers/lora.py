@@ -157,20 +157,27 @@ class LoraPolicy:
     @contextmanager
     def adapters_off(self) -> Iterator[None]:
         """Run the policy as the base model (the reference policy) inside this context (PEFT's
-        ``disable_adapter()``).
+        ``disable_adapter()``), keeping every adapter's sharded parameter ``requires_grad``.
 
-        PEFT switches the adapters off by also setting their ``requires_grad`` to False, on whichever parameter
-        objects the modules hold at that moment (FSDP2's sharded or unsharded ones), and back to True only on those
-        it finds on exit; FSDP2 copies the sharded parameters' flag onto the unsharded ones at every all-gather. So on
-        exit every adapter's sharded parameter is set trainable again here, or a forward that all-gathered inside the
-        context would leave the adapters frozen for the next backward.
+        PEFT switches the adapters off by a flag its layers read in ``forward``, and as a side effect sets the
+        adapters' ``requires_grad`` to False (back to True on exit) on whichever parameter objects the modules hold
+        at that moment: FSDP2's sharded ones, or the unsharded ones between a forward and the end of a step. FSDP2
+        reads the sharded parameters' flag when it initialises a group at its first forward (which parameters are
+        trainable decides the group's reduce dtype: measured here, a bfloat16 policy whose first forward ran inside
+        the context reduced its gradients in bfloat16 instead of ``train.reduce_dtype``) and copies it onto the
+        unsharded ones at every all-gather. So the sharded adapters are set trainable again right after PEFT's
+        switch and on exit; the forward inside runs under ``no_grad`` and needs no flag.
         """
         try:
             with self.peft_model.disable_adapter():
+                self._keep_trainable()
                 yield
         finally:
-            for p in self.trainable:
-                p.requires_grad_(True)
+            self._keep_trainable()
+
+    def _keep_trainable(self) -> None:
+        for p in self.trainable:
+            p.requires_grad_(True)
 
     def merged_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
         """What the engines receive in ``merged`` sync: ``(HF name, shape, gather)`` per base tensor in module order
