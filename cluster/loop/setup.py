@@ -90,11 +90,16 @@ def check_lora(lora, model_path: str) -> None:
     is None (full fine-tuning).
 
     Raises:
-        ModelError: naming ``train.lora.target_modules`` or ``train.lora.rank``, or ``model.path`` when its config
-            cannot be read.
+        ModelError: naming ``train.lora.target_modules`` or ``train.lora.rank``; ``train.lora`` when peft is not
+            installed; ``model.path`` when its config cannot be read.
     """
     if lora is None:
         return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ModelError("train.lora: LoRA needs the peft package, not installed in this interpreter; "
+                         "pip install -e '.[lora]' (peft==0.21.0)")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
