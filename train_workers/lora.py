@@ -5,9 +5,10 @@ LoRA (Hu et al. 2021, arXiv:2106.09685): a targeted ``nn.Linear`` ``y = W x`` be
 ``A`` [r, in_features] and ``B`` [out_features, r] float32, ``s = alpha / r`` (PEFT's ``scaling``); ``W`` is frozen.
 With ``B = 0`` at initialisation the policy at step 0 is the base model.
 
-Composition with FSDP2 (the order torchtune's and TRL's FSDP2 LoRA recipes use): PEFT first replaces each targeted
-``nn.Linear`` by a ``lora.Linear`` holding ``base_layer`` (frozen) and ``lora_A``/``lora_B`` (trainable), and marks only
-the adapters ``requires_grad``; then ``fully_shard`` shards each decoder layer and the root as for full fine-tuning.
+Composition with FSDP2 (verl's order in ``fsdp_workers``: ``get_peft_model``, then FSDP; its LoRA reference log-probs
+run the actor inside ``disable_adapter()``, as here): PEFT first replaces each targeted ``nn.Linear`` by a
+``lora.Linear`` holding ``base_layer`` (frozen) and ``lora_A``/``lora_B`` (trainable), and marks only the adapters
+``requires_grad``; then ``fully_shard`` shards each decoder layer and the root as for full fine-tuning.
 FSDP2 keeps frozen and trainable parameters in one group: it all-gathers both, but reduce-scatters only gradients that
 exist, i.e. the adapters' (``_fsdp_param_group.post_backward``), and AdamW holds state for the adapters only.
 
@@ -181,8 +182,8 @@ class LoraPolicy:
 
     def merged_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
         """What the engines receive in ``merged`` sync: ``(HF name, shape, gather)`` per base tensor in module order
-        (tied weights once), where ``gather()`` returns the whole float32 tensor — ``W + s · (B @ A)`` for a layer with
-        an adapter (PEFT's ``get_delta_weight`` and ``merge``: ``W + (B @ A) · s``), the base tensor otherwise. A
+        (tied weights once). ``gather()`` returns the whole float32 tensor: ``W + s · (B @ A)`` for a layer with an
+        adapter (PEFT's ``get_delta_weight`` and ``merge``: ``W + (B @ A) · s``), the base tensor otherwise. A
         ``gather`` is a collective over the train group (``full_tensor``): every rank calls them in this order. No
         ``base_layer``/``lora_*`` name appears."""
         params = dict(self.peft_model.named_parameters())
