@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from cluster.cli import main
@@ -65,3 +66,13 @@ def test_lora_merge_refusals_exit_2(tiny_model_dir, tmp_path, capsys):
     assert f"{busy} exists and is not an empty folder" in capsys.readouterr().err
     assert main(["merge", str(ckpt), "--out", str(tmp_path / "m2"), "--base", str(tmp_path / "nope")]) == 2
     assert "base model folder" in capsys.readouterr().err and not (tmp_path / "m2").exists()
+
+
+def test_lora_checkpoint_as_a_model_path_says_to_merge_it(tiny_model_dir, tmp_path):
+    from cluster.data.models import ModelError, resolve_model_path
+
+    ckpt = tmp_path / "step_000001"
+    _adapter_folder(tiny_model_dir, ckpt)
+    with pytest.raises(ModelError, match=r"it is a LoRA checkpoint \(adapters only\): write the merged model with "
+                                         r"`grpo-cluster merge .*step_000001 --out DIR`"):
+        resolve_model_path(str(ckpt))
