@@ -198,7 +198,8 @@ def main() -> None:
           f"{load_end['loadavg_1m']} at end (above ~{load_end['cpus']}, other processes shared the cores)")
     print_json("train", {
         "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
-        "kl_coef": args.kl_coef, "lora_rank": args.lora_rank, "ranks": ranks, "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
+        "kl_coef": args.kl_coef, "lora_rank": args.lora_rank, "ranks": ranks,
+        "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
         "microbatches_per_rank": r["microbatches_per_rank"], "step_seconds": r["step_s"],
         "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "num_parameters": n_params,
         "gflop_per_s": gflops, "init_s": r["init_s"], "total_s": total_s,
