@@ -28,6 +28,9 @@ def test_lora_absent_or_null_is_full_fine_tuning_and_round_trips():
     assert lora.train.lora.init == "standard" and lora.train.lora.scaling == 2.0
     assert LoraSpec(rank=4).scaling == 1.0  # alpha null: alpha = rank
     assert load_spec_text(spec_to_yaml(lora)) == lora
+    listed = load_spec(EXAMPLE, ["train.lora.rank=8", "train.lora.target_modules=[q_proj, v_proj]"])
+    assert listed.train.lora.target_modules == ["q_proj", "v_proj"]
+    assert load_spec_text(spec_to_yaml(listed)) == listed
     text = EXAMPLE.read_text().replace("  lr: 1.0e-5\n", "  lr: 1.0e-5\n  lora: {rank: 8, scale: 2}\n")
     with pytest.raises(SpecError, match=r"train.lora.scale: unknown key 'scale'; allowed: rank, alpha"):
         load_spec_text(text)
