@@ -32,8 +32,8 @@ from tqdm import tqdm
 from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
 from cluster.loop import restarts
-from cluster.loop.checkpoint_state import (driver_state, open_step_logs, restore_driver_state, resume_point,
-                                           write_checkpoint)
+from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, open_step_logs, restore_driver_state,
+                                           resume_point, write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet
 from cluster.loop.guard import build_guard, check_resume
@@ -293,7 +293,8 @@ class GRPOJob:
         return (c.every_steps > 0 and self.step % c.every_steps == 0) or (last and c.save_final) or best
 
     def save_checkpoint(self) -> Path:
-        """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config), the
+        """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config; with
+        ``train.lora`` a PEFT adapter folder, which ``grpo-cluster merge`` turns into an HF folder), the
         sharded optimizer state, the spec and the driver state (step, policy version, data position including prompts
         drawn but not yet sampled, KL and group-size controllers; with eval, the best step), then prune to
         ``checkpoint.keep_last``, sparing the best step's checkpoint with ``checkpoint.keep_best``.
@@ -314,7 +315,13 @@ class GRPOJob:
         return path
 
     def _restore(self, path: Path) -> None:
-        """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`)."""
+        """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`).
+
+        Raises:
+            SetupError: the checkpoint's policy is not what the spec trains (LoRA adapters vs full weights, or other
+                LoRA rank/alpha), or its driver state does not fit the spec's data.
+        """
+        check_policy_kind(path, self.spec.train.lora)
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
                                                          group_size=self.group_size, skips=self.skips)
         self.versions = PolicyVersionLedger(policy_version)

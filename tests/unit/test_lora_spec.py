@@ -97,3 +97,24 @@ def test_validate_refuses_lora_that_does_not_fit_the_model(tmp_path, tiny_model_
     assert main(["validate", str(spec), "--set", "train.lora.rank=40"]) == 2
     assert "--set train.lora.rank: train.lora.rank: expected rank <= 32" in capsys.readouterr().err
     assert main(["validate", str(spec), "--set", "train.lora.rank=8"]) == 0
+
+
+def test_lora_resume_refuses_a_checkpoint_of_another_kind(tmp_path):
+    import json
+
+    from cluster.loop.checkpoint_state import check_policy_kind
+    from cluster.loop.setup import SetupError
+
+    full, adapters = tmp_path / "full", tmp_path / "lora"
+    full.mkdir()
+    adapters.mkdir()
+    (full / "config.json").write_text("{}")
+    (adapters / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    check_policy_kind(full, None)
+    check_policy_kind(adapters, LoraSpec(rank=8, alpha=16))
+    with pytest.raises(SetupError, match=r"^train.lora: .*/lora is a LoRA checkpoint \(adapters only\) but this spec"):
+        check_policy_kind(adapters, None)
+    with pytest.raises(SetupError, match=r"^train.lora: .*/full is a full fine-tuning checkpoint, not LoRA adapters"):
+        check_policy_kind(full, LoraSpec(rank=8))
+    with pytest.raises(SetupError, match=r"holds adapters of rank 8, alpha 16; this spec asks for rank 8, alpha 8;"):
+        check_policy_kind(adapters, LoraSpec(rank=8))
