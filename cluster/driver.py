@@ -119,12 +119,16 @@ class GRPOJob:
         check_cluster_resources(self.spec)
         self._status("starting rollout engines and train workers")
         ckpt = str(self.resume_from) if self.resume_from is not None else None
+        lora = self.spec.train.lora is not None  # a LoRA checkpoint holds adapters only: engines start from the base
         try:
-            self.rollout = RolloutPool(self.spec, ckpt or self.model_path, self.max_model_len, self.policy_version)
+            engine_weights = self.model_path if lora or ckpt is None else ckpt
+            self.rollout = RolloutPool(self.spec, engine_weights, self.max_model_len, self.policy_version)
             self.train = TrainPool(self.spec, self.model_path, policy_path=ckpt)
             if ckpt is not None:
                 self._load_optimizer(ckpt)
             self.sync = WeightSync(self.spec, self.train, self.rollout, self.versions)
+            if lora and ckpt is not None:
+                self.sync.sync()  # the base model's engines get the checkpoint's merged weights before they sample
         except BaseException:
             self.shutdown()
             raise
