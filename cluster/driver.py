@@ -128,7 +128,7 @@ class GRPOJob:
                 self._load_optimizer(ckpt)
             self.sync = WeightSync(self.spec, self.train, self.rollout, self.versions)
             if lora and ckpt is not None:
-                self.sync.sync()  # the base model's engines get the checkpoint's merged weights before they sample
+                self.sync.sync()  # the base model's engines get the checkpoint's policy (merged or adapters) first
         except BaseException:
             self.shutdown()
             raise

@@ -96,13 +96,19 @@ class TrainWorker(Protocol):
     # ---- weight sync ----------------------------------------------------------------------------------------------
     def sync_plan(self, engine_dtype: str, bucket_bytes: int) -> list:
         """The bucket plan (``weight_sync.buckets.Bucket`` list) of the policy's parameters in HF names (with
-        ``train.lora``: the base weights with the adapters merged in, under the same names), cast to
+        ``train.lora``, ``sync: merged``: the base weights with the adapters merged in, under the same names;
+        ``sync: adapter``: only the ``lora_A``/``lora_B`` tensors, under PEFT's saved names), cast to
         ``engine_dtype`` (``float32``/``bfloat16``/``float16``), each bucket at most ``bucket_bytes`` bytes unless
         one tensor is larger; identical on every rank.
 
         Raises:
             ValueError: an unknown dtype name.
         """
+        ...
+
+    def sync_adapter_config(self) -> dict | None:
+        """With ``train.lora`` and ``sync: adapter``: the policy's PEFT ``adapter_config.json`` (a dict), which the
+        engines write next to each streamed adapter; None otherwise (the engines receive full weights)."""
         ...
 
     def sync_node_id(self) -> str | None:

@@ -5,8 +5,10 @@
 engine worker); the other train ranks take part only in the all-gathers that rebuild each full tensor. Transport,
 buckets and verification live in ``weight_sync/`` (``buckets``, ``transport``, ``sender``, ``verify``).
 
-Weight sync casts the float32 (master) parameters to the engine's dtype. With ``train.lora`` the engines receive the
-merged weights ``W + (alpha/r)·B·A`` under the model's own names (``train_workers.lora``), so they need no change.
+Weight sync casts the float32 (master) parameters to the engine's dtype. With ``train.lora`` and ``sync: merged`` the
+engines receive the merged weights ``W + (alpha/r)·B·A`` under the model's own names (``train_workers.lora``), so they
+need no change; with ``sync: adapter`` they receive only the ``lora_A``/``lora_B`` tensors under PEFT's saved names
+and serve them as a vLLM LoRA adapter (``rollout_workers.vllm_extension``).
 """
 
 from __future__ import annotations
@@ -51,12 +53,25 @@ class FSDPSync:
 
     def _sync_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
         """``(HF name, shape, gather)`` of every tensor the engines receive, in plan order; ``gather()`` (a
-        collective) returns the whole tensor in the engine dtype. With ``train.lora`` (``sync: merged``), the base
-        weights with the adapters merged in (``LoraPolicy.merged_sources``), under the same names as without LoRA."""
+        collective) returns the whole tensor in the engine dtype. With ``train.lora``: ``sync: merged``, the base
+        weights with the adapters merged in (``LoraPolicy.merged_sources``), under the same names as without LoRA;
+        ``sync: adapter``, the adapter tensors only (``LoraPolicy.adapter_sources``, PEFT's saved names)."""
+        if self._adapter_sync():
+            return [(name, shape, lambda f=f: f().to(self._engine_dtype))
+                    for name, shape, f in self._lora.adapter_sources()]
         if self._lora is not None:
             return [(name, shape, lambda f=f: f().to(self._engine_dtype))
                     for name, shape, f in self._lora.merged_sources()]
         return [(name, tuple(p.shape), lambda p=p: self._sync_tensor(p)) for name, p in self._named_parameters()]
+
+    def _adapter_sync(self) -> bool:
+        """``train.lora.sync`` is ``adapter``: the engines receive the adapter tensors only."""
+        return self._lora is not None and self.train.lora.sync == "adapter"
+
+    def sync_adapter_config(self) -> dict | None:
+        """With ``train.lora.sync: adapter``, the policy's PEFT ``adapter_config.json`` as a dict
+        (``LoraPolicy.adapter_config``); None otherwise."""
+        return self._lora.adapter_config() if self._adapter_sync() else None
 
     def sync_node_id(self) -> str | None:
         """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""

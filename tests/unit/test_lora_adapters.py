@@ -82,3 +82,34 @@ def test_lora_adapters_off_is_the_base_and_keeps_adapters_trainable():
     assert float((adapted - expected).abs().max()) > 1e-3
     torch.testing.assert_close(off, expected, rtol=0, atol=0)
     assert all(p.requires_grad for p in policy.trainable)
+
+
+def test_lora_adapter_sources_are_pefts_saved_adapter_folder(tmp_path):
+    """``adapter`` sync streams exactly what ``PeftModel.save_pretrained`` writes: the same tensor names and values
+    (``adapter_model.safetensors``) and the same ``adapter_config.json``, so the engine's folder is a PEFT folder."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from train_workers.lora import LoraPolicy, add_adapters, saved_name
+
+    peft_model = add_adapters(_tiny(), LoraSpec(rank=4, alpha=8))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    policy = LoraPolicy(peft_model, with_reference=False)
+    sources = policy.adapter_sources()
+    peft_model.save_pretrained(tmp_path, safe_serialization=True)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert sorted(name for name, _, _ in sources) == sorted(saved)
+    assert len(sources) == 2 * 7 * 2  # 2 layers x 7 linear layers x (A, B)
+    for name, shape, gather in sources:
+        tensor = gather()
+        assert tensor.dtype == torch.float32 and tuple(tensor.shape) == shape
+        assert torch.equal(tensor, saved[name]), name
+    assert saved_name("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight") == \
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    written = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert policy.adapter_config() == {**written, "target_modules": sorted(written["target_modules"])}
+    assert policy.adapter_config()["r"] == 4 and policy.adapter_config()["lora_alpha"] == 8

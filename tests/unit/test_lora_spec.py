@@ -1,6 +1,6 @@
 """The ``train.lora`` spec section (issue 16): absent means full fine-tuning; bad values are refused before Ray starts,
-naming the field — by pydantic (rank <= 0, unknown or repeated keys, ``adapter`` sync on engines that cannot serve
-LoRA) or by the model checks ``validate``/``run`` make (target module names the model lacks, listing those it has;
+naming the field — by pydantic (rank <= 0, unknown or repeated keys, ``adapter`` sync of a rank vLLM cannot
+serve) or by the model checks ``validate``/``run`` make (target module names the model lacks, listing those it has;
 a rank larger than a targeted layer; the LM head)."""
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def test_lora_absent_or_null_is_full_fine_tuning_and_round_trips():
      "expected 'all-linear' or a list of module names, got 'attention'"),
     (["train.lora.rank=8", "train.lora.target_modules=[q_proj, 3]"], "train.lora.target_modules", "got [3]"),
     (["train.lora.rank=8", "train.lora.init=pissa"], "train.lora.init", "'standard' or 'gaussian'"),
-    (["train.lora.rank=8", "train.lora.sync=adapter"], "train.lora.sync", "receive full weights only"),
-    (["train.lora.rank=8", "train.lora.sync=adapter", "rollout.num_gpus_per_replica=1"], "train.lora.sync",
-     "vLLM on GPU"),
+    (["train.lora.rank=1024", "train.lora.sync=adapter"], "train.lora.sync",
+     "vLLM serves LoRA adapters of rank at most 512 (its largest max_lora_rank); train.lora.rank is 1024"),
 ])
 def test_lora_spec_refusals_name_the_field(sets, field, message):
     with pytest.raises(SpecError) as info:
@@ -59,6 +58,28 @@ def test_lora_spec_refusals_name_the_field(sets, field, message):
     text = str(info.value)
     assert f"--set {sets[-1].partition('=')[0]}: {field}: " in text or f": {field}: " in text, text
     assert message in text, text
+
+
+def test_lora_adapter_sync_is_accepted_up_to_the_engines_max_rank():
+    spec = load_spec(EXAMPLE, ["train.lora.rank=8", "train.lora.sync=adapter"])
+    assert spec.train.lora.sync == "adapter"
+    assert load_spec(EXAMPLE, ["train.lora.rank=512", "train.lora.sync=adapter"]).train.lora.rank == 512
+    assert load_spec(EXAMPLE, ["train.lora.rank=1024"]).train.lora.sync == "merged"  # merged: any rank the model fits
+
+
+def test_lora_engine_rank_is_vllms_smallest_max_lora_rank_that_holds_it():
+    pytest.importorskip("vllm")
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from cluster.spec.lora import ENGINE_MAX_LORA_RANK
+    from rollout_workers.engine import engine_lora_rank
+
+    assert ENGINE_MAX_LORA_RANK == max(get_args(MaxLoRARanks))
+    assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    with pytest.raises(ValueError, match=r"^train.lora.rank: expected at most 512 .* got 513$"):
+        engine_lora_rank(513)
 
 
 def test_lora_model_checks_accept_what_the_model_has(tiny_model_dir):
