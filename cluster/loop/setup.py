@@ -85,13 +85,14 @@ def model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
 
 def check_lora(lora, model_path: str) -> None:
     """Check ``train.lora`` against the model before any worker starts: every ``target_modules`` name matches a linear
-    layer of the decoder (the message lists the names the model has) and ``rank`` fits every targeted layer. The
-    model is built on the meta device from its ``config.json`` (no weights are read). Nothing to check when ``lora``
-    is None (full fine-tuning).
+    layer of the decoder (the message lists the names the model has) and ``rank`` fits every targeted layer; with
+    ``sync: adapter``, vLLM's class for the model's architecture serves LoRA adapters (``supports_lora``; checked
+    when vLLM is installed here). The model is built on the meta device from its ``config.json`` (no weights are
+    read). Nothing to check when ``lora`` is None (full fine-tuning).
 
     Raises:
-        ModelError: naming ``train.lora.target_modules`` or ``train.lora.rank``; ``train.lora`` when peft is not
-            installed; ``model.path`` when its config cannot be read.
+        ModelError: naming ``train.lora.target_modules``, ``train.lora.rank`` or ``train.lora.sync``; ``train.lora``
+            when peft is not installed; ``model.path`` when its config cannot be read.
     """
     if lora is None:
         return
@@ -115,6 +116,29 @@ def check_lora(lora, model_path: str) -> None:
         targeted_layers(lora, model)
     except LoraTargetError as exc:
         raise ModelError(f"{exc.field}: {exc}") from None
+    if lora.sync == "adapter":
+        _check_engine_serves_lora(config.architectures or [])
+
+
+def _check_engine_serves_lora(architectures: list[str]) -> None:
+    """``train.lora.sync: adapter`` needs vLLM's model class for the architecture to support LoRA (vLLM's
+    ``supports_lora``); unknown architectures and a missing vLLM are left to the engine's own start-up check.
+
+    Raises:
+        ModelError: naming ``train.lora.sync`` and the class without LoRA support.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    for arch in architectures:
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None and not supports_lora(cls):
+            raise ModelError(f"train.lora.sync: 'adapter' needs an engine that serves LoRA adapters, but vLLM's "
+                             f"{cls.__name__} (architecture {arch}) has no LoRA support; use 'merged'")
 
 
 def load_prompts(data, tokenizer) -> Prompts:

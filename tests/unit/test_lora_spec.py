@@ -139,3 +139,15 @@ def test_lora_resume_refuses_a_checkpoint_of_another_kind(tmp_path):
         check_policy_kind(full, LoraSpec(rank=8))
     with pytest.raises(SetupError, match=r"holds adapters of rank 8, alpha 16; this spec asks for rank 8, alpha 8;"):
         check_policy_kind(adapters, LoraSpec(rank=8))
+
+
+def test_lora_adapter_sync_checks_vllms_lora_support_for_the_architecture(tiny_model_dir, monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models import interfaces
+
+    check_lora(LoraSpec(rank=8, sync="adapter"), tiny_model_dir)  # LlamaForCausalLM serves LoRA in vLLM
+    monkeypatch.setattr(interfaces, "supports_lora", lambda cls: False)  # an architecture without LoRA support
+    with pytest.raises(ModelError, match=r"^train.lora.sync: 'adapter' needs an engine that serves LoRA adapters, "
+                                         r"but vLLM's LlamaForCausalLM \(architecture LlamaForCausalLM\) has no LoRA"):
+        check_lora(LoraSpec(rank=8, sync="adapter"), tiny_model_dir)
+    check_lora(LoraSpec(rank=8), tiny_model_dir)  # merged works with any engine
