@@ -12,7 +12,10 @@ this process:
 * after the steps only adapter tensors changed (every one of them), the base is bit-identical;
 * the merged buckets hold PEFT's ``merge_and_unload`` weights under the HF names (no ``base_layer``/``lora_`` name),
   with matching CRC-32s, and the merged HF folder (``grpo-cluster merge``) gives the trainer's logprobs;
-* resume restores the adapters and AdamW's moments exactly, and the resumed third step equals the uninterrupted one.
+* resume restores the adapters and AdamW's moments exactly, and the resumed third step equals the uninterrupted one;
+* the resumed worker runs with ``sync: adapter``: its stream holds exactly the checkpoint's PEFT adapter file (names,
+  values, CRC-32s) and its adapter config is the checkpoint's ``adapter_config.json``, at a small fraction of the
+  merged stream's bytes.
 """
 
 from __future__ import annotations
@@ -67,11 +70,11 @@ def _moments(worker) -> dict[str, torch.Tensor]:
             for p, state in worker.optimizer.state.items() for k, v in state.items()}
 
 
-def _worker(rank: int, world: int, model_dir: str, port: int, policy_path: str | None = None):
+def _worker(rank: int, world: int, model_dir: str, port: int, policy_path: str | None = None, sync: str = "merged"):
     from cluster.spec import AlgorithmSpec, LoraSpec, TrainSpec
     from train_workers.fsdp_worker import FSDPTrainWorker
 
-    train = TrainSpec(world_size=world, num_threads=1, lr=LR, timeout_s=120, lora=LoraSpec(**LORA))
+    train = TrainSpec(world_size=world, num_threads=1, lr=LR, timeout_s=120, lora=LoraSpec(**LORA, sync=sync))
     worker = FSDPTrainWorker(rank, world, model_dir, train, AlgorithmSpec(kl_coef=0.04), TEMPERATURE,
                              MAX_RESPONSE_TOKENS, dtype="float32", seed=0)
     worker.init_distributed("127.0.0.1", port, policy_path)
@@ -86,10 +89,23 @@ def _policy_logprobs(worker, mb) -> torch.Tensor:
     return out
 
 
-def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], out_dir: str):
+def _stream(worker, rank: int) -> tuple[dict, dict, int]:
+    """Stream ``worker``'s sync plan through the real sender (every rank gathers): rank 0's ({name: tensor},
+    {name: CRC-32}, total bucket bytes); empty dicts on other ranks."""
     from weight_sync.buckets import unpack_bucket
     from weight_sync.sender import stream_buckets
 
+    plan = worker.sync_plan("float32", 64 * 1024)
+    sender = RecordingSender() if rank == 0 else None
+    gather = {name: fn for name, _, fn in worker._sync_sources()}
+    report = stream_buckets(plan, lambda name: gather[name](), sender, [s.name for b in plan for s in b.slots])
+    if sender is None:
+        return {}, {}, 0
+    tensors = {name: t.clone() for b in plan for name, t in unpack_bucket(b, sender.sent[b.index])}
+    return tensors, report["checksums"], sum(b.nbytes for b in plan)
+
+
+def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], out_dir: str):
     torch.set_num_threads(1)
     num_tokens = sum(len(r) for r in make_batch()[1])
     probe = pack(list(range(N)))
@@ -107,13 +123,7 @@ def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], out_dir
     rec["params2"] = _full(w.policy.model.named_parameters())
     rec["policy2"] = _policy_logprobs(w, probe)
     rec["ref2"] = w.reference_logprobs(probe)
-    plan = w.sync_plan("float32", 64 * 1024)
-    sender = RecordingSender() if rank == 0 else None
-    gather = {name: fn for name, _, fn in w._sync_sources()}
-    report = stream_buckets(plan, lambda name: gather[name](), sender, [s.name for b in plan for s in b.slots])
-    if sender is not None:
-        rec["buckets"] = {name: t.clone() for b in plan for name, t in unpack_bucket(b, sender.sent[b.index])}
-        rec["checksums"] = report["checksums"]
+    rec["buckets"], rec["checksums"], rec["merged_bytes"] = _stream(w, rank)
     ckpt = f"{out_dir}/ckpt"
     w.save_checkpoint(ckpt)
     rec["moments2"] = _moments(w)
@@ -121,8 +131,10 @@ def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], out_dir
     rec["params3"] = _full(w.policy.model.named_parameters())
     w.shutdown()
 
-    r = _worker(rank, world, model_dir, ports[1], policy_path=ckpt)
+    r = _worker(rank, world, model_dir, ports[1], policy_path=ckpt, sync="adapter")
     rec["changed"] = r.load_checkpoint(ckpt, 2)
+    rec["adapter_buckets"], rec["adapter_checksums"], rec["adapter_bytes"] = _stream(r, rank)
+    rec["adapter_config"] = r.sync_adapter_config()
     rec["resumed_params"] = _full(r.policy.model.named_parameters())
     rec["resumed_moments"] = _moments(r)
     rec["resumed_version"] = step(r).policy_version
@@ -211,3 +223,17 @@ def test_lora_worker_trains_adapters_only_syncs_merged_weights_and_resumes_exact
     assert rec["resumed_version"] == 3
     for name, value in rec["params3"].items():
         torch.testing.assert_close(rec["resumed_params3"][name], value, rtol=0, atol=1e-7, msg=name)
+
+    # Adapter sync (the resumed worker): exactly the checkpoint's PEFT adapter file and config, far fewer bytes.
+    import json
+
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{ckpt}/adapter_model.safetensors")
+    assert sorted(rec["adapter_buckets"]) == sorted(saved) and len(saved) == len(adapters)
+    for name, tensor in rec["adapter_buckets"].items():
+        assert torch.equal(tensor, saved[name]), name
+        assert rec["adapter_checksums"][name] == tensor_checksum(tensor)
+    written = json.loads((tmp_path / "ckpt" / "adapter_config.json").read_text())
+    assert rec["adapter_config"] == {**written, "target_modules": sorted(written["target_modules"])}
+    assert rec["adapter_bytes"] < rec["merged_bytes"] / 100
