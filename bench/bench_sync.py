@@ -37,11 +37,21 @@ both together; the engine's own receive+load seconds are reported too. A greedy 
 the syncs must be identical (the same weights are sent back), and with ``--verify`` every tensor's CRC-32 is
 compared.
 
+LoRA adapter sync (``--engine --lora-rank R``): the payload is instead the ``lora_A``/``lora_B`` tensors of rank-R
+PEFT adapters on every linear layer of SmolLM2 (alpha = 2R, B drawn from N(0, 0.02²) so the policy differs from the
+base), under PEFT's saved names, as ``train.lora.sync: adapter`` streams them (``LoraPolicy.adapter_sources``). The
+engine starts with vLLM's LoRA support (``RolloutEngine(lora=...)``), receives them, writes the adapter folder and
+loads it with vLLM's LoRA loader (timed as "engine receive+load"). Check: the engine's prompt logprobs of a fixed
+probe under the adapter against transformers' on PEFT's ``merge_and_unload`` of the same adapters (max |Δ| reported;
+must be < 1e-3 natural-log units), and the base's without the adapter. ``sync: merged`` streams the full model's
+tensors, i.e. the plain ``--engine`` run.
+
 Usage (from the repo root)::
 
     .venv/bin/python -m bench.bench_sync                  # both payloads, 1 and 2 receivers, 5 bucket sizes + raw
     .venv/bin/python -m bench.bench_sync --quick --verify
     .venv/bin/python -m bench.bench_sync --engine --verify
+    .venv/bin/python -m bench.bench_sync --engine --verify --lora-rank 8
 """
 
 from __future__ import annotations
@@ -337,6 +347,36 @@ def transport_main(args, model_path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- engine mode
+PROBE_IDS = [1, 504, 3458, 282, 4649, 314, 253, 2]  # short fixed token prompt
+
+
+def lora_payload(model_path: str, rank: int):
+    """Rank-``rank`` adapters on every linear layer of the model (B ~ N(0, 0.02²)): (adapter tensors under PEFT's
+    saved names, the ``LoraSpec``, the PEFT adapter config, transformers' prompt logprobs of ``PROBE_IDS`` under
+    the merged model [len - 1] float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cluster.spec import LoraSpec
+    from train_workers.lora import LoraPolicy, add_adapters
+
+    lora = LoraSpec(rank=rank, alpha=2.0 * rank, sync="adapter")
+    torch.manual_seed(0)
+    peft_model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    policy = LoraPolicy(peft_model, with_reference=False)
+    tensors = {name: gather().contiguous() for name, _, gather in policy.adapter_sources()}
+    config = policy.adapter_config()
+    merged = peft_model.merge_and_unload()
+    with torch.no_grad():
+        logits = merged(torch.tensor([PROBE_IDS])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(PROBE_IDS[1:])[:, None])[:, 0]
+    return tensors, lora, config, lp
+
+
 def engine_main(args, model_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -345,23 +385,33 @@ def engine_main(args, model_path: str) -> None:
     from rollout_workers.engine import RolloutEngine
     from weight_sync.group import SyncGroup, free_port
 
-    tensors = smollm2_tensors(model_path)
+    lora = adapter_config = merged_lp = None
+    if args.lora_rank:
+        tensors, lora, adapter_config, merged_lp = lora_payload(model_path, args.lora_rank)
+        what = f"SmolLM2 LoRA adapters (rank {args.lora_rank}, all-linear)"
+    else:
+        tensors, what = smollm2_tensors(model_path), "SmolLM2"
     specs = specs_of(tensors)
     nbytes = payload_bytes(specs)
     buckets = plan_of(specs, int(args.engine_bucket_mb * MB))
-    print(f"SmolLM2: {len(specs)} tensors, {nbytes / 1e6:.1f} MB, {len(buckets)} buckets of <= "
+    print(f"{what}: {len(specs)} tensors, {nbytes / 1e6:.3f} MB, {len(buckets)} buckets of <= "
           f"{args.engine_bucket_mb} MB; verify={args.verify}", flush=True)
 
     spec = RolloutSpec(max_response_tokens=16, kv_cache_gib=1.0, max_model_len=512, enforce_eager=True)
     t0 = time.perf_counter()
-    engine = RolloutEngine(model_path, spec, dtype="float32", seed=0, max_model_len=512)
+    engine = RolloutEngine(model_path, spec, dtype="float32", seed=0, max_model_len=512, lora=lora)
     startup_s = time.perf_counter() - t0
 
-    probe = [TokensPrompt(prompt_token_ids=[1, 504, 3458, 282, 4649, 314, 253, 2])]  # short fixed token prompt
+    probe = [TokensPrompt(prompt_token_ids=PROBE_IDS)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
 
     def probe_ids() -> list[int]:
         return list(engine.llm.generate(probe, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+    def probe_logprobs(lora_request) -> list[float]:
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
+        out = engine.llm.generate(probe, params, use_tqdm=False, lora_request=lora_request)[0]
+        return [step[t].logprob for t, step in zip(PROBE_IDS[1:], out.prompt_logprobs[1:])]
 
     before = probe_ids()
 
@@ -374,7 +424,7 @@ def engine_main(args, model_path: str) -> None:
     t0 = time.perf_counter()
     th = threading.Thread(target=make_sender)
     th.start()
-    engine.init_weight_sync(HOST, port, 1, 2, buckets, args.timeout_s)
+    engine.init_weight_sync(HOST, port, 1, 2, buckets, args.timeout_s, adapter_config=adapter_config)
     th.join()
     init_s = time.perf_counter() - t0
     group = box["group"]
@@ -404,6 +454,14 @@ def engine_main(args, model_path: str) -> None:
               f"{report.seconds:.3f}s, sender {out['seconds']:.3f}s", flush=True)
     after = probe_ids()
     same = before == after
+    lora_diff = None
+    if lora is not None:  # the adapter changes the policy: compare with transformers on the merged model instead
+        served = probe_logprobs(engine.lora_request)
+        lora_diff = max(abs(a - float(b)) for a, b in zip(served, merged_lp))
+        base_diff = max(abs(a - float(b)) for a, b in zip(probe_logprobs(None), merged_lp))
+        print(f"engine prompt logprobs with the adapter vs transformers merge_and_unload: max |diff| "
+              f"{lora_diff:.2e}; the engine without it (the base) vs merged: {base_diff:.2e}")
+        same = lora_diff < 1e-3
     try:
         engine.llm.llm_engine.engine_core.shutdown()
     except Exception as exc:  # best effort
@@ -414,15 +472,17 @@ def engine_main(args, model_path: str) -> None:
     print_table(["sync", "seconds", "GB/s", "engine recv+load s", "sender s", "checksums"],
                 [[r["rep"], r["seconds"], r["gb_per_s"], r["engine_seconds"], r["sender_seconds"],
                   {None: "-", True: "ok", False: "MISMATCH"}[r["verified"]]] for r in rows])
-    print(f"\nmedian {med:.3f}s = {nbytes / med / 1e9:.2f} GB/s for {nbytes / 1e6:.1f} MB at "
+    check = "adapter logprobs = merged transformers'" if lora is not None else "greedy probe unchanged after syncs"
+    print(f"\nmedian {med:.3f}s = {nbytes / med / 1e9:.2f} GB/s for {nbytes / 1e6:.3f} MB at "
           f"{args.engine_bucket_mb} MB buckets; engine start {startup_s:.1f}s, group init {init_s:.2f}s; "
-          f"greedy probe unchanged after syncs: {same}")
+          f"{check}: {same}")
     machine = machine_line(args)
     print_json("sync", {"machine": machine, "mode": "engine", "backend": "gloo",
                         "bucket_mb": args.engine_bucket_mb,
                         "buckets": len(buckets), "bytes": nbytes, "verify": args.verify,
                         "seconds": med, "gb_per_s": nbytes / med / 1e9, "syncs": rows, "startup_s": startup_s,
-                        "group_init_s": init_s, "probe_unchanged": same})
+                        "group_init_s": init_s, "probe_unchanged": same, "lora_rank": args.lora_rank,
+                        "lora_logprob_max_abs_diff": lora_diff})
     if not same or not ok:
         raise SystemExit("engine weights differ after sync (probe or checksums)")
 
@@ -441,6 +501,8 @@ def main() -> None:
     parser.add_argument("--copy", action="store_true", help="receivers copy each tensor into a destination")
     parser.add_argument("--engine", action="store_true", help="measure the real path into a vLLM engine")
     parser.add_argument("--engine-bucket-mb", type=float, default=64)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="engine mode: stream rank-R LoRA adapters (train.lora.sync: adapter); 0: full weights")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--quick", action="store_true",

@@ -13,17 +13,23 @@ Timed: one ``train_step`` (reference forward, policy forward + backward, grad cl
 bracketed by ``dist.barrier()`` on every rank, so a step is as slow as its slowest rank. One warm-up step, then
 ``--steps`` timed steps; the median is reported.
 
+With ``--lora-rank R`` the policy is the same model with LoRA adapters (``train.lora``: rank R, all linear layers;
+the reference pass is the policy with its adapters off, no reference copy is built).
+
 Reported: packed tokens per step (all ranks; prompt + response tokens the forward passes compute), seconds per step,
-tokens/s, and achieved GFLOP/s = (6·N_params·T [policy fwd+bwd] + 2·N_params·T [reference fwd]) / seconds, with
+tokens/s, each rank's peak RSS (``ru_maxrss`` at the end) and AdamW state bytes, trainable parameters, and achieved
+GFLOP/s = (6·N_params·T [policy fwd+bwd] + 2·N_params·T [reference fwd]) / seconds, with
 N_params the policy's parameter count (tied embedding counted once) and T the packed tokens. That convention
 over-counts the LM head (applied only at response positions) and the embedding lookup, and ignores attention's
-O(L²) term, so it is a comparable "model FLOPs" number, not a hardware counter.
+O(L²) term, so it is a comparable "model FLOPs" number, not a hardware counter (with LoRA the backward skips the
+frozen weights' gradients, so the same count over-states the work).
 
 Usage (from the repo root)::
 
     .venv/bin/python -m bench.bench_train                       # 2 ranks, N=16, 1 warm-up + 3 timed steps
     .venv/bin/python -m bench.bench_train --quick               # tiny batch, 1 timed step: a correctness smoke run
     .venv/bin/python -m bench.bench_train --world-size 1 --kl-coef 0
+    .venv/bin/python -m bench.bench_train --lora-rank 16              # the same batch with a LoRA policy
 """
 
 from __future__ import annotations
@@ -75,11 +81,12 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from cluster.spec import AlgorithmSpec, TrainSpec
+    from cluster.spec import AlgorithmSpec, LoraSpec, TrainSpec
     from train_workers.fsdp_worker import FSDPTrainWorker
 
+    lora = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank else None
     train = TrainSpec(world_size=args.world_size, num_threads=args.threads, backend="gloo",
-                      max_tokens_per_microbatch=args.max_tokens_per_microbatch)
+                      max_tokens_per_microbatch=args.max_tokens_per_microbatch, lora=lora)
     algorithm = AlgorithmSpec(kl_coef=args.kl_coef)
     worker = FSDPTrainWorker(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
                              max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
@@ -106,6 +113,14 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
             compute_s.append(metrics["timing/train_compute_s"])
         elif rank == 0:
             print(f"warm-up step: {seconds:.2f}s", flush=True)
+    import resource
+
+    optimizer_bytes = sum((v.to_local() if hasattr(v, "to_local") else v).nbytes
+                          for state in worker.optimizer.state.values() for v in state.values()
+                          if isinstance(v, torch.Tensor))
+    queue.put({"rank": rank, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+               "optimizer_state_bytes": optimizer_bytes,
+               "trainable_parameters": sum(p.numel() for p in worker.optimizer.param_groups[0]["params"])})
     if rank == 0:
         queue.put({
             "init_s": init_s, "num_parameters": info.num_parameters, "step_s": step_s,
@@ -131,6 +146,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after 1 warm-up step")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA policy of this rank (train.lora)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: = rank)")
     parser.add_argument("--quick", action="store_true", help="smoke run: N=4, prompts ~20, responses 8..16, 1 step")
     args = parser.parse_args()
     if args.quick:
@@ -144,14 +161,17 @@ def main() -> None:
     model_path = resolve_model(args.model)
     print(f"model={model_path}\nworld_size={args.world_size} (gloo, {args.threads} thread/rank), "
           f"N={args.sequences}, prompt ~{args.prompt_len}, response U[{args.resp_min},{args.resp_max}], "
-          f"kl_coef={args.kl_coef}, 1 warm-up + {args.steps} timed steps", flush=True)
+          f"kl_coef={args.kl_coef}, lora_rank={args.lora_rank or 'off'}, 1 warm-up + {args.steps} timed steps",
+          flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     t0 = time.perf_counter()
     mp.spawn(_rank_main, args=(args, model_path, free_port(), queue), nprocs=args.world_size, join=True)
     total_s = time.perf_counter() - t0
-    r = queue.get()
+    reports = [queue.get() for _ in range(args.world_size + 1)]
+    r = next(x for x in reports if "rank" not in x)
+    ranks = sorted((x for x in reports if "rank" in x), key=lambda x: x["rank"])
 
     seconds = statistics.median(r["step_s"])
     tokens = r["packed_tokens"]
@@ -167,6 +187,9 @@ def main() -> None:
     print(f"\nN_params={n_params / 1e6:.1f}M, {flop_per_token / 1e9:.2f} GFLOP/token "
           f"({'6+2 (policy fwd+bwd, reference fwd)' if args.kl_coef > 0 else '6 (policy fwd+bwd)'}); "
           f"tokens per rank {r['tokens_per_rank']}; init {r['init_s']:.1f}s; whole run {total_s:.0f}s")
+    print("per rank: " + "; ".join(
+        f"rank {x['rank']} peak RSS {x['peak_rss_gib']:.2f} GiB, AdamW state {x['optimizer_state_bytes'] / 2**20:.3f} "
+        f"MiB (local shard)" for x in ranks) + f"; trainable parameters {ranks[0]['trainable_parameters']:,}")
     m = r["last_metrics"]
     print(f"last step: loss {m['actor/loss']:.4f}, kl {m['actor/kl']:.2e}, grad_norm {m['actor/grad_norm']:.3f}, "
           f"update_skipped {m['actor/update_skipped']:.0f}")
@@ -175,7 +198,8 @@ def main() -> None:
           f"{load_end['loadavg_1m']} at end (above ~{load_end['cpus']}, other processes shared the cores)")
     print_json("train", {
         "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
-        "kl_coef": args.kl_coef, "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
+        "kl_coef": args.kl_coef, "lora_rank": args.lora_rank, "ranks": ranks,
+        "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
         "microbatches_per_rank": r["microbatches_per_rank"], "step_seconds": r["step_s"],
         "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "num_parameters": n_params,
         "gflop_per_s": gflops, "init_s": r["init_s"], "total_s": total_s,

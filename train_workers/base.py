@@ -49,7 +49,9 @@ class TrainWorker(Protocol):
 
         Args:
             policy_path: a checkpoint's HF folder (on resume) to initialise the policy from; the reference policy
-                always comes from ``model_path``.
+                always comes from ``model_path``. With ``train.lora`` the policy is ``model_path`` wrapped with LoRA
+                adapters, taken from ``policy_path`` (a LoRA checkpoint) on resume, and the reference policy is the
+                policy with its adapters off (no second copy).
 
         Returns:
             where this rank runs and what it built (:class:`cluster.messages.TrainRankInfo`).
@@ -93,13 +95,20 @@ class TrainWorker(Protocol):
 
     # ---- weight sync ----------------------------------------------------------------------------------------------
     def sync_plan(self, engine_dtype: str, bucket_bytes: int) -> list:
-        """The bucket plan (``weight_sync.buckets.Bucket`` list) of the policy's parameters in HF names, cast to
+        """The bucket plan (``weight_sync.buckets.Bucket`` list) of the policy's parameters in HF names (with
+        ``train.lora``, ``sync: merged``: the base weights with the adapters merged in, under the same names;
+        ``sync: adapter``: only the ``lora_A``/``lora_B`` tensors, under PEFT's saved names), cast to
         ``engine_dtype`` (``float32``/``bfloat16``/``float16``), each bucket at most ``bucket_bytes`` bytes unless
         one tensor is larger; identical on every rank.
 
         Raises:
             ValueError: an unknown dtype name.
         """
+        ...
+
+    def sync_adapter_config(self) -> dict | None:
+        """With ``train.lora`` and ``sync: adapter``: the policy's PEFT ``adapter_config.json`` (a dict), which the
+        engines write next to each streamed adapter; None otherwise (the engines receive full weights)."""
         ...
 
     def sync_node_id(self) -> str | None:
@@ -140,8 +149,8 @@ class TrainWorker(Protocol):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict[str, float]:
-        """Collective. Write the policy (float32 parameters, an HF folder) and this rank's optimizer state under
-        ``path``; returns ``{"seconds": wall seconds}``."""
+        """Collective. Write the policy (float32 parameters, an HF folder; with ``train.lora`` a PEFT adapter folder
+        instead) and this rank's optimizer state under ``path``; returns ``{"seconds": wall seconds}``."""
         ...
 
     def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:

@@ -10,6 +10,8 @@ Layout of a checkpoint folder (``path``):
   the hyperparameters at save time (a subfolder, because vLLM loads every top-level ``*.safetensors`` as weights).
 
 On load the moments and step come from the files; the hyperparameters stay the running optimizer's (its spec's).
+A LoRA policy's checkpoint holds a PEFT adapter folder instead of the HF folder (``train_workers.lora_checkpoint``) and
+the same ``optimizer/`` files, for the adapters only.
 """
 
 from __future__ import annotations
@@ -24,10 +26,7 @@ import torch.distributed as dist
 def save_checkpoint(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, path: str) -> None:
     """Write ``policy`` (a ``ResponseLogprobModel``: its ``.model`` is the HF model) and ``optimizer``'s state to
     ``path``; every rank of the train group calls it (gathering full tensors to CPU is a collective), rank 0 writes."""
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(policy, options=options)
@@ -39,6 +38,17 @@ def save_checkpoint(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, r
         state = {k: v for k, v in state.items() if k not in aliases}
         hf.save_pretrained(path, state_dict=state, safe_serialization=True)
     del full
+    save_optimizer_state(policy, optimizer, rank, path)
+    dist.barrier()
+
+
+def save_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, path: str) -> None:
+    """Write ``optimizer``'s state (full tensors, rank 0 writes) to ``path/optimizer/``: a collective, every rank of
+    the train group calls it. Parameters without state (frozen ones, e.g. a LoRA policy's base) are not in it."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     optim = get_optimizer_state_dict(policy, optimizer, options=options)
     if rank == 0:
         tensors = {f"{name}::{key}": torch.as_tensor(value).contiguous()
@@ -48,7 +58,6 @@ def save_checkpoint(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, r
         with open(os.path.join(path, "optimizer", "param_groups.json"), "w") as f:
             json.dump(optim["param_groups"], f, indent=1)
     del optim
-    dist.barrier()
 
 
 def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> dict[str, tuple]:

@@ -17,6 +17,7 @@ Notation: n sequences in a micro-batch, T their longest response (tokens).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor passes through)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Sum a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via ``device``)."""
     on_device = t.to(device)
@@ -80,6 +86,13 @@ class FSDPStep:
     phase seconds in ``_phase_s`` (keys :data:`PHASES`).
     """
 
+    _lora = None  # train_workers.lora.LoraPolicy when train.lora is set (the worker builds it), else None
+
+    def _has_reference(self) -> bool:
+        """Whether the job has a reference policy: a frozen copy (``self.reference``) or, with LoRA, the policy with
+        its adapters off."""
+        return self.reference is not None or (self._lora is not None and self._lora.with_reference)
+
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β for the following train steps (the driver's adaptive KL controller calls this every step).
 
@@ -88,7 +101,7 @@ class FSDPStep:
         """
         if not (math.isfinite(kl_coef) and kl_coef >= 0.0):
             raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef!r}")
-        if kl_coef > 0 and self.reference is None:
+        if kl_coef > 0 and not self._has_reference():
             raise ValueError(f"kl_coef={kl_coef} needs the reference policy, which was not loaded (spec kl_coef 0)")
         self.kl_coef = float(kl_coef)
 
@@ -169,11 +182,26 @@ class FSDPStep:
             **{f"timing/{name}_s": seconds for name, seconds in self._phase_s.items()},
             "memory/train_peak_rss_gib": _peak_rss_gib(),
         }
+        if self._lora is not None:
+            metrics.update(self._lora_metrics())
         if self.algorithm.dual_clip_c is not None:
             metrics["actor/dual_clip_fraction"] = float(totals[SUMS["dual_clip"]]) / n
         if self.algorithm.tis_cap is not None:
             metrics["actor/tis_weight_mean"] = float(totals[SUMS["tis"]]) / n
         return metrics
+
+    def _lora_metrics(self) -> dict[str, float]:
+        """With ``train.lora`` only (a collective: every rank's peak RSS is summed into its own slot):
+        ``actor/trainable_parameters`` and ``actor/trainable_fraction`` (adapters, whole model), every rank's
+        ``memory/train_rank<r>_peak_rss_gib`` and rank 0's ``memory/train_optimizer_state_gib`` (its AdamW shards)."""
+        rss = torch.zeros(self.world_size, dtype=torch.float64)
+        rss[self.rank] = _peak_rss_gib()
+        rss = _all_reduce_sum(rss, self.device)
+        state_bytes = sum(_local(v).numel() * _local(v).element_size() for per_param in self.optimizer.state.values()
+                          for v in per_param.values() if isinstance(v, torch.Tensor))
+        return {**self._lora.metrics(),
+                **{f"memory/train_rank{r}_peak_rss_gib": float(v) for r, v in enumerate(rss)},
+                "memory/train_optimizer_state_gib": state_bytes / 2**30}
 
     def _clip_gradients(self) -> float:
         """Clip the policy's gradients to ``train.max_grad_norm`` (global L2 norm over all ranks, in place) and
@@ -200,20 +228,33 @@ class FSDPStep:
         all-gathers over loopback TCP); on GPU it is sharded like the policy."""
         return self._cpu_fast_paths
 
-    def reference_logprobs(self, mb: PackedMicroBatch, inputs: tuple | None = None) -> torch.Tensor | None:
+    def reference_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor | None:
         """Reference-policy logprobs [n, T] float32 of one packed micro-batch (0 at padding); None when the job has
-        no reference policy (``kl_coef`` 0). A collective on GPU (the reference policy is sharded there).
+        no reference policy (``kl_coef`` 0). A collective on GPU (the reference policy is sharded there) and with
+        LoRA, where the reference policy is the sharded policy run with its adapters off; the policy is left sharded
+        as it was found (a train step instead keeps it gathered for the policy's own forward)."""
+        out = self._reference_logprobs(mb, self._inputs(mb))
+        if self._lora is not None:
+            from torch.distributed.fsdp import FSDPModule
 
-        Args:
-            inputs: ``mb``'s tensors already on the device (:meth:`_inputs`), to skip a second copy.
-        """
-        if self.reference is None:
+            for module in self.policy.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return out
+
+    def _reference_logprobs(self, mb: PackedMicroBatch, args: tuple) -> torch.Tensor | None:
+        """:meth:`reference_logprobs` inside a train step, on ``mb``'s tensors already on the device
+        (:meth:`_inputs`)."""
+        if not self._has_reference():
             return None
-        args = inputs if inputs is not None else self._inputs(mb)
         t0 = time.perf_counter()
+        if self._lora is not None:
+            module, context, replicated = self.policy, self._lora.adapters_off(), False
+        else:
+            module, context, replicated = self.reference, contextlib.nullcontext(), self._replicate_reference()
         # inference_mode only for the plain replicated module (FSDP2's hooks manage their own tensors)
-        with torch.inference_mode(self._replicate_reference()), torch.no_grad():
-            ref_flat, _ = self.reference(*args, with_entropy=False)
+        with context, torch.inference_mode(replicated), torch.no_grad():
+            ref_flat, _ = module(*args, with_entropy=False)
             out = mb.to_padded(ref_flat.float())
         out = out.clone()  # a normal tensor: the loss's autograd may save it
         self._phase_s["ref_forward"] += time.perf_counter() - t0
@@ -226,14 +267,14 @@ class FSDPStep:
         with torch.no_grad():
             old_flat, _ = self.policy(*args, with_entropy=False)
         self._phase_s["behaviour"] += time.perf_counter() - t0
-        return Saved(old=mb.to_padded(old_flat.float()), ref=self.reference_logprobs(mb, args),
+        return Saved(old=mb.to_padded(old_flat.float()), ref=self._reference_logprobs(mb, args),
                      forward_tokens=mb.num_tokens)
 
     def _microbatch(self, mb: PackedMicroBatch, saved: Saved | None, num_tokens: int, num_sequences: int,
                     first: bool) -> torch.Tensor:
         """Forward + backward of one packed micro-batch; returns the local metric sums (layout: :data:`SUMS`)."""
         args = self._inputs(mb)
-        ref_lp = saved.ref if saved is not None else self.reference_logprobs(mb, args)
+        ref_lp = saved.ref if saved is not None else self._reference_logprobs(mb, args)
         t_policy = time.perf_counter()
         loss, out = self._microbatch_loss(mb, args, saved, ref_lp, num_tokens, num_sequences, first)
         (loss * self.world_size).backward()

@@ -5,10 +5,15 @@
 engine worker); the other train ranks take part only in the all-gathers that rebuild each full tensor. Transport,
 buckets and verification live in ``weight_sync/`` (``buckets``, ``transport``, ``sender``, ``verify``).
 
-Weight sync casts the float32 (master) parameters to the engine's dtype.
+Weight sync casts the float32 (master) parameters to the engine's dtype. With ``train.lora`` and ``sync: merged`` the
+engines receive the merged weights ``W + (alpha/r)·B·A`` under the model's own names (``train_workers.lora``), so they
+need no change; with ``sync: adapter`` they receive only the ``lora_A``/``lora_B`` tensors under PEFT's saved names
+and serve them as a vLLM LoRA adapter (``rollout_workers.vllm_extension``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +26,7 @@ class FSDPSync:
 
     _sync_group = None  # rank 0's transport sender (``weight_sync.transport``), None when no group is formed
     _buckets = None     # the plan of the last ``sync_plan`` call
+    _lora = None        # the worker's ``train_workers.lora.LoraPolicy`` with ``train.lora``, else None
 
     def sync_plan(self, engine_dtype: str, bucket_bytes: int) -> list:
         """The bucket plan (``weight_sync.buckets.Bucket`` list) of the policy's parameters in HF names and the
@@ -33,9 +39,7 @@ class FSDPSync:
 
         dt = as_dtype(engine_dtype)
         self._engine_dtype = dt
-        self._buckets = plan_buckets(
-            [(name, tuple(p.shape), dt) for name, p in self._named_parameters()], bucket_bytes
-        )
+        self._buckets = plan_buckets([(name, shape, dt) for name, shape, _ in self._sync_sources()], bucket_bytes)
         return self._buckets
 
     def _named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -46,6 +50,28 @@ class FSDPSync:
         """The whole of one parameter (a collective over the train group) as the engine holds it: the float32
         (master) parameter cast to the ``sync_plan`` engine dtype."""
         return full_tensor(param.detach()).to(self._engine_dtype)
+
+    def _sync_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+        """``(HF name, shape, gather)`` of every tensor the engines receive, in plan order; ``gather()`` (a
+        collective) returns the whole tensor in the engine dtype. With ``train.lora``: ``sync: merged``, the base
+        weights with the adapters merged in (``LoraPolicy.merged_sources``), under the same names as without LoRA;
+        ``sync: adapter``, the adapter tensors only (``LoraPolicy.adapter_sources``, PEFT's saved names)."""
+        if self._adapter_sync():
+            return [(name, shape, lambda f=f: f().to(self._engine_dtype))
+                    for name, shape, f in self._lora.adapter_sources()]
+        if self._lora is not None:
+            return [(name, shape, lambda f=f: f().to(self._engine_dtype))
+                    for name, shape, f in self._lora.merged_sources()]
+        return [(name, tuple(p.shape), lambda p=p: self._sync_tensor(p)) for name, p in self._named_parameters()]
+
+    def _adapter_sync(self) -> bool:
+        """``train.lora.sync`` is ``adapter``: the engines receive the adapter tensors only."""
+        return self._lora is not None and self.train.lora.sync == "adapter"
+
+    def sync_adapter_config(self) -> dict | None:
+        """With ``train.lora.sync: adapter``, the policy's PEFT ``adapter_config.json`` as a dict
+        (``LoraPolicy.adapter_config``); None otherwise."""
+        return self._lora.adapter_config() if self._adapter_sync() else None
 
     def sync_node_id(self) -> str | None:
         """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""
@@ -116,11 +142,10 @@ class FSDPSync:
         sender = self._sync_group if self.rank == 0 else None
         if self.rank == 0 and sender is None:
             raise RuntimeError("broadcast_weights on train rank 0 before init_sync_group (or after a failed sync)")
-        params = dict(self._named_parameters())
+        gather = {name: fn for name, _, fn in self._sync_sources()}
         check = [s.name for b in self._buckets for s in b.slots] if verify is True else (verify or [])
         try:
-            report = stream_buckets(self._buckets, lambda name: self._sync_tensor(params[name]), sender, check,
-                                    self.device)
+            report = stream_buckets(self._buckets, lambda name: gather[name](), sender, check, self.device)
         except Exception:
             self.close_sync_group()
             raise

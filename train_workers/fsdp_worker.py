@@ -8,6 +8,11 @@ The class is split by role: this file builds the rank (process group, sharded po
 and saves/loads checkpoints; ``train_workers.fsdp_step`` holds the train step (loss, clipping, NaN/Inf skip) and
 ``train_workers.fsdp_sync`` the weight-sync sender.
 
+LoRA (``train.lora``, ``train_workers.lora``): the policy is the base model wrapped with PEFT adapters before
+sharding; only the adapters are in AdamW and get gradients; the reference policy is the same module with the adapters
+off (``self.reference`` stays None, ``self._lora`` says so); checkpoints are adapter folders
+(``train_workers.lora_checkpoint``); the engines receive the merged weights.
+
 Model parallel layout (torchtitan's order, ``train_workers.sharding``): ``fully_shard`` on each decoder layer, then on
 the root (:class:`ResponseLogprobModel`, which owns the embedding, final norm and the tied LM head).
 
@@ -71,6 +76,18 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
     def _use_cuda(self) -> bool:
         return torch.cuda.is_available() and self.train.num_gpus_per_worker > 0
 
+    @staticmethod
+    def _add_adapters(hf, lora, policy_path: str | None):
+        """``hf`` wrapped with ``train.lora``'s adapters (PEFT, unsharded); on resume (``policy_path``, a LoRA
+        checkpoint) the adapters are the checkpoint's."""
+        from train_workers.lora import add_adapters
+        from train_workers.lora_checkpoint import load_adapters
+
+        peft_model = add_adapters(hf, lora)
+        if policy_path is not None:
+            load_adapters(peft_model, policy_path, lora)
+        return peft_model
+
     # ---- set-up -------------------------------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
         """(IP of this node, a free port on it): rank 0's answer becomes the rendezvous address."""
@@ -104,15 +121,20 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
         attention = packed_attention(self._use_cuda(), self.dtype)
         # The policy's parameters (and so AdamW's state) are float32; only its compute runs in self.dtype.
         mp_policy = mixed_precision_policy(self.dtype, self.train.reduce_dtype)
+        lora = self.train.lora
 
         def load(trainable: bool) -> ResponseLogprobModel:
-            path = (policy_path or self.model_path) if trainable else self.model_path
+            full = trainable and lora is None  # a LoRA policy's base is model_path; its adapters come from the ckpt
+            path = (policy_path or self.model_path) if full else self.model_path
             dtype = torch.float32 if trainable else self.dtype
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
             hf.to(self.device)
             hf.config.use_cache = False
+            if trainable and lora is not None:
+                hf = self._add_adapters(hf, lora, policy_path)  # only the adapters require grad
+            else:
+                hf.requires_grad_(trainable)
             model = ResponseLogprobModel(hf, self.temperature, **self.sampling_filters)
-            model.requires_grad_(trainable)
             model.train(trainable)
             if trainable or not self._replicate_reference():
                 # CPU: unsharded from the first forward to the last backward of a step (see _accumulate_locally)
@@ -121,7 +143,13 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
             return model
 
         self.policy = load(True)
-        self.reference = load(False) if self.algorithm.kl_coef > 0 else None
+        with_reference = self.algorithm.kl_coef > 0
+        # LoRA: the reference policy is the policy with its adapters off (train_workers.lora), never a second copy
+        self.reference = load(False) if with_reference and lora is None else None
+        if lora is not None:
+            from train_workers.lora import LoraPolicy
+
+            self._lora = LoraPolicy(self.policy.model, with_reference)
         self.kl_coef = float(self.algorithm.kl_coef)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad], lr=self.train.lr,
@@ -139,12 +167,15 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict[str, float]:
-        """Write the policy (float32 parameters, an HF folder) and the AdamW state to ``path`` (all ranks call it;
-        layout and dtypes: ``train_workers.checkpoint_io``); returns ``{"seconds"}``."""
+        """Write the policy (float32 parameters, an HF folder; with ``train.lora`` a PEFT adapter folder instead) and
+        the AdamW state to ``path`` (all ranks call it; layout and dtypes: ``train_workers.checkpoint_io`` and
+        ``train_workers.lora_checkpoint``); returns ``{"seconds"}``."""
         from train_workers.checkpoint_io import save_checkpoint
+        from train_workers.lora_checkpoint import save_lora_checkpoint
 
         t0 = time.perf_counter()
-        save_checkpoint(self.policy, self.optimizer, self.rank, path)
+        save = save_lora_checkpoint if self._lora is not None else save_checkpoint
+        save(self.policy, self.optimizer, self.rank, path)
         return {"seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:

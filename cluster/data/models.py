@@ -114,6 +114,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
                          f"folder, a hub id like 'org/name', or a builtin ({', '.join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)})")
     if local.exists():
         if not local.is_dir() or not (local / "config.json").is_file():
-            raise ModelError(f"model.path: {local} is not a Hugging Face model folder (no config.json in it)")
+            lora = (local / "adapter_config.json").is_file()
+            hint = (f"; it is a LoRA checkpoint (adapters only): write the merged model with `grpo-cluster merge "
+                    f"{local} --out DIR` and use DIR") if lora else ""
+            raise ModelError(f"model.path: {local} is not a Hugging Face model folder (no config.json in it){hint}")
         return str(local.resolve())
     return path  # a hub id: transformers and vLLM resolve it (needs network access or a populated HF cache)

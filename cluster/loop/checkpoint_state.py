@@ -1,8 +1,9 @@
 """Checkpoints from the driver's side: which checkpoint to resume, writing ``step_NNNNNN`` atomically with the driver
 state, restoring that state, pruning, and the per-step logs a resume truncates.
 
-A checkpoint folder holds the policy as an HF folder (safetensors, config, tokenizer files, generation config), the
-sharded optimizer state (both written by the train ranks), ``spec.yaml`` and ``trainer_state.json`` (the driver
+A checkpoint folder holds the policy as an HF folder (safetensors, config, tokenizer files, generation config; with
+``train.lora`` a PEFT adapter folder instead, the base being the job's model), the sharded optimizer state (both
+written by the train ranks), ``spec.yaml`` and ``trainer_state.json`` (the driver
 state: step, policy version, data position including prompts drawn but not yet sampled, KL and group-size
 controllers, skipped-update counts), which is written last (:data:`cluster.loop.checkpoints.TRAINER_STATE`).
 """
@@ -69,6 +70,35 @@ def driver_state(*, step: int, policy_version: int, prompts: PromptQueue, prompt
             "model_path": model_path, "kl_coef": kl_coef, "group_size": group_size.state_dict(),
             "skipped_updates": skipped["skipped_updates"], "skipped_updates_total": skipped["skipped_updates_total"],
             "engine_restarts": engine_restarts}
+
+
+def check_policy_kind(path: Path, lora) -> None:
+    """Check that checkpoint ``path`` holds the kind of policy this spec trains, before any worker starts: a PEFT
+    adapter folder (``adapter_config.json``) of ``lora``'s rank and alpha when ``lora`` (the spec's ``train.lora``)
+    is set, an HF model folder otherwise. (The target modules are compared by the train ranks when they load it.)
+
+    Raises:
+        SetupError: naming ``train.lora``, the checkpoint and what differs.
+    """
+    adapter = path / "adapter_config.json"
+    if lora is None:
+        if adapter.is_file():
+            raise SetupError(f"train.lora: {path} is a LoRA checkpoint (adapters only) but this spec has no "
+                             f"train.lora; resume with the train.lora it was trained with, or start a new run from "
+                             f"the merged model (grpo-cluster merge {path} --out DIR)")
+        return
+    if not adapter.is_file():
+        raise SetupError(f"train.lora: {path} is a full fine-tuning checkpoint, not LoRA adapters; remove train.lora "
+                         f"to resume it, or start a new run with model.path: {path}")
+    try:
+        saved = json.loads(adapter.read_text())
+        rank, alpha = int(saved["r"]), float(saved["lora_alpha"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SetupError(f"train.lora: cannot read {adapter}: {type(exc).__name__}: {exc}") from None
+    want = float(lora.alpha if lora.alpha is not None else lora.rank)
+    if (rank, alpha) != (lora.rank, want):
+        raise SetupError(f"train.lora: {path} holds adapters of rank {rank}, alpha {alpha:g}; this spec asks for rank "
+                         f"{lora.rank}, alpha {want:g}; resume with the checkpoint's values")
 
 
 def restore_driver_state(path: Path, *, prompts: PromptQueue, kl_controller, group_size: GroupSizeController,

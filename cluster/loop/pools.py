@@ -177,7 +177,7 @@ class RolloutPool:
         engine = ray.remote(RolloutEngine).options(
             num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], resources=dict(r.resources), **_in_group(pg),
         ).remote(self.model_path, r, self.spec.model.dtype, self.spec.seed + index, self.max_model_len,
-                 policy_version)
+                 policy_version, lora=self.spec.train.lora)
         return engine, pg
 
     def add(self, count: int, policy_version: int) -> list:
@@ -414,6 +414,12 @@ class TrainPool:
         """The weight-sync bucket plan (``weight_sync.buckets.Bucket`` list) of the policy in the engine ``dtype``,
         buckets of at most ``bucket_bytes`` bytes; every rank computes it (rank 0's is returned)."""
         return self._all(lambda w: w.sync_plan.remote(dtype, bucket_bytes), "planning weight-sync buckets")[0]
+
+    def sync_adapter_config(self) -> dict | None:
+        """Train rank 0's PEFT ``adapter_config.json`` (a dict) when the engines receive adapters
+        (``train.lora.sync: adapter``), else None."""
+        return self._get(self.workers[0].sync_adapter_config.remote(), self.spec.train.timeout_s,
+                         "reading the adapter config")
 
     def save_checkpoint(self, folder: str, checkpoint: str | None = None) -> None:
         """Every rank writes its part of a checkpoint (HF policy folder, sharded optimizer) into ``folder``;

@@ -15,6 +15,10 @@ within ``sync.timeout_s`` (the group's own collectives and store waits have the 
 blocked for longer). After a failed sync every engine's version is unknown (``versions.sync_failed``) and the group is
 marked broken: the next ``sync`` rebuilds it first (with ``rollout.engines`` as it is then).
 
+What is streamed (``train.lora.sync``): the policy's full weights (full fine-tuning, or LoRA ``merged``), or only the
+LoRA adapter tensors (``adapter``), which every engine loads as a vLLM LoRA adapter of the policy version and serves
+with every request (``rollout_workers.vllm_extension``); verification is the same per-tensor checksum either way.
+
 Transports (``sync.mode``): ``broadcast`` (gloo on CPU, NCCL on GPU), ``ipc`` (shared memory on CPU, CUDA IPC on
 GPU; every engine must be on train rank 0's Ray node, else the group is refused), ``auto`` (ipc when every engine is on
 rank 0's Ray node, else broadcast); see :func:`weight_sync.transport.choose_transport`.
@@ -132,6 +136,7 @@ class WeightSync:
         self.names = [slot.name for b in buckets for slot in b.slots]
         self.num_buckets = len(buckets)
         self.bytes_per_sync = sum(b.nbytes for b in buckets)
+        self.adapter_config = train.sync_adapter_config()  # train.lora.sync: adapter; None: full weights
         self.engines: list = []
         self.transport: str | None = None
         self._broken = False
@@ -160,12 +165,13 @@ class WeightSync:
         what = f"forming the weight-sync group ({self.transport}, {len(engines)} engines)"
         if self.transport == "broadcast":  # rank 0's group forms only once every engine joins: call them together
             refs = [trainer] + [e.init_weight_sync.remote(host, port, 1 + i * tp, world, self.buckets, s.timeout_s,
-                                                         backend, None) for i, e in enumerate(engines)]
+                                                         backend, None, self.adapter_config)
+                                for i, e in enumerate(engines)]
             wait_members(refs, names, s.timeout_s, what)
         else:  # rank 0 creates the slots first; the engines join with their descriptor
             channel = wait_members([trainer], names[:1], s.timeout_s, what)[0]
             refs = [e.init_weight_sync.remote(host, port, 1 + i * tp, world, self.buckets, s.timeout_s, backend,
-                                              channel) for i, e in enumerate(engines)]
+                                              channel, self.adapter_config) for i, e in enumerate(engines)]
             wait_members(refs, names[1:], s.timeout_s, what)
         self.engines = engines
         self.versions.set_engines(engines)

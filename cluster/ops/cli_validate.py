@@ -93,7 +93,9 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
         *([("held-out", held_out_summary(s.data))] if s.data.source == "reasoning_gym" else []),
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
                     f"at most {r.max_response_tokens} tokens each"),
-        ("train", f"{t.world_size} rank(s), backend {t.backend}"),
+        ("train", f"{t.world_size} rank(s), backend {t.backend}" + (
+            f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
+            f"{t.lora.sync}" if t.lora is not None else "")),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
         ("cluster", cluster),
         ("output_dir", f"{Path(s.output_dir).resolve()} (writable; checkpoints in {job.checkpoint_root()})"),

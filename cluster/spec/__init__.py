@@ -5,7 +5,7 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
 Modules: ``fields`` (shared field types, bounds, validators), ``sections`` (model, data, rollout, train, sync,
-metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``monitor``
+metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor``
 (the reward-hacking guard), ``job`` (:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line
 errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily,
 ``grpo.rewards`` (registered reward names) and ``train_workers.registry`` (backend names); never Ray, torch or other
@@ -19,6 +19,7 @@ from cluster.spec.fields import (
     CustomResources, parse_byte_size,
 )
 from cluster.spec.job import JobSpec
+from cluster.spec.lora import LoraSpec
 from cluster.spec.loading import SpecError, load_spec, load_spec_text, locate_field_error, spec_to_yaml
 from cluster.spec.monitor import MonitorSpec
 from cluster.spec.sections import (
@@ -28,7 +29,7 @@ from cluster.spec.sections import (
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "JobSpec", "locate_field_error", "parse_byte_size",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "LoraSpec", "JobSpec", "locate_field_error", "parse_byte_size",
     "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field, model_validator
 from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
 from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
+from cluster.spec.lora import lora_conflicts
 from cluster.spec.monitor import MonitorSpec
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
@@ -69,6 +70,8 @@ class JobSpec(BaseModel):
             raise FieldConflict("train.reduce_dtype", (
                 f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))
         for conflict in algorithm_conflicts(self.algorithm, rollout):
+            raise conflict
+        for conflict in lora_conflicts(train.lora, rollout) if train.lora is not None else ():
             raise conflict
         for conflict in eval_conflicts(self.eval, self.data, rollout) if self.eval is not None else ():
             raise conflict

@@ -17,6 +17,7 @@ from cluster.spec.fields import (
     MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CustomResources,
     check_custom_resources,
 )
+from cluster.spec.lora import LoraSpec
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "ReasoningGymSpec", "RolloutSpec", "TrainSpec", "SyncSpec",
@@ -206,7 +207,7 @@ class RolloutSpec(BaseModel):
 
 
 class TrainSpec(BaseModel):
-    """Train workers (FSDP2 ranks) and the AdamW optimizer."""
+    """Train workers (FSDP2 ranks), the AdamW optimizer and, optionally, LoRA adapters (``lora``)."""
 
     model_config = SPEC_CONFIG
     world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
@@ -243,6 +244,8 @@ class TrainSpec(BaseModel):
     max_skipped_updates: int = Field(3, ge=1, le=1_000_000, strict=True, description=(
         "Updates with a NaN/Inf loss or gradient are skipped (weights unchanged, nothing broadcast); this many in a "
         "row stop the job naming the step and the metric."))
+    lora: LoraSpec | None = Field(None, description=(
+        f"{LoraSpec.__doc__} null (the default): full fine-tuning of every weight."))
 
     @field_validator("strategy")
     @classmethod

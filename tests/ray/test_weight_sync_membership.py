@@ -28,7 +28,7 @@ def make_spec(tiny_model_dir, tmp_path, *overrides):
 
 
 class Train:
-    """The part of the train pool ``WeightSync`` uses: ``workers`` and ``sync_plan``."""
+    """The part of the train pool ``WeightSync`` uses: ``workers``, ``sync_plan`` and ``sync_adapter_config``."""
 
     def __init__(self, ray, spec, model_path):
         from train_workers.fsdp_worker import FSDPTrainWorker
@@ -43,6 +43,9 @@ class Train:
 
     def sync_plan(self, dtype, bucket_bytes):
         return self.ray.get([w.sync_plan.remote(dtype, bucket_bytes) for w in self.workers], timeout=120)[0]
+
+    def sync_adapter_config(self):
+        return self.ray.get(self.workers[0].sync_adapter_config.remote(), timeout=60)
 
 
 def start_engine(ray, spec, model_path, seed):

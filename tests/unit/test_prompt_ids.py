@@ -90,10 +90,11 @@ class RecordingLLM:
     ``prepend`` simulates an engine that adds a token of its own to the prompt."""
 
     def __init__(self, prepend: list[int] | None = None, **kwargs):
-        self.kwargs, self.prompts, self.prepend = kwargs, [], prepend or []
+        self.kwargs, self.prompts, self.prepend, self.lora_requests = kwargs, [], prepend or [], []
 
-    def generate(self, prompts, params, use_tqdm):
+    def generate(self, prompts, params, use_tqdm, lora_request=None):
         self.prompts.extend(prompts)
+        self.lora_requests.append(lora_request)
         comp = types.SimpleNamespace(text="so #### 0", token_ids=[5, 6], finish_reason="stop",
                                      logprobs=[{5: types.SimpleNamespace(logprob=-0.5)},
                                                {6: types.SimpleNamespace(logprob=-0.25)}])
@@ -132,7 +133,7 @@ def test_eval_hands_the_engine_the_training_ids(model_dir, data, train_ids, fake
 def _engine(llm) -> RolloutEngine:
     """A RolloutEngine around ``llm`` without starting vLLM (its __init__ builds the real engine)."""
     engine = object.__new__(RolloutEngine)
-    engine.llm, engine.policy_version, engine.kv_capacity_tokens = llm, 3, None
+    engine.llm, engine.policy_version, engine.kv_capacity_tokens, engine.lora_request = llm, 3, None, None
     engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_response_tokens=8)
     return engine
 
@@ -142,6 +143,16 @@ def test_engine_samples_from_the_training_ids(train_ids, fake_vllm):
     results, _ = _engine(llm).generate([GroupRequest(i, ids) for i, ids in enumerate(train_ids)], 1)
     assert llm.prompts == [{"prompt_token_ids": ids} for ids in train_ids]
     assert [r.prompt_ids for r in results] == train_ids
+    assert llm.lora_requests == [None]  # full-weight sync: the engine's own weights are the policy
+
+
+def test_engine_with_lora_adapter_sync_sends_the_policys_adapter_with_every_request(train_ids, fake_vllm):
+    llm = RecordingLLM()
+    engine = _engine(llm)
+    engine.lora_request = adapter = types.SimpleNamespace(lora_name="policy-v3", lora_int_id=4)
+    engine.generate([GroupRequest(0, train_ids[0])], 2)
+    engine.generate([GroupRequest(i, ids) for i, ids in enumerate(train_ids)], 1)
+    assert llm.lora_requests == [adapter, adapter]
 
 
 def test_engine_refuses_a_prompt_it_changed(tokenizer, train_ids, fake_vllm):
