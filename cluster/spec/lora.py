@@ -44,9 +44,9 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1, le=MAX_LORA_RANK, strict=True, description=(
         "r: rank of each adapter (A is [r, in_features], B is [out_features, r]); at most the smaller dimension of "
         "every targeted layer."))
-    alpha: float | None = Field(None, gt=0, description=(
+    alpha: float | None = Field(None, gt=0, strict=True, description=(
         "LoRA alpha: the adapter's output is scaled by alpha / rank; null means alpha = rank (scale 1)."))
-    dropout: float = Field(0.0, ge=0, lt=1, description=(
+    dropout: float = Field(0.0, ge=0, lt=1, strict=True, description=(
         "Dropout on the adapters' input in the policy's training forward (PEFT's lora_dropout); not applied to the "
         "reference or merged weights, so > 0 makes the trainer's logprobs noisier than the engine's. 0: off."))
     target_modules: list[str] | Literal["all-linear"] = Field(ALL_LINEAR, description=(

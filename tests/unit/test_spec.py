@@ -277,30 +277,50 @@ def _float_fields() -> list[tuple[str, str]]:
     """(section, key) of every float field (float or float | None) of the spec's sections, found by walking JobSpec."""
     import types
 
+    def model_of(ann):
+        if isinstance(ann, types.UnionType):  # an optional section: eval, monitor, train.lora
+            ann = next(a for a in ann.__args__ if a is not type(None))
+        return ann if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel) else None
+
+    def walk(model, prefix: str) -> list[tuple[str, str]]:
+        found = []
+        for key, sub in model.model_fields.items():
+            if sub.annotation in (float, float | None):
+                found.append((prefix, key))
+            elif (nested := model_of(sub.annotation)) is not None:  # data.reasoning_gym, train.lora, ...
+                found += walk(nested, f"{prefix}.{key}")
+        return found
+
     out = []
     for section, field in JobSpec.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, types.UnionType):  # an optional section: eval, monitor
-            ann = next(a for a in ann.__args__ if a is not type(None))
-        if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
-            out += [(section, key) for key, sub in ann.model_fields.items() if sub.annotation in (float, float | None)]
+        if (model := model_of(field.annotation)) is not None:
+            out += walk(model, section)
     return out
 
 
 def test_float_fields_found():
     fields = _float_fields()
-    assert {("eval", "temperature"), ("monitor", "kl_max"), ("algorithm", "kl_coef"), ("train", "lr")} <= set(fields)
+    assert {("eval", "temperature"), ("monitor", "kl_max"), ("algorithm", "kl_coef"), ("train", "lr"),
+            ("train.lora", "alpha"), ("train.lora", "dropout")} <= set(fields)
     assert len(fields) >= 30
 
 
 @pytest.mark.parametrize("section, key", _float_fields())
 def test_float_fields_refuse_booleans_and_strings(tmp_path, section, key):
     # A lax float field took `kl_coef: yes` (YAML 1.1 true) as 1.0 and `temperature: '0.5'` as 0.5.
+    required = {"train.lora": {"rank": 8}}  # nested sections: what they need besides the field under test
     for value in ("true", "'0.5'"):
+        if "." in section:
+            outer, inner = section.split(".")
+            fields = "".join(f"    {k}: {v}\n" for k, v in required.get(section, {}).items())
+            text = MINIMAL + f"{outer}:\n  {inner}:\n{fields}    {key}: {value}\n"
+            base = MINIMAL + f"{outer}:\n  {inner}:\n{fields}"
+        else:
+            text, base = with_value(section, key, value), MINIMAL
         with pytest.raises(SpecError, match=rf"{section}.{key}: Input should be a valid number"):
-            load_spec(write(tmp_path, with_value(section, key, value)))
+            load_spec(write(tmp_path, text))
         with pytest.raises(SpecError, match=rf"--set {section}.{key}: {section}.{key}: Input should be a valid number"):
-            load_spec(write(tmp_path, MINIMAL), [f"{section}.{key}={value}"])
+            load_spec(write(tmp_path, base), [f"{section}.{key}={value}"])
 
 
 def test_float_fields_take_ints_and_floats(tmp_path):
