@@ -170,10 +170,12 @@ def test_lora_worker_trains_adapters_only_syncs_merged_weights_and_resumes_exact
     base = _base_logprobs(tiny_model_dir, probe)
 
     # Step 0: the policy is the base (B = 0); the reference is the base, before and after training; no copy loaded.
+    # Tolerance: a few float32 ulps at |logprob| ≈ 11 (ulp 9.5e-7): the sharded 1-thread forward and this process's
+    # forward sum in different orders (measured once: 1.9e-6 on 1 of 48 tokens).
     assert not rec["reference_loaded"]
-    torch.testing.assert_close(rec["step0_policy"], base, rtol=0, atol=1e-6)
-    torch.testing.assert_close(rec["ref0"], base, rtol=0, atol=1e-6)
-    torch.testing.assert_close(rec["ref2"], base, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rec["step0_policy"], base, rtol=0, atol=4e-6)
+    torch.testing.assert_close(rec["ref0"], base, rtol=0, atol=4e-6)
+    torch.testing.assert_close(rec["ref2"], base, rtol=0, atol=4e-6)
     assert float((rec["policy2"] - base).abs().max()) > 1e-4  # the adapters did change the policy
 
     # Only the adapters moved, all of them (A too: after the first step B != 0 gives A a gradient).
