@@ -126,17 +126,11 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         model_config = self.vllm_config.model_config
         checksums: dict[str, int] = {}
-        total = 0
         t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
-                receiver.begin()
-                for bucket in self._grpo_buckets:
-                    buf = receiver.receive(bucket)
-                    total += bucket.nbytes
-                    if check and any(s.name in check for s in bucket.slots):
-                        checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+                for bucket, buf in _received_buckets(receiver, self._grpo_buckets, check, checksums):
                     model.load_weights(unpack_bucket(bucket, buf))
             except BaseException:
                 _abandon_reload(model)
@@ -148,7 +142,7 @@ class WeightSyncExtension:
         return {
             "policy_version": policy_version,
             "seconds": time.perf_counter() - t0,
-            "bytes": total,
+            "bytes": sum(b.nbytes for b in self._grpo_buckets),
             "checksums": checksums,
             "lora": None,
         }
@@ -163,14 +157,8 @@ class WeightSyncExtension:
 
         checksums: dict[str, int] = {}
         tensors: dict[str, torch.Tensor] = {}
-        total = 0
         t0 = time.perf_counter()
-        receiver.begin()
-        for bucket in self._grpo_buckets:
-            buf = receiver.receive(bucket)
-            total += bucket.nbytes
-            if check and any(s.name in check for s in bucket.slots):
-                checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+        for bucket, buf in _received_buckets(receiver, self._grpo_buckets, check, checksums):
             tensors.update((name, t.detach().cpu().clone()) for name, t in unpack_bucket(bucket, buf))
         root = getattr(self, "_grpo_adapter_root", None)
         if root is None:
@@ -193,10 +181,23 @@ class WeightSyncExtension:
         return {
             "policy_version": policy_version,
             "seconds": time.perf_counter() - t0,
-            "bytes": total,
+            "bytes": sum(b.nbytes for b in self._grpo_buckets),
             "checksums": checksums,
             "lora": dict(self._grpo_adapter),
         }
+
+
+def _received_buckets(receiver, buckets, check: set[str], checksums: dict[str, int]):
+    """Receive one sync's buckets in order (after ``receiver.begin()``), yielding ``(bucket, buffer)`` for the caller
+    to load; the CRC-32 of every tensor named in ``check`` (engine dtype, received bytes) goes into ``checksums``.
+    Shared by full-weight and adapter sync so that both verify exactly the same way. Transport errors propagate
+    from ``receiver.receive`` (the caller abandons its reload)."""
+    receiver.begin()
+    for bucket in buckets:
+        buf = receiver.receive(bucket)
+        if check and any(s.name in check for s in bucket.slots):
+            checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+        yield bucket, buf
 
 
 def adapter_identity(policy_version: int) -> tuple[str, int]:
