@@ -1,5 +1,6 @@
 """Pure GRPO algorithm core: advantages, policy loss and aggregation, KL estimators, logprobs, rewards, held-out
-accuracy statistics (`grpo.stats`) and the reward-hacking monitor (`grpo.monitor`).
+accuracy statistics (`grpo.stats`), the reward-hacking monitor (`grpo.monitor`) and the off-policy correction
+(`grpo.off_policy`: truncated and masked importance sampling against the engine's logprobs, and their metrics).
 
 Plain PyTorch on tensors; imports neither Ray nor `torch.distributed`, so everything here runs and is tested in
 one process. It imports no other package of this project (``cluster``, workers, ``weight_sync``, ...): they import it
@@ -40,6 +41,18 @@ from grpo.losses import (
     register_loss_aggregation,
     truncated_importance_weights,
 )
+from grpo.off_policy import (
+    OffPolicyLevel,
+    behaviour_kl_k3,
+    check_mis_band,
+    importance_log_ratio,
+    importance_weights,
+    masked_fraction,
+    mis_keep_mask,
+    ratio_quantiles,
+    sequence_log_ratio,
+    staleness_histogram,
+)
 from grpo.monitor import DETECTORS, DetectorName, Monitor, MonitorConfig, Trip
 from grpo.registry import Registry
 from grpo.rewards import (
@@ -70,6 +83,7 @@ __all__ = [
     "LossAggregationName",
     "Monitor",
     "MonitorConfig",
+    "OffPolicyLevel",
     "Registry",
     "RewardCombineName",
     "RewardFunctionName",
@@ -78,6 +92,8 @@ __all__ = [
     "accuracy_estimate",
     "aggregate_loss",
     "all_equal_fraction",
+    "behaviour_kl_k3",
+    "check_mis_band",
     "combine_rewards",
     "compute_advantages",
     "compute_group_stats",
@@ -85,19 +101,26 @@ __all__ = [
     "entropy_from_logits",
     "eos_token_ids",
     "group_all_equal_mask",
+    "importance_log_ratio",
+    "importance_weights",
     "kl_penalty",
     "kl_reward_advantages",
     "logprobs_from_logits",
+    "masked_fraction",
     "mean_at_k",
+    "mis_keep_mask",
     "overlong_penalty",
     "pass_at_1",
     "pass_at_k",
     "policy_loss",
+    "ratio_quantiles",
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_aggregation",
     "register_reward_function",
     "response_valid_lengths",
+    "sequence_log_ratio",
+    "staleness_histogram",
     "truncated_importance_weights",
     "wilson_interval",
 ]

@@ -12,6 +12,20 @@ and rank splits do not change it. β is the spec's ``kl_coef`` until the driver 
 FSDP2 averages gradients over ranks, so each micro-batch loss is multiplied by the world size to make that average a
 sum of the per-rank sums.
 
+Off-policy correction (``grpo.off_policy``; decoupled PPO): the proximal policy is the trainer's policy at the start of
+the step (the "old" logprobs), the behaviour policy is the engine that sampled the tokens (``behaviour_logprobs``).
+``algorithm.tis_cap`` with ``tis_level`` re-weights the pg term by truncated ratios proximal/behaviour, per token or
+per sequence. ``algorithm.mis`` drops tokens (or sequences) whose ratio is outside the band from the loss: the
+proximal logprobs are then recorded by a no-grad pass before the first update (also with one iteration), the kept
+tokens and sequences are counted over all ranks, and the loss is aggregated over the kept tokens with those counts as
+the global denominators — a dropped token adds nothing to the numerator and is not counted in the denominator
+(``token-mean``: kept tokens; ``seq-mean-token-mean``: each sequence's mean over its kept tokens, divided by the
+sequences with at least one kept token; ``seq-mean-token-sum-norm``: kept sequences x max_response_tokens), so the
+step's loss is exactly ``grpo.losses.aggregate_loss`` of the whole batch under the kept mask, whatever the micro-batch
+and rank split, and its scale does not shrink as more tokens are dropped. The per-token metrics ``actor/kl``,
+``clip_fraction``, ``entropy``, ``ratio_mean``, ``tis_weight_mean`` are then means over kept tokens. KL in the reward
+(``kl_in_reward``) still uses every valid token: the reward belongs to the rollout.
+
 Notation: n sequences in a micro-batch, T their longest response (tokens).
 """
 
@@ -27,7 +41,8 @@ import torch.distributed as dist
 
 from cluster.messages import TrainResult
 from grpo.kl import kl_penalty, kl_reward_advantages
-from grpo.losses import policy_loss, truncated_importance_weights
+from grpo.losses import policy_loss
+from grpo.off_policy import behaviour_kl_k3, importance_log_ratio, importance_weights, mis_keep_mask, sequence_log_ratio
 from train_workers.packing import PackedMicroBatch
 from train_workers.sharding import full_tensor
 
@@ -41,6 +56,16 @@ SUMS = {name: i for i, name in enumerate((
     "forward_tokens",  # packed tokens run forward (all passes)
     "nonfinite_loss",       # ranks whose local loss sum is NaN/Inf (0/1 per rank, so the reduced sum counts ranks)
     "nonfinite_grad_norm",  # ranks that saw a NaN/Inf global gradient norm
+    # off-policy correction (tis_cap or mis set), first iteration only:
+    "mis_masked",           # valid loss tokens that MIS dropped
+    "tokens_valid_first",   # valid loss tokens before MIS
+    "kl_behaviour",         # Σ k3 estimate of KL(behaviour || proximal) over tokens with a finite engine logprob
+))}
+
+#: Layout of the off-policy extremes that ``train_step`` all-reduces with MAX (log space; -inf: no token).
+EXTREMES = {name: i for i, name in enumerate((
+    "log_ratio_max", "neg_log_ratio_min",          # token ratio proximal / behaviour
+    "seq_log_ratio_max", "neg_seq_log_ratio_min",  # geometric-mean ratio of each sequence
 ))}
 
 #: Metric names reported as the cause of a skipped update, in the order they are checked.
@@ -57,6 +82,7 @@ class Saved:
     old: torch.Tensor             # [n, T] float32 behaviour (old) logprobs of the policy before the update
     ref: torch.Tensor | None      # [n, T] float32 reference-policy logprobs
     forward_tokens: int
+    keep: torch.Tensor | None = None  # [n, T] bool: tokens that algorithm.mis keeps in the loss (None: MIS off)
 
 
 def _peak_rss_gib() -> float:
@@ -71,10 +97,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via ``device``)."""
+def _all_reduce_sum(t: torch.Tensor, device: torch.device, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or ``op``) a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via
+    ``device``)."""
     on_device = t.to(device)
-    dist.all_reduce(on_device)
+    dist.all_reduce(on_device, op=op)
     return on_device.cpu()
 
 
@@ -109,8 +136,10 @@ class FSDPStep:
         """``algorithm.num_iterations`` optimizer steps over this rank's micro-batches (every rank has as many).
 
         With one iteration the behaviour (old) logprobs are the current policy's, detached, from the same forward
-        pass. With more, a no-grad pass over every micro-batch first records the behaviour logprobs (and reference
-        logprobs) before the first update; every iteration's importance ratio uses them.
+        pass. With more, or with ``algorithm.mis``, a no-grad pass over every micro-batch first records the behaviour
+        logprobs (and reference logprobs) before the first update; every iteration's importance ratio uses them.
+        With ``algorithm.mis`` the loss is aggregated over the kept tokens, with kept counts (module doc) in place of
+        ``num_tokens`` / ``num_sequences``.
 
         Args:
             num_tokens, num_sequences: global counts of loss tokens (``response_mask``) and of sequences with at least
@@ -129,8 +158,12 @@ class FSDPStep:
         """
         t0 = time.perf_counter()
         self._phase_s = dict.fromkeys(PHASES, 0.0)
-        iterations = self.algorithm.num_iterations
-        saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 else [None] * len(microbatches)
+        self._extremes = torch.full((len(EXTREMES),), -math.inf, dtype=torch.float64)
+        iterations, mis = self.algorithm.num_iterations, self.algorithm.mis
+        saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 or mis is not None \
+            else [None] * len(microbatches)
+        if mis is not None:
+            num_tokens, num_sequences = self._mis_keep(microbatches, saved)
         totals = torch.zeros(len(SUMS), dtype=torch.float64)
         grad_norms, applied, skip_reason = [], 0, ""
         for iteration in range(iterations):
@@ -158,6 +191,8 @@ class FSDPStep:
         if applied:
             self.policy_version += 1
         metrics = self._step_metrics(totals, grad_norms, applied, iterations, t0)
+        if self._correcting():
+            metrics.update(self._off_policy_metrics(totals))
         return TrainResult(policy_version=self.policy_version, skipped=applied < iterations,
                            skip_reason=skip_reason, metrics=metrics)
 
@@ -189,6 +224,53 @@ class FSDPStep:
         if self.algorithm.tis_cap is not None:
             metrics["actor/tis_weight_mean"] = float(totals[SUMS["tis"]]) / n
         return metrics
+
+    def _correcting(self) -> bool:
+        """Whether an off-policy correction is on (``algorithm.tis_cap`` or ``algorithm.mis``): its metrics are
+        reported then only, so a job without one logs exactly the metrics it always did."""
+        return self.algorithm.tis_cap is not None or self.algorithm.mis is not None
+
+    def _off_policy_metrics(self, totals: torch.Tensor) -> dict[str, float]:
+        """The correction's metrics from the all-reduced sums of the first iteration, and the token and sequence
+        ratio extremes (a MAX all-reduce: a collective, every rank calls it), exact over all ranks:
+        ``actor/kl_behaviour_current`` (mean k3 estimate of KL(engine || trainer before the step) per token with a
+        finite engine logprob), ``actor/behaviour_ratio_min/max`` (token ratio trainer/engine),
+        ``actor/behaviour_seq_ratio_min/max`` (geometric-mean ratio of a sequence; NaN when there is no token) and,
+        with MIS, ``actor/mis_masked_fraction`` (dropped / valid loss tokens)."""
+        ext = torch.exp(_all_reduce_sum(self._extremes, self.device, op=dist.ReduceOp.MAX))
+
+        def extreme(name: str, negate: bool) -> float:
+            value = float(ext[EXTREMES[name]])
+            return math.nan if value == 0.0 else (1.0 / value if negate else value)  # exp(-inf) = 0: no token
+
+        out = {
+            "actor/kl_behaviour_current": float(totals[SUMS["kl_behaviour"]]) / max(
+                float(totals[SUMS["tokens_first"]]), 1.0),
+            "actor/behaviour_ratio_min": extreme("neg_log_ratio_min", True),
+            "actor/behaviour_ratio_max": extreme("log_ratio_max", False),
+            "actor/behaviour_seq_ratio_min": extreme("neg_seq_log_ratio_min", True),
+            "actor/behaviour_seq_ratio_max": extreme("seq_log_ratio_max", False),
+        }
+        if self.algorithm.mis is not None:
+            out["actor/mis_masked_fraction"] = float(totals[SUMS["mis_masked"]]) / max(
+                float(totals[SUMS["tokens_valid_first"]]), 1.0)
+        return out
+
+    def _mis_keep(self, microbatches: list[PackedMicroBatch], saved: list[Saved]) -> tuple[int, int]:
+        """Record ``algorithm.mis``'s keep mask in each micro-batch's :class:`Saved` (from the proximal logprobs of
+        the no-grad pass) and return the global (all ranks) counts of kept tokens and of sequences with at least one
+        kept token: the loss aggregation's denominators. A collective."""
+        mis = self.algorithm.mis
+        counts = torch.zeros(2, dtype=torch.float64)
+        for mb, s in zip(microbatches, saved):
+            if mb.num_sequences == 0:
+                continue
+            s.keep = mis_keep_mask(s.old, mb.behaviour_logprobs.to(self.device), mb.response_mask.to(self.device),
+                                   mis.low, mis.high, mis.level)
+            counts[0] += float(s.keep.sum())
+            counts[1] += float(s.keep.any(dim=-1).sum())
+        counts = _all_reduce_sum(counts, self.device)
+        return int(counts[0]), int(counts[1])
 
     def _lora_metrics(self) -> dict[str, float]:
         """With ``train.lora`` only (a collective: every rank's peak RSS is summed into its own slot):
@@ -313,15 +395,16 @@ class FSDPStep:
         if alg.kl_in_reward:
             kl = kl_penalty(old, ref_lp, alg.kl_estimator)  # the reward is fixed per rollout: behaviour logprobs
             advantages, kl_coef = kl_reward_advantages(advantages, kl, mask, self.kl_coef), 0.0
-        tis = truncated_importance_weights(old, behaviour, mask, alg.tis_cap) if alg.tis_cap is not None else None
+        tis = importance_weights(old, behaviour, mask, alg.tis_cap, alg.tis_level) if alg.tis_cap is not None else None
+        loss_mask = saved.keep if saved is not None and saved.keep is not None else mask  # MIS: kept tokens only
         loss, m = policy_loss(
-            logprobs, old, advantages, mask,
+            logprobs, old, advantages, loss_mask,
             clip_eps_low=alg.clip_eps_low, clip_eps_high=alg.clip_eps_high, dual_clip_c=alg.dual_clip_c,
             loss_agg=alg.loss_agg, ref_logprobs=ref_lp, kl_coef=kl_coef, kl_estimator=alg.kl_estimator,
             entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis,
             num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=self.max_response_tokens,
         )
-        n_tok = float(mask.sum())
+        n_tok = float(loss_mask.sum())
         out[SUMS["loss"]] = float(loss.detach())
         out[SUMS["tokens"]] = n_tok
         for key, name in (("kl", "kl"), ("clip", "clip_fraction"), ("entropy", "entropy"), ("ratio", "ratio_mean"),
@@ -329,9 +412,28 @@ class FSDPStep:
             if name in m:
                 out[SUMS[key]] = float(m[name]) * n_tok
         if tis is not None:
-            out[SUMS["tis"]] = float(tis.sum())
+            out[SUMS["tis"]] = float(torch.where(loss_mask, tis, 0.0).sum())
         if first:
             known = mask & torch.isfinite(behaviour)  # non-finite engine logprobs: counted by the driver instead
             out[SUMS["logprob_diff"]] = float(torch.where(known, (old - behaviour).abs(), 0.0).sum())
             out[SUMS["tokens_first"]] = float(known.sum())
+            if self._correcting():
+                self._record_off_policy(out, old, behaviour, mask, loss_mask)
         return loss, out
+
+    def _record_off_policy(self, out: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                           loss_mask: torch.Tensor) -> None:
+        """Add one micro-batch's off-policy sums to ``out`` (layout :data:`SUMS`) and its ratio extremes to
+        ``self._extremes`` (layout :data:`EXTREMES`). old, behaviour: [n, T] float32; mask, loss_mask: [n, T] bool
+        (valid loss tokens; those MIS keeps)."""
+        k3, _ = behaviour_kl_k3(old, behaviour, mask)
+        out[SUMS["kl_behaviour"]] = float(k3.sum())
+        out[SUMS["tokens_valid_first"]] = float(mask.sum())
+        out[SUMS["mis_masked"]] = float((mask & ~loss_mask).sum())
+        log_ratio, known = importance_log_ratio(old, behaviour, mask)
+        seq = sequence_log_ratio(log_ratio, mask, "mean")[mask.any(dim=-1)]
+        for values, hi, lo in ((log_ratio[known], "log_ratio_max", "neg_log_ratio_min"),
+                               (seq, "seq_log_ratio_max", "neg_seq_log_ratio_min")):
+            if values.numel():
+                self._extremes[EXTREMES[hi]] = max(float(self._extremes[EXTREMES[hi]]), float(values.max()))
+                self._extremes[EXTREMES[lo]] = max(float(self._extremes[EXTREMES[lo]]), float(-values.min()))

@@ -12,7 +12,7 @@ errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only py
 ``cluster`` subpackages.
 """
 
-from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec
+from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, MisSpec
 from cluster.spec.evaluation import MAX_EVAL_SAMPLES, EvalSpec
 from cluster.spec.fields import (
     MAX_CUSTOM_RESOURCE, MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, ByteSize,
@@ -29,7 +29,8 @@ from cluster.spec.sections import (
 
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "LoraSpec", "JobSpec", "locate_field_error", "parse_byte_size",
+    "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "LoraSpec", "MisSpec", "JobSpec",
+    "locate_field_error", "parse_byte_size",
     "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
-__all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "algorithm_conflicts", "reward_names"]
+__all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec", "algorithm_conflicts", "reward_names"]
 
 MAX_GROUP_SIZE = 1024
 """Largest G (completions per prompt) any setting may ask for; ``rollout.group_size`` has the same bound."""
@@ -34,6 +34,29 @@ class FieldConflict(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class MisSpec(BaseModel):
+    """Masked importance sampling (``algorithm.mis``): drop tokens or whole sequences whose importance ratio
+    pi_proximal / pi_behaviour (trainer before the step / engine) lies outside [low, high] from the loss
+    (``grpo.off_policy.mis_keep_mask``; sources there). Dropped tokens leave both the sum and the token/sequence
+    counts of the loss aggregation. Costs one no-grad policy forward per micro-batch when num_iterations is 1 (the
+    proximal logprobs must be known before the loss, to count the kept tokens over all ranks)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    level: Literal["token", "sequence"] = Field(description=(
+        "token: drop single tokens whose ratio is outside the band; sequence: drop every token of a sequence whose "
+        "geometric-mean ratio exp(mean of log ratios) is outside the band."))
+    low: float = Field(strict=True, gt=0, description="Lower end of the kept ratio band (inclusive), > 0.")
+    high: float = Field(strict=True, gt=0, description="Upper end of the kept ratio band (inclusive), > low.")
+
+    @model_validator(mode="after")
+    def _band(self) -> MisSpec:
+        if not self.low < self.high:
+            raise FieldConflict("algorithm.mis.high", (
+                f"expected the MIS band low < high, got low={self.low!r}, high={self.high!r}"))
+        return self
 
 
 class AlgorithmSpec(BaseModel):
@@ -61,6 +84,12 @@ class AlgorithmSpec(BaseModel):
     tis_cap: float | None = Field(None, strict=True, gt=0, description=(
         "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap); "
         "null disables."))
+    tis_level: Literal["token", "sequence"] = Field("token", description=(
+        "With tis_cap: token weights each token by its own truncated ratio; sequence weights every token of a "
+        "sequence by min(product of its token ratios, tis_cap) (grpo.off_policy.importance_weights)."))
+    mis: MisSpec | None = Field(None, description=(
+        "Masked importance sampling: {level: token|sequence, low, high}; tokens or sequences whose ratio "
+        "pi_old_trainer / pi_engine is outside [low, high] leave the loss. null disables."))
     # ---- KL to the reference policy
     kl_coef: float = Field(0.04, strict=True, ge=0, description=(
         "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive)."))
@@ -132,6 +161,13 @@ class AlgorithmSpec(BaseModel):
             raise ValueError(f"expected every G >= 2 (a group needs two completions) and <= {MAX_GROUP_SIZE}, "
                              f"got {[g for _, g in schedule]}")
         return schedule
+
+    @model_validator(mode="after")
+    def _tis_level_needs_a_cap(self) -> AlgorithmSpec:
+        if self.tis_level != "token" and self.tis_cap is None:
+            raise FieldConflict("algorithm.tis_level", (
+                f"tis_level={self.tis_level!r} needs algorithm.tis_cap (the truncation cap), got null"))
+        return self
 
     @model_validator(mode="after")
     def _needs_a_kl_coef(self) -> AlgorithmSpec:

@@ -301,14 +301,16 @@ def _float_fields() -> list[tuple[str, str]]:
 def test_float_fields_found():
     fields = _float_fields()
     assert {("eval", "temperature"), ("monitor", "kl_max"), ("algorithm", "kl_coef"), ("train", "lr"),
-            ("train.lora", "alpha"), ("train.lora", "dropout")} <= set(fields)
+            ("train.lora", "alpha"), ("train.lora", "dropout"), ("algorithm.mis", "low"),
+            ("algorithm.mis", "high")} <= set(fields)
     assert len(fields) >= 30
 
 
 @pytest.mark.parametrize("section, key", _float_fields())
 def test_float_fields_refuse_booleans_and_strings(tmp_path, section, key):
     # A lax float field took `kl_coef: yes` (YAML 1.1 true) as 1.0 and `temperature: '0.5'` as 0.5.
-    required = {"train.lora": {"rank": 8}}  # nested sections: what they need besides the field under test
+    # nested sections: what they need besides the field under test
+    required = {"train.lora": {"rank": 8}, "algorithm.mis": {"level": "token"}}
     for value in ("true", "'0.5'"):
         if "." in section:
             outer, inner = section.split(".")
