@@ -176,3 +176,13 @@ def test_one_step_off_make_schedule_by_mode():
     assert isinstance(make_schedule("one_step_off", t.generate, t.train, t.sync), OneStepOffSchedule)
     with pytest.raises(ValueError, match="rollout.mode: expected one of .* got 'async'"):
         make_schedule("async", t.generate, t.train, t.sync)
+
+
+def test_one_step_off_bench_stand_ins_report_staleness_and_overlap():
+    """bench/bench_async.py drives the same schedules: staleness 0 in sync, 1 in one_step_off; with 0.2 s generate
+    and 0.2 s train a one_step_off step takes well under their 0.4 s sum (loose bound: a loaded machine only adds)."""
+    from bench.bench_async import measure
+
+    assert measure("sync", 0.0, 0.0, 0.0, 3)["staleness"] == [0, 0, 0]
+    assert measure("one_step_off", 0.0, 0.0, 0.0, 3)["staleness"] == [1, 1, 1]
+    assert measure("one_step_off", 0.2, 0.2, 0.0, 2)["max_step_s"] < 0.35
