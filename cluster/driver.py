@@ -336,7 +336,10 @@ class GRPOJob:
         """Record the finished step: the metrics row, the per-engine figures, and the console line when due."""
         self.completed[self.step] = metrics
         self.metrics.log(self.step, metrics)
-        self.fleet.log_workers(self.metrics, self.step, self._trained_figures)
+        if self.schedule.mode == "sync":  # the fleet's figures are the trained batch's
+            self.fleet.log_workers(self.metrics, self.step)
+        else:  # the fleet's figures are the next step's prefetch's
+            self.fleet.log_workers(self.metrics, self.step, self._trained_figures)
         if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
             tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
 
