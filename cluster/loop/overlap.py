@@ -22,9 +22,9 @@ engine fault that cannot be repaired while the trainer's weights change) is not 
 syncs, nothing is pending, and the next step generates its batch itself after the sync, like a first step
 (``StepOutcome.prefetch_deferred``). Whoever owns the data position puts the prefetch's prompts back.
 
-Errors: any other exception from ``generate`` or ``train`` is raised after the other call has finished (the worker thread
-is joined before :meth:`~OneStepOffSchedule.step` returns or raises, so no thread outlives a step); with both failing,
-the ``train`` error is raised and the ``generate`` one chained as its context.
+Errors: any other exception from ``generate`` or ``train`` is raised after the other call has finished (the worker
+thread is joined before :meth:`~OneStepOffSchedule.step` returns or raises, so no thread outlives a step); with both
+failing, the ``train`` error is raised and the ``generate`` one chained as its context.
 """
 
 from __future__ import annotations
