@@ -4,6 +4,10 @@
 
 Notation: B prompts per step, G completions per prompt (a group), N = B·G sequences.
 
+``rollout.mode`` orders the stages (``cluster.loop.overlap``): ``sync`` runs them one after the other;
+``one_step_off`` generates the batch of step k+1 (on the weights step k starts from) while step k trains, then syncs
+the new weights, so every batch after the first is trained one policy version after the one that sampled it.
+
 With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.loop.sampling``) until the
 batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
 
@@ -32,18 +36,19 @@ from tqdm import tqdm
 from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
 from cluster.loop import restarts
-from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, open_step_logs, restore_driver_state,
-                                           resume_point, write_checkpoint)
+from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, inflight_groups, open_step_logs,
+                                           restore_driver_state, resume_point, write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
-from cluster.loop.fleet import EngineFleet
+from cluster.loop.fleet import EngineFleet, RecoveryDeferred
 from cluster.loop.guard import build_guard, check_resume
+from cluster.loop.overlap import make_schedule
 from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
 from cluster.loop.setup import (SetupError, check_lora, ensure_writable_dir, load_prompts, load_tokenizer,
                                 model_eos_ids)
-from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_metrics
+from cluster.loop.step_metrics import StepBatch, StepClock, record_trained_prompts, step_metrics
 from cluster.loop.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
 from cluster.loop.versions import PolicyVersionLedger
@@ -95,6 +100,11 @@ class GRPOJob:
                               if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
+        self.schedule = make_schedule(spec.rollout.mode, self._generate, self._train_batch, self._sync_step,
+                                      deferrable=(RecoveryDeferred,))
+        self._clock = StepClock()  # the running step's clock (train and sync phases; run_step makes each step's)
+        self._inflight_resampled = 0  # groups in flight at the restored checkpoint, sampled again by the next step
+        self._trained_figures = None  # the fleet's figures of the batch the last step trained on
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
@@ -207,38 +217,82 @@ class GRPOJob:
 
     # ---- one step -------------------------------------------------------------------------------------------------
     def run_step(self, bar=None) -> dict:
-        """generate → score → advantages (repeated by dynamic sampling) → train → sync. Returns the step's metrics."""
-        clock = StepClock(bar)
-        alg = self.spec.algorithm
-        group_size = self.group_size.group_size(self.step)
-        self.requests.begin_step(self.step)
-        self.fleet.begin_step()
-        sample_round = partial(self._sample_round, group_size, clock)
-        sampling = sample_groups(sample_round, self.spec.rollout.prompts_per_step, dynamic=alg.dynamic_sampling,
-                                 max_rounds=alg.max_sampling_rounds)
-        self.group_size.observe(self.step, sampling.all_equal_fraction)
-        version_at_train = self.policy_version
-        with clock.phase("train"):
-            result, packing = self._train(sampling.batch)
-        with clock.phase("sync"):
-            sync_metrics = self._sync(result)
-        record_trained_prompts(self.output_dir, self.step, self.policy_version,
-                               self.requests.trained_prompts(sampling.batch.group_ids), len(self.rollout.engines))
-        return step_metrics(
-            policy_version=self.policy_version, sampling=sampling, group_size=group_size,
-            version_at_train=version_at_train, fleet=self.fleet.figures, engines=len(self.rollout.engines),
+        """generate → score → advantages (repeated by dynamic sampling) → train → sync, in the order of
+        ``rollout.mode`` (``self.schedule``; in ``one_step_off`` the next step's batch is generated during the train
+        phase). Returns the step's metrics."""
+        self._clock = clock = StepClock(bar)
+        outcome = self.schedule.step(self.step, prefetch_next=self.step < self.spec.total_steps)
+        batch, (result, packing, version_at_train), sync_metrics = outcome.batch, outcome.trained, outcome.synced
+        for phase, seconds in batch.seconds.items():
+            clock.add(phase, seconds)
+        one_step_off = self.schedule.mode == "one_step_off"
+        self._trained_figures = batch.fleet
+        record_trained_prompts(self.output_dir, self.step, self.policy_version, batch.prompts,
+                               len(self.rollout.engines), batch.group_versions if one_step_off else None)
+        metrics = step_metrics(
+            policy_version=self.policy_version, sampling=batch.sampling, group_size=batch.group_size,
+            version_at_train=version_at_train, fleet=batch.fleet, engines=len(self.rollout.engines),
             restarts=self.rollout.restarts, train=result, skipped_total=self.skips.total, sync=sync_metrics,
             packing=packing, epoch=self.sampler.epoch, prompts_filtered=self.prompts_filtered, bad_rows=self.bad_rows,
             clock=clock)
+        if one_step_off:  # groups drawn before the restored checkpoint and sampled again now (0 after the first step)
+            metrics["rollout/inflight_resampled"] = 0 if outcome.prefetched else self._inflight_resampled
+            metrics["rollout/prefetch_deferred"] = float(outcome.prefetch_deferred)
+            self._inflight_resampled = 0
+        return metrics
 
-    def _sample_round(self, group_size: int, clock: StepClock, num_prompts: int) -> RolloutBatch:
+    def _generate(self, step: int) -> StepBatch:
+        """generate → score → advantages for step ``step`` (repeated by dynamic sampling), on the engines' current
+        weights. In ``one_step_off`` the next step's batch (``step`` > ``self.step``) is generated in the schedule's
+        worker thread while the train ranks work: it uses the engines, the prompt queue, the scorer and the group-size
+        controller, which nothing else touches then, and it syncs no engine (the trainer's weights are changing).
+
+        Raises:
+            RecoveryDeferred: (overlapped only) an engine fault; the prompts drawn are put back, to be drawn again
+                by the next step after the sync.
+        """
+        overlapped = step > self.step
+        clock = StepClock(None if overlapped or self.schedule.mode != "sync" else self._clock.bar)
+        position = {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()}
+        alg = self.spec.algorithm
+        group_size = self.group_size.group_size(step)
+        self.requests.begin_step(step)
+        self.fleet.begin_step()
+        sample_round = partial(self._sample_round, group_size, clock, not overlapped)
+        try:
+            sampling = sample_groups(sample_round, self.spec.rollout.prompts_per_step, dynamic=alg.dynamic_sampling,
+                                     max_rounds=alg.max_sampling_rounds)
+        except RecoveryDeferred as exc:
+            self.requests.load_state_dict(position["prompts"])
+            self._status(f"step {step}'s batch: {exc}")
+            raise
+        self.group_size.observe(step, sampling.all_equal_fraction)
+        return StepBatch(step=step, sampling=sampling, group_size=group_size,
+                         prompts=self.requests.trained_prompts(sampling.batch.group_ids), fleet=self.fleet.figures,
+                         seconds={"generate": clock.seconds["generate"], "score": clock.seconds["score"]},
+                         position=position)
+
+    def _train_batch(self, batch: StepBatch) -> tuple[TrainResult, dict, int]:
+        """The train phase of a step: :meth:`_train` on ``batch``. Returns (the result, ``packing/*`` metrics, the
+        policy version it trained from)."""
+        version_at_train = self.policy_version
+        with self._clock.phase("train"):
+            result, packing = self._train(batch.sampling.batch)
+        return result, packing, version_at_train
+
+    def _sync_step(self, trained: tuple[TrainResult, dict, int]) -> dict:
+        """The sync phase of a step: :meth:`_sync` of the train phase's result."""
+        with self._clock.phase("sync"):
+            return self._sync(trained[0])
+
+    def _sample_round(self, group_size: int, clock: StepClock, recover: bool, num_prompts: int) -> RolloutBatch:
         """generate → score → advantages for ``num_prompts`` new prompts of G = ``group_size`` completions each;
-        each engine's groups are scored as soon as it finishes."""
+        each engine's groups are scored as soon as it finishes. ``recover``: ``EngineFleet.generate``'s."""
         clock.show("generate")
         examples, requests = self.requests.draw(num_prompts, group_size)
         scorer = RoundScorer(self.scoring, requests, examples)
         with clock.measure("generate"):
-            groups = self.fleet.generate(requests, scorer.on_groups)
+            groups = self.fleet.generate(requests, scorer.on_groups, recover=recover)
         clock.add("score", scorer.seconds)
         with clock.phase("score"):
             return scorer.batch(groups)
@@ -282,7 +336,10 @@ class GRPOJob:
         """Record the finished step: the metrics row, the per-engine figures, and the console line when due."""
         self.completed[self.step] = metrics
         self.metrics.log(self.step, metrics)
-        self.fleet.log_workers(self.metrics, self.step)
+        if self.schedule.mode == "sync":  # the fleet's figures are the trained batch's
+            self.fleet.log_workers(self.metrics, self.step)
+        else:  # the fleet's figures are the next step's prefetch's
+            self.fleet.log_workers(self.metrics, self.step, self._trained_figures)
         if self.step % self.spec.metrics.log_every_steps == 0 or self.step == self.spec.total_steps:
             tqdm.write(format_console_line(self.step, metrics), file=sys.stdout)
 
@@ -309,7 +366,8 @@ class GRPOJob:
         state = driver_state(step=self.step, policy_version=self.policy_version, prompts=self.requests,
                              prompts_filtered=self.prompts_filtered, model_path=self.model_path,
                              kl_coef=self.kl_controller.value, group_size=self.group_size, skips=self.skips,
-                             engine_restarts=self.rollout.restarts if self.rollout is not None else 0)
+                             engine_restarts=self.rollout.restarts if self.rollout is not None else 0,
+                             inflight=self._inflight())
         if self.evaluation is not None:
             state["eval"] = self.evaluation.state_dict()
         path = write_checkpoint(self.checkpoint_root(), self.step, self.train, self.model_path,
@@ -317,6 +375,17 @@ class GRPOJob:
                                 protect=self.evaluation.protected_step() if self.evaluation is not None else None)
         self._status(f"checkpoint saved: {path}")
         return path
+
+    def _inflight(self) -> dict | None:
+        """``driver_state``'s ``inflight`` (``one_step_off``): the prefetched batch's position and groups, so the
+        checkpoint records the data position of the trained batches only; None in ``sync``."""
+        if self.schedule.mode == "sync":
+            return None
+        pending = self.schedule.pending
+        if pending is None:
+            return {"position": {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()},
+                    "groups": 0}
+        return {"position": pending.position, "groups": pending.sampling.num_groups_sampled}
 
     def _restore(self, path: Path) -> None:
         """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`).
@@ -326,6 +395,8 @@ class GRPOJob:
                 LoRA rank/alpha), or its driver state does not fit the spec's data.
         """
         check_policy_kind(path, self.spec.train.lora)
+        self.schedule.discard()  # a batch prefetched before a rollback: its prompts are drawn again from the position
+        self._inflight_resampled = inflight_groups(path)
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
                                                          group_size=self.group_size, skips=self.skips)
         self.versions = PolicyVersionLedger(policy_version)

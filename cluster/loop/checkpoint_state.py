@@ -61,15 +61,37 @@ def open_step_logs(output_dir: Path, resumed_step: int | None) -> None:
 
 def driver_state(*, step: int, policy_version: int, prompts: PromptQueue, prompts_filtered: int, model_path: str,
                  kl_coef: float, group_size: GroupSizeController, skips: SkippedUpdates,
-                 engine_restarts: int) -> dict:
-    """The driver's side of a checkpoint, as written to ``trainer_state.json``."""
-    position = prompts.state_dict()
+                 engine_restarts: int, inflight: dict | None = None) -> dict:
+    """The driver's side of a checkpoint, as written to ``trainer_state.json``.
+
+    ``inflight`` (``rollout.mode: one_step_off``): ``{"position": StepBatch.position, "groups": n}`` of the batch
+    generated for the next step and not trained. The data position and group-size state recorded are then the ones
+    from before that batch was drawn, so a resumed job draws its prompts again (none lost, none trained twice), and
+    ``inflight_groups`` = n is recorded (0 when nothing was in flight); None (``sync``): the current ones, no key.
+    """
+    if inflight is not None:
+        position, sizes = inflight["position"]["prompts"], inflight["position"]["group_size"]
+    else:
+        position, sizes = prompts.state_dict(), group_size.state_dict()
     skipped = skips.state_dict()
-    return {"step": step, "policy_version": policy_version, "sampler": position["sampler"],
-            "pending_prompts": position["pending_prompts"], "prompts_filtered": prompts_filtered,
-            "model_path": model_path, "kl_coef": kl_coef, "group_size": group_size.state_dict(),
-            "skipped_updates": skipped["skipped_updates"], "skipped_updates_total": skipped["skipped_updates_total"],
-            "engine_restarts": engine_restarts}
+    state = {"step": step, "policy_version": policy_version, "sampler": position["sampler"],
+             "pending_prompts": position["pending_prompts"], "prompts_filtered": prompts_filtered,
+             "model_path": model_path, "kl_coef": kl_coef, "group_size": sizes,
+             "skipped_updates": skipped["skipped_updates"], "skipped_updates_total": skipped["skipped_updates_total"],
+             "engine_restarts": engine_restarts}
+    if inflight is not None:
+        state["inflight_groups"] = int(inflight["groups"])
+    return state
+
+
+def inflight_groups(path: Path) -> int:
+    """Groups generated ahead and not trained when checkpoint ``path`` was written (``rollout.mode: one_step_off``;
+    0 for a ``sync`` checkpoint or an unreadable state): their prompts are drawn again after a resume.
+    (:func:`restore_driver_state` raises for a state that cannot be read.)"""
+    try:
+        return int(json.loads((path / TRAINER_STATE).read_text()).get("inflight_groups", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def check_policy_kind(path: Path, lora) -> None:

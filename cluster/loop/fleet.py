@@ -36,6 +36,12 @@ class StaleSamplesError(RuntimeError):
     """Engines kept returning samples older than ``rollout.max_staleness`` after being synced again."""
 
 
+class RecoveryDeferred(RuntimeError):
+    """A generate call that may not sync engines (``recover=False``: it overlaps a train step, whose weights are
+    changing, ``rollout.mode: one_step_off``) met an engine fault or stale groups. Nothing was recovered; the caller
+    drops the call's groups and samples them again once the train step has ended and the weights are synced."""
+
+
 def request_seed(seed: int, step: int, group_id: int) -> int:
     """The sampling seed of one group: a CRC-32 mix of (spec seed, step, group id), in [0, 2**31).
 
@@ -109,24 +115,31 @@ class EngineFleet:
 
     def generate(self, requests: list[GroupRequest],
                  on_groups: Callable[[list[GroupResult]], None] | None = None,
-                 record: bool = True) -> list[GroupResult]:
+                 record: bool = True, recover: bool = True) -> list[GroupResult]:
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
         an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``).
 
         Returns the groups in request order; the accepted call's stats are added to :attr:`figures` when ``record``
-        (held-out evaluation passes False: its calls are not the step's rollouts).
+        (held-out evaluation passes False: its calls are not the step's rollouts). ``recover=False`` (a generate that
+        overlaps a train step) replaces and syncs nothing: the trainer's weights are changing, so a replaced engine
+        could not be given the version the others sample with.
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
             StaleSamplesError: engines stay stale after being synced again.
             PolicyVersionError: a group was sampled at a version ahead of the trainer's.
+            RecoveryDeferred: with ``recover=False``, an engine died or is half-synced, or groups came back stale.
         """
         r = self.spec.rollout
         for attempt in range(r.max_engine_restarts + 3):
             try:
                 groups, stats = self.rollout.generate(requests, on_groups)
             except ENGINE_ERRORS as exc:
-                if not self._recover(exc, len(requests)):
+                if not recover and (self.rollout.dead_engines() or self.versions.stale_engines()):
+                    raise RecoveryDeferred(f"engine fault during a generate that overlaps training "
+                                           f"({type(exc).__name__}: {first_line(exc)}); {len(requests)} group(s) "
+                                           f"to sample again after the sync") from exc
+                if not recover or not self._recover(exc, len(requests)):
                     raise
                 continue
             stale = [g for g in groups if self.versions.staleness(g.policy_version) > r.max_staleness]
@@ -134,6 +147,8 @@ class EngineFleet:
                 if record:
                     self.figures.add(stats)
                 return groups
+            if not recover:
+                raise RecoveryDeferred(f"{len(stale)} stale group(s) during a generate that overlaps training")
             self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
                          f"(trainer {self.versions.current}, rollout.max_staleness={r.max_staleness}); re-syncing "
                          f"and sampling again")
@@ -208,7 +223,8 @@ class EngineFleet:
         """Resize the pool to ``replicas`` engines between steps.
 
         New engines join the weight-sync group and receive the trainer's version before they serve; removed engines
-        hold no in-flight groups (steps are synchronous), so no prompt is lost.
+        hold no in-flight groups (nothing is generated between steps, also in ``rollout.mode: one_step_off``, whose
+        prefetch ends before the sync), so no prompt is lost.
 
         Raises:
             ValueError: ``replicas`` < 1.
@@ -227,12 +243,14 @@ class EngineFleet:
         self._status(f"rollout pool scaled from {have} to {replicas} engine(s) at policy version "
                      f"{self.versions.current}")
 
-    def log_workers(self, metrics: MetricsLogger, step: int) -> None:
+    def log_workers(self, metrics: MetricsLogger, step: int, figures: FleetFigures | None = None) -> None:
         """Per-engine figures of the step for Prometheus (worker label) and ``workers.jsonl``, at the trainer's
-        version; series of engines removed by a scale-down are dropped."""
+        version; series of engines removed by a scale-down are dropped. ``figures``: those of the batch the step
+        trained on (``rollout.mode: one_step_off`` generates it during the previous step); None: :attr:`figures`."""
+        figures = figures if figures is not None else self.figures
         idle = EngineLoad(groups=0)
         for i in range(len(self.rollout.infos)):
-            e = self.figures.per_engine.get(i, idle)
+            e = figures.per_engine.get(i, idle)
             metrics.log_worker(step, "rollout", f"engine-{i}", {
                 "policy_version": float(self.versions.current),
                 "perf/rollout_tokens_per_s": e.tokens / e.seconds if e.seconds > 0 else 0.0,

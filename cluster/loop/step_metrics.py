@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,6 +66,39 @@ class StepClock:
     def step_s(self) -> float:
         """Wall seconds since the step started."""
         return time.perf_counter() - self.started
+
+
+@dataclass
+class StepBatch:
+    """The batch one step trains on, with what its generation measured (``GRPOJob._generate``'s result; in
+    ``rollout.mode: one_step_off`` generated during the previous step).
+
+    Attributes:
+        step: the step that trains on it. sampling: its sampling rounds (``sampling.batch``: the rows trained on).
+        group_size: G. prompts: example indices of the trained groups, one per group, in first-seen order.
+        fleet: the fleet's figures of its generate calls. seconds: wall seconds of its ``generate`` and ``score``
+            phases. position: the data position and group-size controller state before it was drawn
+            (``{"prompts": PromptQueue.state_dict(), "group_size": GroupSizeController.state_dict()}``): what a
+            checkpoint records while this batch is generated but not trained.
+    """
+
+    step: int
+    sampling: SamplingResult
+    group_size: int
+    prompts: list[int]
+    fleet: FleetFigures
+    seconds: dict[str, float]
+    position: dict
+
+    @property
+    def group_versions(self) -> list[int]:
+        """The policy version that sampled each trained group (one per entry of :attr:`prompts`, same order)."""
+        batch, seen, out = self.sampling.batch, set(), []
+        for gid, version in zip(batch.group_ids.tolist(), batch.versions):
+            if gid not in seen:
+                seen.add(gid)
+                out.append(int(version))
+        return out
 
 
 def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_train: int) -> dict:
@@ -134,9 +168,12 @@ def step_metrics(*, policy_version: int, sampling: SamplingResult, group_size: i
 
 
 def record_trained_prompts(output_dir: Path, step: int, policy_version: int, prompts: list[int],
-                           engines: int) -> None:
+                           engines: int, sample_versions: list[int] | None = None) -> None:
     """Append the step's trained prompts (example indices, one per group) to ``trained_prompts.jsonl``:
-    ``{"step", "policy_version", "prompts", "engines"}``."""
+    ``{"step", "policy_version", "prompts", "engines"}``, plus ``"sample_versions"`` (the policy version that sampled
+    each group, same order as ``prompts``) when given (``rollout.mode: one_step_off``: an audit of staleness)."""
     row = {"step": step, "policy_version": policy_version, "prompts": prompts, "engines": engines}
+    if sample_versions is not None:
+        row["sample_versions"] = sample_versions
     with open(output_dir / "trained_prompts.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

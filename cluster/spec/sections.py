@@ -189,7 +189,12 @@ class RolloutSpec(BaseModel):
         "Seconds to wait for one step's rollouts before failing."))
     max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
         "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
-        "refused and sampled again."))
+        "refused and sampled again. mode one_step_off trains on samples one version old: it needs >= 1."))
+    mode: Literal["sync", "one_step_off"] = Field("sync", description=(
+        "When each step's batch is generated (cluster.loop.overlap). 'sync': generate, then train, then sync the "
+        "weights; every sample is on-policy. 'one_step_off': the batch of step k+1 is generated on the weights step k "
+        "starts from while step k trains, so steps take about max(generate, train) instead of their sum and samples "
+        "are one policy version old (staleness 1; the first step's are on-policy)."))
     max_engine_restarts: int = Field(3, ge=0, le=1_000_000, strict=True, description=(
         "Engines that die are replaced and synced before they serve; more than this many replacements in one job "
         "stop it with the cause."))
@@ -204,6 +209,14 @@ class RolloutSpec(BaseModel):
     @classmethod
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
         return check_custom_resources(resources, "rollout", "replica")
+
+    @model_validator(mode="after")
+    def _mode_needs_staleness(self) -> RolloutSpec:
+        if self.mode == "one_step_off" and self.max_staleness < 1:
+            raise FieldConflict("rollout.max_staleness", (
+                f"rollout.mode 'one_step_off' trains each batch one policy version after the one that sampled it "
+                f"(staleness 1): expected max_staleness >= 1, got {self.max_staleness}"))
+        return self
 
 
 class TrainSpec(BaseModel):
