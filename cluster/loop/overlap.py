@@ -116,8 +116,13 @@ class OneStepOffSchedule(Generic[B, R, S]):
         now) while generating the batch of ``step + 1`` (when ``prefetch_next``); then sync.
 
         Raises:
+            ValueError: a batch is pending for another step (nothing run; :meth:`discard` it first, so its prompts
+                are not dropped unseen).
             whatever ``generate``, ``train`` or ``sync`` raise; after a failure nothing stays pending.
         """
+        if self._pending is not None and self._pending[0] != step:
+            raise ValueError(f"step {step}: the batch pending was generated for step {self._pending[0]}; discard() "
+                             f"it first")
         prefetched = self._pending is not None and self._pending[0] == step
         batch = self._pending[1] if prefetched else self.generate(step)
         self._pending = None

@@ -48,14 +48,21 @@ class MisSpec(BaseModel):
     level: Literal["token", "sequence"] = Field(description=(
         "token: drop single tokens whose ratio is outside the band; sequence: drop every token of a sequence whose "
         "geometric-mean ratio exp(mean of log ratios) is outside the band."))
-    low: float = Field(strict=True, gt=0, description="Lower end of the kept ratio band (inclusive), > 0.")
-    high: float = Field(strict=True, gt=0, description="Upper end of the kept ratio band (inclusive), > low.")
+    low: float = Field(strict=True, gt=0, description="Lower end of the kept ratio band (inclusive), in (0, 1).")
+    high: float = Field(strict=True, gt=0, description="Upper end of the kept ratio band (inclusive), > 1.")
 
     @model_validator(mode="after")
     def _band(self) -> MisSpec:
         if not self.low < self.high:
             raise FieldConflict("algorithm.mis.high", (
                 f"expected the MIS band low < high, got low={self.low!r}, high={self.high!r}"))
+        # ratio 1 is an on-policy token: a band without it drops (nearly) every token of a sync step, and a bound
+        # beyond exp(+-20) would meet the clamped log ratios instead of the true ones
+        for name, value, ok in (("low", self.low, self.low < 1.0), ("high", self.high, self.high > 1.0)):
+            if not ok:
+                raise FieldConflict(f"algorithm.mis.{name}", (
+                    f"expected the MIS band to hold ratio 1 (low < 1 < high: on-policy tokens are kept), got "
+                    f"{name}={value!r}"))
         return self
 
 

@@ -170,6 +170,18 @@ def test_one_step_off_discard_drops_the_prefetched_batch():
     assert out.batch == (2, 1) and not out.prefetched
 
 
+def test_one_step_off_step_refuses_a_batch_pending_for_another_step():
+    # a pending batch silently replaced would drop its prompts unseen (the data position has moved past them)
+    t = Trace()
+    schedule = OneStepOffSchedule(t.generate, t.train, t.sync)
+    schedule.step(1, prefetch_next=True)
+    events = list(t.events)
+    with pytest.raises(ValueError, match="step 5: the batch pending was generated for step 2; discard"):
+        schedule.step(5)
+    assert t.events == events and schedule.pending == (2, 0)  # nothing ran, the batch is still there
+    assert schedule.discard() == (2, 0) and schedule.step(5, prefetch_next=False).batch == (5, 1)
+
+
 def test_one_step_off_make_schedule_by_mode():
     t = Trace()
     assert isinstance(make_schedule("sync", t.generate, t.train, t.sync), SyncSchedule)
