@@ -15,6 +15,7 @@ watchdog (the group's option timeout, set a little longer) is the backstop shoul
 
 from __future__ import annotations
 
+import random
 import socket
 from datetime import timedelta
 
@@ -28,8 +29,40 @@ BACKENDS = ("gloo", "nccl", "store")
 NCCL_WATCHDOG_MARGIN_S = 30.0
 
 
+#: Lowest port :func:`free_port` picks from: above Ray's worker ports (``--min/max-worker-port``, 10002-19999).
+RENDEZVOUS_PORT_MIN = 20_000
+
+
+def _ephemeral_port_range() -> tuple[int, int] | None:
+    """The kernel's ephemeral port range (Linux ``ip_local_port_range``), or None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, for a rendezvous (``TCPStore``) that binds it later.
+
+    Where the kernel's ephemeral range can be read, the port is drawn at random from below it (from
+    :data:`RENDEZVOUS_PORT_MIN`): ports handed out by ``bind(0)`` and by outgoing connections (a Ray node starting,
+    gRPC, other processes) come from that range, so one of them cannot take the port between this check and the
+    store's bind. Picking with ``bind(0)`` itself lost that race once (EADDRINUSE forming a weight-sync group while a
+    new Ray node was starting). Elsewhere, or when 64 draws are all taken, the kernel's ``bind(0)`` choice.
+    """
+    span = _ephemeral_port_range()
+    if span is not None and span[0] - RENDEZVOUS_PORT_MIN >= 1000:
+        draw = random.SystemRandom()  # not the seeded global RNG: concurrent processes must not draw alike
+        for _ in range(64):
+            port = draw.randrange(RENDEZVOUS_PORT_MIN, span[0])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -190,12 +190,13 @@ def test_scientific_notation_reference_is_rejected():
 
 
 def score(text: str) -> float:
-    """CPU seconds this process spends scoring ``text`` (process time, so other load on the machine does not count:
-    the bounds below guard against quadratic scans, which cost seconds of CPU, not against a busy machine)."""
-    t0 = time.process_time()
+    """CPU seconds this thread spends scoring ``text`` (thread time: neither other load on the machine nor other
+    threads of the test process, such as a Ray client left by earlier tests, count; the bounds below guard against
+    quadratic scans, which cost minutes of CPU on a megabyte, not against a busy machine)."""
+    t0 = time.thread_time()
     accuracy_reward(text, "#### 5")
     format_reward(text)
-    return time.process_time() - t0
+    return time.thread_time() - t0
 
 
 @pytest.mark.parametrize("name, text", [
@@ -235,8 +236,10 @@ ONE_MB = 1_000_000
     ("long digit runs", lambda n: ("1" * (MAX_DIGITS + 1) + " ") * (n // (MAX_DIGITS + 2)) + "\n#### 5"),
     ("filler", lambda n: "x" * n + "\n#### 5"),
 ])
-def test_one_megabyte_completion_is_scored_in_under_a_second(name, make):
-    assert score(make(ONE_MB)) < 1.0, name
+def test_one_megabyte_completion_is_scored_in_seconds_not_minutes(name, make):
+    # 3 s, not 1: the restated answer takes 0.90 s of CPU alone here and 1.10 s once in CI; a quadratic scan of a
+    # megabyte would take minutes
+    assert score(make(ONE_MB)) < 3.0, name
 
 
 def test_rewards_never_raise_on_random_text():
