@@ -6,7 +6,9 @@ Notation: B prompts per step, G completions per prompt (a group), N = B·G seque
 
 ``rollout.mode`` orders the stages (``cluster.loop.overlap``): ``sync`` runs them one after the other;
 ``one_step_off`` generates the batch of step k+1 (on the weights step k starts from) while step k trains, then syncs
-the new weights, so every batch after the first is trained one policy version after the one that sampled it.
+the new weights, so every batch after the first is trained one policy version after the one that sampled it;
+``async`` keeps the engines generating batches back to back while each step trains, at most ``rollout.max_staleness``
+versions ahead of the trainer (a stale head is dropped, counted and its prompts drawn again).
 
 With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.loop.sampling``) until the
 batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
@@ -48,7 +50,7 @@ from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_grou
 from cluster.loop.scoring import RoundScorer, Scoring
 from cluster.loop.setup import (SetupError, check_lora, ensure_writable_dir, load_prompts, load_tokenizer,
                                 model_eos_ids)
-from cluster.loop.step_metrics import StepBatch, StepClock, record_trained_prompts, step_metrics
+from cluster.loop.step_metrics import StepBatch, StepClock, async_metrics, record_trained_prompts, step_metrics
 from cluster.loop.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
 from cluster.loop.versions import PolicyVersionLedger
@@ -101,10 +103,13 @@ class GRPOJob:
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
         self.schedule = make_schedule(spec.rollout.mode, self._generate, self._train_batch, self._sync_step,
-                                      deferrable=(RecoveryDeferred,))
+                                      deferrable=(RecoveryDeferred,), max_staleness=spec.rollout.max_staleness,
+                                      version=lambda: self.policy_version, batch_version=_batch_version,
+                                      drop=self._drop_stale, last_step=spec.total_steps)
         self._clock = StepClock()  # the running step's clock (train and sync phases; run_step makes each step's)
         self._inflight_resampled = 0  # groups in flight at the restored checkpoint, sampled again by the next step
         self._trained_figures = None  # the fleet's figures of the batch the last step trained on
+        self._stale_dropped_total = 0  # (async) groups dropped for staleness since this job object started
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
@@ -219,27 +224,43 @@ class GRPOJob:
     def run_step(self, bar=None) -> dict:
         """generate → score → advantages (repeated by dynamic sampling) → train → sync, in the order of
         ``rollout.mode`` (``self.schedule``; in ``one_step_off`` the next step's batch is generated during the train
-        phase). Returns the step's metrics."""
+        phase, in ``async`` the batches of the next steps, up to ``rollout.max_staleness`` queued). Returns the step's
+        metrics."""
         self._clock = clock = StepClock(bar)
         outcome = self.schedule.step(self.step, prefetch_next=self.step < self.spec.total_steps)
         batch, (result, packing, version_at_train), sync_metrics = outcome.batch, outcome.trained, outcome.synced
         for phase, seconds in batch.seconds.items():
             clock.add(phase, seconds)
-        one_step_off = self.schedule.mode == "one_step_off"
+        overlapped = self.schedule.mode != "sync"
         self._trained_figures = batch.fleet
         record_trained_prompts(self.output_dir, self.step, self.policy_version, batch.prompts,
-                               len(self.rollout.engines), batch.group_versions if one_step_off else None)
+                               len(self.rollout.engines), batch.group_versions if overlapped else None)
         metrics = step_metrics(
             policy_version=self.policy_version, sampling=batch.sampling, group_size=batch.group_size,
             version_at_train=version_at_train, fleet=batch.fleet, engines=len(self.rollout.engines),
             restarts=self.rollout.restarts, train=result, skipped_total=self.skips.total, sync=sync_metrics,
             packing=packing, epoch=self.sampler.epoch, prompts_filtered=self.prompts_filtered, bad_rows=self.bad_rows,
             clock=clock)
-        if one_step_off:  # groups drawn before the restored checkpoint and sampled again now (0 after the first step)
+        if overlapped:  # groups drawn before the restored checkpoint and sampled again now (0 after the first step)
             metrics["rollout/inflight_resampled"] = 0 if outcome.prefetched else self._inflight_resampled
             metrics["rollout/prefetch_deferred"] = float(outcome.prefetch_deferred)
             self._inflight_resampled = 0
+        if self.schedule.mode == "async":
+            metrics.update(async_metrics(batch, version_at_train, outcome.dropped, outcome.queued,
+                                         self._stale_dropped_total, self.spec.rollout.max_staleness))
         return metrics
+
+    def _drop_stale(self, batches: list[StepBatch]) -> None:
+        """(async) The queued ``batches`` (oldest first) were dropped because the oldest is more than
+        ``rollout.max_staleness`` versions behind: rewind the data position and the group-size controller to the
+        oldest one's, so their prompts are drawn again in the same order, and count their groups."""
+        self.requests.load_state_dict(batches[0].position["prompts"])
+        self.group_size.load_state_dict(batches[0].position["group_size"])
+        groups = sum(b.sampling.num_groups_sampled for b in batches)
+        self._stale_dropped_total += groups
+        self._status(f"step {self.step}: dropped {len(batches)} queued batch(es), {groups} group(s): the oldest was "
+                     f"sampled by version {_batch_version(batches[0])}, more than rollout.max_staleness="
+                     f"{self.spec.rollout.max_staleness} behind version {self.policy_version}")
 
     def _generate(self, step: int) -> StepBatch:
         """generate → score → advantages for step ``step`` (repeated by dynamic sampling), on the engines' current
@@ -377,15 +398,16 @@ class GRPOJob:
         return path
 
     def _inflight(self) -> dict | None:
-        """``driver_state``'s ``inflight`` (``one_step_off``): the prefetched batch's position and groups, so the
-        checkpoint records the data position of the trained batches only; None in ``sync``."""
+        """``driver_state``'s ``inflight`` (``one_step_off``, ``async``): the position before the oldest batch
+        generated but not trained, and the groups of every such batch, so the checkpoint records the data position of
+        the trained batches only; None in ``sync``."""
         if self.schedule.mode == "sync":
             return None
-        pending = self.schedule.pending
-        if pending is None:
+        queued = self.schedule.queued
+        if not queued:
             return {"position": {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()},
                     "groups": 0}
-        return {"position": pending.position, "groups": pending.sampling.num_groups_sampled}
+        return {"position": queued[0].position, "groups": sum(b.sampling.num_groups_sampled for b in queued)}
 
     def _restore(self, path: Path) -> None:
         """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`).
@@ -413,6 +435,11 @@ class GRPOJob:
 
     def _status(self, message: str) -> None:
         tqdm.write(f"[grpo-cluster] {message}", file=sys.stderr)
+
+
+def _batch_version(batch: StepBatch) -> int:
+    """The oldest policy version that sampled a row of ``batch`` (what its staleness is measured from)."""
+    return min(int(v) for v in batch.sampling.batch.versions)
 
 
 def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False,

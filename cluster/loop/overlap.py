@@ -25,18 +25,37 @@ syncs, nothing is pending, and the next step generates its batch itself after th
 Errors: any other exception from ``generate`` or ``train`` is raised after the other call has finished (the worker
 thread is joined before :meth:`~OneStepOffSchedule.step` returns or raises, so no thread outlives a step); with both
 failing, the ``train`` error is raised and the ``generate`` one chained as its context.
+
+:class:`AsyncSchedule` (``async`` with ``rollout.max_staleness`` k >= 1, in the style of verl's fully-async trainer
+and AReaL's bounded off-policyness): while step k trains, a producer thread generates batches back to back into a
+bounded queue, as many as keep every queued batch within k policy versions of the trainer that will train it. A batch
+generated while the trainer holds version v and n batches are already queued is trained at version v + 1 + n, so
+the producer starts one only while n < k (staleness 1 + n <= k); the engines idle only while the queue is full.
+Step k trains the queue's head (generated now, on-policy, when the queue is empty). Before training, the head's
+staleness (``version()`` − ``batch_version(head)``) is checked again: a head more than k behind (only when the trainer
+advanced more than one version per step) is dropped with every batch queued after it, ``drop(batches)`` is told (its
+owner rewinds the data position to the oldest one's: their prompts are drawn again in the same order, none lost,
+none trained twice) and the step generates its batch itself. Weight sync still happens at a generation boundary:
+after ``train`` the producer finishes its current generate call and stops, the new weights are synced, and the next
+step starts it again. So a step lasts at least until the slowest generate call that started during it ends (no
+partial rollouts yet: a weight update waits for the longest completion). Nothing is generated between steps, as in
+``one_step_off``. A producer call raising one of ``deferrable`` stops the producer for the step (the batches queued
+before it stay; ``StepOutcome.prefetch_deferred``); any other error is raised after ``train`` ends, and after any
+error nothing stays queued (the caller owns the data position).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["OneStepOffSchedule", "RolloutMode", "StepOutcome", "SyncSchedule", "make_schedule"]
+__all__ = ["AsyncSchedule", "OneStepOffSchedule", "RolloutMode", "StepOutcome", "SyncSchedule", "make_schedule"]
 
-RolloutMode = Literal["sync", "one_step_off"]
+RolloutMode = Literal["sync", "one_step_off", "async"]
 B = TypeVar("B")  # a generated batch
 R = TypeVar("R")  # a train result
 S = TypeVar("S")  # a sync result
@@ -50,6 +69,9 @@ class StepOutcome(Generic[B, R, S]):
         step: the step (1-based). batch: what it trained on (``generate(step)``'s result). trained: ``train(batch)``.
         synced: ``sync(trained)``. prefetched: the batch was generated during the previous step (one_step_off).
         prefetch_deferred: the next step's prefetch raised a ``deferrable`` error and was dropped.
+        dropped: (async) the queued batches dropped before this step because the head was more than
+            ``max_staleness`` versions behind, oldest first. queued: (async) batches queued for later steps when the
+            step ended.
     """
 
     step: int
@@ -58,6 +80,8 @@ class StepOutcome(Generic[B, R, S]):
     synced: S
     prefetched: bool
     prefetch_deferred: bool = False
+    dropped: list = field(default_factory=list)
+    queued: int = 0
 
 
 class SyncSchedule(Generic[B, R, S]):
@@ -76,6 +100,11 @@ class SyncSchedule(Generic[B, R, S]):
     def pending(self) -> B | None:
         """The batch generated ahead of its step: never one in ``sync``."""
         return None
+
+    @property
+    def queued(self) -> list[B]:
+        """Batches generated ahead of their steps, oldest first: none in ``sync``."""
+        return []
 
     def step(self, step: int, prefetch_next: bool = False) -> StepOutcome[B, R, S]:
         """Run step ``step``; ``prefetch_next`` is ignored (nothing is generated ahead)."""
@@ -110,6 +139,11 @@ class OneStepOffSchedule(Generic[B, R, S]):
     def pending(self) -> B | None:
         """The batch generated for the next step and not yet trained (None when there is none)."""
         return self._pending[1] if self._pending is not None else None
+
+    @property
+    def queued(self) -> list[B]:
+        """[the pending batch], or [] when there is none."""
+        return [self._pending[1]] if self._pending is not None else []
 
     def step(self, step: int, prefetch_next: bool = True) -> StepOutcome[B, R, S]:
         """Train step ``step`` on its batch (the prefetched one when it was generated for ``step``, else generated
@@ -153,16 +187,132 @@ class OneStepOffSchedule(Generic[B, R, S]):
         return batch
 
 
+class AsyncSchedule(Generic[B, R, S]):
+    """``async``: a producer thread generates batches into a bounded queue while each step trains (see the module).
+
+    Args:
+        generate, train, sync: as :class:`OneStepOffSchedule`'s (``generate`` runs in the producer thread while
+            ``train`` runs, and in the caller's when the queue is empty at a step's start).
+        max_staleness: k >= 1, the most policy versions a trained batch may be behind the trainer.
+        version: → the trainer's current policy version (read before each step trains).
+        batch_version: batch → the oldest policy version that sampled any of its samples.
+        drop: called with the batches dropped for staleness (oldest first) before the step generates again; it
+            puts their prompts back (the data position of the oldest).
+        last_step: no batch is generated for a later step (the run's ``total_steps``); None: no limit.
+        deferrable: exception types of a producer call that stop the producer for the step instead of failing it.
+    Raises:
+        ValueError: ``max_staleness`` < 1.
+    """
+
+    mode: RolloutMode = "async"
+
+    def __init__(self, generate: Callable[[int], B], train: Callable[[B], R], sync: Callable[[R], S], *,
+                 max_staleness: int, version: Callable[[], int], batch_version: Callable[[B], int],
+                 drop: Callable[[list[B]], None], last_step: int | None = None,
+                 deferrable: tuple[type[BaseException], ...] = ()):
+        if max_staleness < 1:
+            raise ValueError(f"rollout.max_staleness: mode 'async' needs >= 1, got {max_staleness}")
+        self.generate, self.train, self.sync, self.deferrable = generate, train, sync, deferrable
+        self.max_staleness, self.version, self.batch_version, self.drop = max_staleness, version, batch_version, drop
+        self.last_step = last_step
+        self._queue: deque[tuple[int, B]] = deque()  # (the step that will train it, batch), oldest first
+        self._stop = threading.Event()  # set: the producer starts no further generate call
+
+    @property
+    def pending(self) -> B | None:
+        """The oldest queued batch (the next step's), None when the queue is empty."""
+        return self._queue[0][1] if self._queue else None
+
+    @property
+    def queued(self) -> list[B]:
+        """Every queued batch, oldest first."""
+        return [batch for _, batch in self._queue]
+
+    def step(self, step: int, prefetch_next: bool = True) -> StepOutcome[B, R, S]:
+        """Train step ``step`` on the queue's head (after dropping it and the rest if it is more than
+        ``max_staleness`` behind; generated now when the queue is empty) while the producer fills the queue for the
+        steps after it (when ``prefetch_next``); then stop the producer at its next generation boundary and sync.
+
+        Raises:
+            ValueError: the head was generated for another step (nothing run; :meth:`discard` first).
+            whatever ``generate``, ``train``, ``sync`` or ``drop`` raise; after a failure nothing stays queued.
+        """
+        if self._queue and self._queue[0][0] != step:
+            raise ValueError(f"step {step}: the queued head was generated for step {self._queue[0][0]}; discard() "
+                             f"the queue first")
+        try:
+            dropped = self._drop_stale()
+            prefetched = bool(self._queue)
+            batch = self._queue.popleft()[1] if prefetched else self.generate(step)
+            trained, deferred = self._train_while_producing(step, batch, prefetch_next)
+            synced = self.sync(trained)
+        except BaseException:
+            self._queue.clear()
+            raise
+        return StepOutcome(step, batch, trained, synced, prefetched=prefetched, prefetch_deferred=deferred,
+                           dropped=dropped, queued=len(self._queue))
+
+    def _drop_stale(self) -> list[B]:
+        """Drop the whole queue when its head is more than ``max_staleness`` versions behind (versions never
+        decrease along the queue, so a stale batch is always at the head); returns what was dropped."""
+        if not self._queue or self.version() - self.batch_version(self._queue[0][1]) <= self.max_staleness:
+            return []
+        dropped = self.discard()
+        self.drop(dropped)
+        return dropped
+
+    def _train_while_producing(self, step: int, batch: B, produce: bool) -> tuple[R, bool]:
+        """``train(batch)`` in the caller's thread while the producer thread fills the queue; the producer is
+        stopped and joined (after its current generate call) before this returns or raises. Returns (train's
+        result, whether the producer stopped on a ``deferrable`` error)."""
+        self._stop.clear()
+        last = self.last_step if produce else step
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-producer-{step}") as worker:
+            future = worker.submit(self._produce, step + 1 + len(self._queue), last)
+            try:
+                trained = self.train(batch)
+            except BaseException as train_error:
+                self._stop.set()
+                produce_error = future.exception()  # waits for the current generate call to end
+                if produce_error is not None and train_error.__context__ is None:
+                    train_error.__context__ = produce_error
+                raise
+            self._stop.set()
+            try:
+                future.result()  # waits for the current generate call to end; raises its error
+            except self.deferrable:
+                return trained, True
+        return trained, False
+
+    def _produce(self, next_step: int, last_step: int | None) -> None:
+        """Generate the batches of ``next_step``, ``next_step`` + 1, … back to back while the queue holds fewer than
+        ``max_staleness`` batches, up to ``last_step``, until :attr:`_stop` is set."""
+        while (not self._stop.is_set() and len(self._queue) < self.max_staleness
+               and (last_step is None or next_step <= last_step)):
+            self._queue.append((next_step, self.generate(next_step)))
+            next_step += 1
+
+    def discard(self) -> list[B]:
+        """Drop every queued batch (a rollback, a stop or a stale head); returns them, oldest first."""
+        batches = self.queued
+        self._queue.clear()
+        return batches
+
+
 def make_schedule(mode: RolloutMode, generate: Callable[[int], B], train: Callable[[B], R],
-                  sync: Callable[[R], S], deferrable: tuple[type[BaseException], ...] = ()
-                  ) -> SyncSchedule[B, R, S] | OneStepOffSchedule[B, R, S]:
+                  sync: Callable[[R], S], deferrable: tuple[type[BaseException], ...] = (), **async_args
+                  ) -> SyncSchedule[B, R, S] | OneStepOffSchedule[B, R, S] | AsyncSchedule[B, R, S]:
     """The schedule of ``rollout.mode`` (``deferrable``: see :class:`OneStepOffSchedule`; unused by ``sync``).
+    ``async_args``: :class:`AsyncSchedule`'s keyword arguments (``max_staleness``, ``version``, ``batch_version``,
+    ``drop``, ``last_step``), ignored by the other modes.
 
     Raises:
-        ValueError: an unknown mode (expected 'sync' or 'one_step_off').
+        ValueError: an unknown mode (expected 'async', 'one_step_off' or 'sync'); AsyncSchedule's errors.
     """
     if mode == "sync":
         return SyncSchedule(generate, train, sync)
     if mode == "one_step_off":
         return OneStepOffSchedule(generate, train, sync, deferrable)
-    raise ValueError(f"rollout.mode: expected one of ['one_step_off', 'sync'], got {mode!r}")
+    if mode == "async":
+        return AsyncSchedule(generate, train, sync, deferrable=deferrable, **async_args)
+    raise ValueError(f"rollout.mode: expected one of ['async', 'one_step_off', 'sync'], got {mode!r}")

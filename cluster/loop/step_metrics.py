@@ -20,6 +20,7 @@ import torch
 from cluster.loop.fleet import FleetFigures
 from cluster.loop.sampling import SamplingResult
 from cluster.messages import TrainResult
+from grpo.off_policy import staleness_histogram
 from grpo.rewards import reward_metrics
 
 #: The phases a step times (``timing/<phase>_s``).
@@ -167,11 +168,27 @@ def step_metrics(*, policy_version: int, sampling: SamplingResult, group_size: i
     }
 
 
+def async_metrics(batch: StepBatch, version_at_train: int, dropped: list[StepBatch], queued: int,
+                  stale_dropped_total: int, max_staleness: int) -> dict:
+    """``rollout.mode: async`` figures of a step: the staleness histogram of the trained batch's samples
+    (``grpo.off_policy.staleness_histogram``; ``rollout/staleness_hist/s`` = samples s versions behind, for every s
+    in 0..``max_staleness``, zeros included, so the series stay continuous), the groups dropped for staleness before
+    this step (``rollout/stale_dropped``) and since the job started (``rollout/stale_dropped_total``), and the
+    batches still queued for later steps (``rollout/queued_batches``)."""
+    counts = staleness_histogram([version_at_train - int(v) for v in batch.sampling.batch.versions])
+    return {
+        **{f"rollout/staleness_hist/{s}": counts.get(s, 0) for s in range(max([max_staleness, *counts]) + 1)},
+        "rollout/stale_dropped": sum(b.sampling.num_groups_sampled for b in dropped),
+        "rollout/stale_dropped_total": stale_dropped_total,
+        "rollout/queued_batches": queued,
+    }
+
+
 def record_trained_prompts(output_dir: Path, step: int, policy_version: int, prompts: list[int],
                            engines: int, sample_versions: list[int] | None = None) -> None:
     """Append the step's trained prompts (example indices, one per group) to ``trained_prompts.jsonl``:
     ``{"step", "policy_version", "prompts", "engines"}``, plus ``"sample_versions"`` (the policy version that sampled
-    each group, same order as ``prompts``) when given (``rollout.mode: one_step_off``: an audit of staleness)."""
+    each group, same order as ``prompts``) when given (``rollout.mode`` one_step_off or async: an audit of staleness)."""
     row = {"step": step, "policy_version": policy_version, "prompts": prompts, "engines": engines}
     if sample_versions is not None:
         row["sample_versions"] = sample_versions

@@ -66,6 +66,8 @@ class JobSpec(BaseModel):
                 f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
                 f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
                 f"{self.ray.num_cpus}; Ray would wait forever"))
+        if (conflict := async_overlap_conflict(rollout, train)) is not None:
+            raise conflict
         if train.reduce_dtype not in ("float32", self.model.dtype):
             raise FieldConflict("train.reduce_dtype", (
                 f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))
@@ -92,6 +94,27 @@ class JobSpec(BaseModel):
                 f"the 'reasoning_gym' reward scores problems from data.source 'reasoning_gym', got data.source "
                 f"{self.data.source!r}"))
         return self
+
+
+def async_overlap_conflict(rollout, train) -> FieldConflict | None:
+    """``rollout.mode: async`` needs generation to overlap training. It cannot when engines and trainers share one
+    GPU with no memory split: both pools reserve GPUs, together at most one (``rollout.replicas`` ×
+    ``num_gpus_per_replica`` + ``train.world_size`` × ``num_gpus_per_worker`` <= 1, so Ray may pack every one of
+    them onto the same GPU), and the engines' memory share (``rollout.gpu_memory_utilization``) plus the trainers'
+    (their reserved GPU fraction, the only share the spec gives them) exceeds that GPU. CPU pools share cores, which
+    overlap fine: never refused. None when async can overlap (or the mode is not async)."""
+    rollout_gpus = rollout.replicas * rollout.num_gpus_per_replica
+    train_gpus = train.world_size * train.num_gpus_per_worker
+    if rollout.mode != "async" or rollout_gpus == 0 or train_gpus == 0 or rollout_gpus + train_gpus > 1:
+        return None
+    if rollout.gpu_memory_utilization + train_gpus <= 1:
+        return None
+    return FieldConflict("rollout.mode", (
+        f"'async' overlaps generation with training, but engines ({rollout.replicas} x {rollout.num_gpus_per_replica:g} "
+        f"GPU) and train ranks ({train.world_size} x {train.num_gpus_per_worker:g} GPU) reserve "
+        f"{rollout_gpus + train_gpus:g} GPU in all, so they can share one GPU, and rollout.gpu_memory_utilization "
+        f"{rollout.gpu_memory_utilization:g} + the train ranks' {train_gpus:g} exceeds it: expected a memory split "
+        f"(gpu_memory_utilization <= {1 - train_gpus:g}) or pools on separate GPUs (reservations summing to > 1)"))
 
 
 def monitor_conflicts(spec: JobSpec) -> list[FieldConflict]:

@@ -189,12 +189,17 @@ class RolloutSpec(BaseModel):
         "Seconds to wait for one step's rollouts before failing."))
     max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
         "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
-        "refused and sampled again. mode one_step_off trains on samples one version old: it needs >= 1."))
-    mode: Literal["sync", "one_step_off"] = Field("sync", description=(
+        "refused and sampled again. mode one_step_off trains on samples one version old: it needs >= 1; mode async "
+        "lets the producer run up to this many versions ahead: it needs >= 1."))
+    mode: Literal["sync", "one_step_off", "async"] = Field("sync", description=(
         "When each step's batch is generated (cluster.loop.overlap). 'sync': generate, then train, then sync the "
         "weights; every sample is on-policy. 'one_step_off': the batch of step k+1 is generated on the weights step k "
         "starts from while step k trains, so steps take about max(generate, train) instead of their sum and samples "
-        "are one policy version old (staleness 1; the first step's are on-policy)."))
+        "are one policy version old (staleness 1; the first step's are on-policy). 'async': while each step trains, "
+        "a producer generates batches back to back into a queue holding at most max_staleness of them, so every "
+        "trained batch is at most max_staleness versions old (older ones are dropped, counted in "
+        "rollout/stale_dropped, and their prompts drawn again). Weights are still synced between generate calls "
+        "(no partial rollouts): a step lasts at least until the slowest generate call started during it ends."))
     max_engine_restarts: int = Field(3, ge=0, le=1_000_000, strict=True, description=(
         "Engines that die are replaced and synced before they serve; more than this many replacements in one job "
         "stop it with the cause."))
@@ -216,6 +221,10 @@ class RolloutSpec(BaseModel):
             raise FieldConflict("rollout.max_staleness", (
                 f"rollout.mode 'one_step_off' trains each batch one policy version after the one that sampled it "
                 f"(staleness 1): expected max_staleness >= 1, got {self.max_staleness}"))
+        if self.mode == "async" and self.max_staleness < 1:
+            raise FieldConflict("rollout.max_staleness", (
+                f"rollout.mode 'async' generates batches while the policy trains, so they are trained at least one "
+                f"version after the one that sampled them: expected max_staleness >= 1, got {self.max_staleness}"))
         return self
 
 

@@ -186,8 +186,8 @@ def test_one_step_off_make_schedule_by_mode():
     t = Trace()
     assert isinstance(make_schedule("sync", t.generate, t.train, t.sync), SyncSchedule)
     assert isinstance(make_schedule("one_step_off", t.generate, t.train, t.sync), OneStepOffSchedule)
-    with pytest.raises(ValueError, match="rollout.mode: expected one of .* got 'async'"):
-        make_schedule("async", t.generate, t.train, t.sync)
+    with pytest.raises(ValueError, match="rollout.mode: expected one of .* got 'partial'"):
+        make_schedule("partial", t.generate, t.train, t.sync)
 
 
 def test_one_step_off_bench_stand_ins_report_staleness_and_overlap():

@@ -26,8 +26,8 @@ def test_one_step_off_needs_max_staleness_1_named_before_start():
 
 def test_one_step_off_is_not_the_default_and_unknown_modes_are_refused():
     assert load_spec_text(SPEC).rollout.mode == "sync"
-    with pytest.raises(SpecError, match=r"rollout.mode: Input should be 'sync' or 'one_step_off'"):
-        load_spec_text(SPEC, overrides=["rollout.mode=async", "rollout.max_staleness=1"])
+    with pytest.raises(SpecError, match=r"rollout.mode: Input should be 'sync', 'one_step_off' or 'async'"):
+        load_spec_text(SPEC, overrides=["rollout.mode=partial", "rollout.max_staleness=1"])
 
 
 def test_one_step_off_combines_with_dynamic_sampling_and_eval_sections():
