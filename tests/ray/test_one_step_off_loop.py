@@ -3,6 +3,10 @@ sync): the batch of step k+1 is generated while step k trains, so every batch af
 version after the one that sampled it; then a resume from the step-2 checkpoint, taken while step 3's batch was in
 flight, samples that batch's prompts again: none lost, none trained twice.
 
+``rollout.mode: async`` (max_staleness 2) on the same loop, in this module so it shares its Ray cluster and tiny
+model: a producer generates while each step trains, so step 2 trains on version 0's samples at version 1 and step 3 on
+samples 1 or 2 versions old (how far the producer got during step 1 depends on this machine's timing), never more.
+
 Six prompts, two per step: the three steps are exactly one epoch, so every prompt is trained once.
 """
 
@@ -21,21 +25,20 @@ def _rows(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def one_step_off_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
-    """Run 3 one_step_off steps (checkpoint after step 2 only); returns (spec, history)."""
+def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, tmp_path_factory):
+    """Run 3 steps of ``mode`` (checkpoint after step 2 only); returns (spec, history)."""
     from cluster.driver import GRPOJob
     from cluster.spec import load_spec
 
-    base = tmp_path_factory.mktemp("one_step_off")
+    base = tmp_path_factory.mktemp(mode)
     data = base / "six.jsonl"
     with open(gsm8k_train_path) as f:
         data.write_text("".join(next(f) for _ in range(6)))
     spec = load_spec(EXAMPLE, [
         f"model.path={tiny_model_dir}", f"output_dir={base / 'out'}", f"data.train_path={data}",
         'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}', "metrics.port=null", "total_steps=3",
-        "rollout.mode=one_step_off", "rollout.max_staleness=1", "checkpoint.every_steps=2",
-        "checkpoint.save_final=false", "name=one_step_off"])
+        f"rollout.mode={mode}", f"rollout.max_staleness={max_staleness}", "checkpoint.every_steps=2",
+        "checkpoint.save_final=false", f"name={mode}"])
     job = GRPOJob(spec, progress=False)
     try:
         history = job.run()
@@ -43,6 +46,12 @@ def one_step_off_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_
         job.close()
         job.shutdown()
     return spec, history
+
+
+@pytest.fixture(scope="module")
+def one_step_off_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
+    """Run 3 one_step_off steps (checkpoint after step 2 only); returns (spec, history)."""
+    return _run_mode("one_step_off", 1, tiny_model_dir, gsm8k_train_path, tmp_path_factory)
 
 
 def test_one_step_off_trains_on_batches_one_version_old(one_step_off_run):
@@ -94,3 +103,30 @@ def test_one_step_off_resume_resamples_the_inflight_batch(one_step_off_run, tmp_
     original = _rows(first, "trained_prompts.jsonl")
     assert rows[2]["prompts"] == original[2]["prompts"] and rows[2]["sample_versions"] == [2, 2]
     assert sorted(p for r in rows for p in r["prompts"]) == [0, 1, 2, 3, 4, 5]
+
+
+def test_async_loop_trains_within_max_staleness_and_records_versions(tiny_model_dir, gsm8k_train_path,
+                                                                     parity_registered, local_ray, tmp_path_factory):
+    """async, max_staleness 2: step 1 on-policy; step 2's batch was queued during step 1 (version 0, trained at 1);
+    step 3's during step 1 or 2 (the producer always starts one when there is room, and the sync waits for it), so
+    staleness 1 or 2. Nothing dropped (the queue bound keeps every batch within 2 versions); the checkpoint after step
+    2 records step 3's queued batch as in flight; each prompt trained once; the audit matches the metrics."""
+    spec, history = _run_mode("async", 2, tiny_model_dir, gsm8k_train_path, tmp_path_factory)
+    assert [m["policy_version"] for m in history] == [1, 2, 3]
+    assert all(m["sync/verified"] is True and m["actor/update_skipped"] == 0.0 for m in history)
+    staleness = [m["rollout/staleness_max"] for m in history]
+    assert staleness[:2] == [0.0, 1.0] and staleness[2] in (1.0, 2.0), staleness
+    assert [m["rollout/stale_dropped"] for m in history] == [0, 0, 0] and history[-1]["rollout/stale_dropped_total"] == 0
+    assert [m["rollout/inflight_resampled"] for m in history] == [0, 0, 0]
+    rows_per_step = spec.rollout.prompts_per_step * spec.rollout.group_size
+    for m, s in zip(history, staleness):
+        hist = [m[f"rollout/staleness_hist/{v}"] for v in range(3)]
+        assert hist == [rows_per_step if v == s else 0 for v in range(3)], (s, hist)
+    diffs = [m["rollout/logprob_diff"] for m in history]
+    assert diffs[0] < 2e-5 and all(2e-5 < d < 1e-2 for d in diffs[1:]), diffs
+    out = Path(spec.output_dir)
+    rows = _rows(out, "trained_prompts.jsonl")
+    assert [[r["policy_version"] - 1 - v for v in r["sample_versions"]] for r in rows] == [[s, s] for s in staleness]
+    assert sorted(p for r in rows for p in r["prompts"]) == [0, 1, 2, 3, 4, 5]
+    state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["inflight_groups"] == 2 and state["step"] == 2 and state["sampler"]["offset"] == 4
