@@ -12,17 +12,27 @@ Expected: sync ≈ generate + train + sync per step; one_step_off ≈ max(genera
 (unoverlapped) step is past, staleness 1. The first step is excluded from the mean (``--steps`` counts the others);
 every step prefetches the next, as in the middle of a long run.
 
+Second table, ``async`` (``AsyncSchedule``, ``--max-staleness`` k) against the other two with a LONG-TAIL generate
+duration: each batch's stand-in generate call lasts a log-normal number of seconds (σ ``--tail-sigma``, scaled to
+the mean given; the same seeded durations, keyed by the batch's step, in every mode), so a few calls take several
+times the mean, as a batch whose longest completion runs to the length cap does. async's producer keeps generating
+while a short batch leaves the engines idle in one_step_off, but the weight sync still waits for the generate call in
+flight (no partial rollouts yet), so a long call still stretches the step it ends in.
+
 Usage (from the repo root)::
 
     .venv/bin/python -m bench.bench_async                         # default (generate_s, train_s) pairs
     .venv/bin/python -m bench.bench_async --pairs 1:1 2:0.5 --sync-s 0.05 --steps 5
+    .venv/bin/python -m bench.bench_async --tail 0.2:0.2 --tail-steps 30 --max-staleness 2
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
+from collections.abc import Callable
 
 from bench._common import print_json, print_table
 from cluster.loop.overlap import make_schedule
@@ -32,20 +42,22 @@ class StandIns:
     """Stand-in engines (``generate``) and trainer (``train``, ``sync``) that sleep for scripted seconds.
 
     Args:
-        generate_s, train_s, sync_s: seconds each call takes.
+        generate_s: seconds a generate call takes, or step → seconds (the long-tail table's scripted durations).
+        train_s, sync_s: seconds each call takes.
     Attributes:
         trainer_version: the stand-in trainer's policy version; engine_version: the version the stand-in engines
             hold (set by ``sync``).
     """
 
-    def __init__(self, generate_s: float, train_s: float, sync_s: float):
-        self.generate_s, self.train_s, self.sync_s = generate_s, train_s, sync_s
+    def __init__(self, generate_s: float | Callable[[int], float], train_s: float, sync_s: float):
+        self.generate_s = generate_s if callable(generate_s) else (lambda step: generate_s)
+        self.train_s, self.sync_s = train_s, sync_s
         self.trainer_version = self.engine_version = 0
 
     def generate(self, step: int) -> tuple[int, int]:
         """(step, policy version it was sampled with) after ``generate_s`` seconds."""
         version = self.engine_version
-        time.sleep(self.generate_s)
+        time.sleep(self.generate_s(step))
         return step, version
 
     def train(self, batch: tuple[int, int]) -> int:
@@ -62,13 +74,16 @@ class StandIns:
         return staleness
 
 
-def measure(mode: str, generate_s: float, train_s: float, sync_s: float, steps: int) -> dict:
+def measure(mode: str, generate_s: float | Callable[[int], float], train_s: float, sync_s: float, steps: int,
+            max_staleness: int = 1) -> dict:
     """Run ``steps`` + 1 steps of ``mode`` over fresh stand-ins, every step prefetching the next (a run's last step
     prefetches nothing in the driver; here it stands for a step in the middle of a long run). Returns the mean and
     largest step seconds over the last ``steps`` steps (the first is excluded: it has nothing prefetched) and their
-    staleness values."""
+    staleness values. ``max_staleness``: async's k (unused by the other modes)."""
     stand_ins = StandIns(generate_s, train_s, sync_s)
-    schedule = make_schedule(mode, stand_ins.generate, stand_ins.train, stand_ins.sync)
+    schedule = make_schedule(mode, stand_ins.generate, stand_ins.train, stand_ins.sync, max_staleness=max_staleness,
+                             version=lambda: stand_ins.trainer_version, batch_version=lambda batch: batch[1],
+                             drop=lambda batches: None)
     total = steps + 1
     seconds, staleness = [], []
     for k in range(1, total + 1):
@@ -81,12 +96,44 @@ def measure(mode: str, generate_s: float, train_s: float, sync_s: float, steps: 
     return {"step_s": statistics.mean(counted), "max_step_s": max(counted), "staleness": staleness[1:]}
 
 
+def long_tail_durations(mean_s: float, count: int, sigma: float, seed: int = 0) -> list[float]:
+    """``count`` log-normal(0, ``sigma``) seconds scaled so their mean is ``mean_s`` (seeded: every mode gets the
+    same ones). STAND-IN durations, not measured on an engine."""
+    rng = random.Random(seed)
+    raw = [rng.lognormvariate(0.0, sigma) for _ in range(count)]
+    scale = mean_s / statistics.mean(raw)
+    return [x * scale for x in raw]
+
+
+def long_tail_table(tail: str, sigma: float, sync_s: float, steps: int, max_staleness: int) -> list[dict]:
+    """sync / one_step_off / async mean step seconds with ``long_tail_durations`` generate calls (``tail``:
+    "mean_generate_s:train_s"); printed, and returned for the JSON line."""
+    g, t = (float(x) for x in tail.split(":"))
+    durations = long_tail_durations(g, steps + max_staleness + 3, sigma)
+    generate_s = durations.__getitem__  # step → seconds (steps are 1-based; index 0 unused)
+    rows, results = [], []
+    for mode in ("sync", "one_step_off", "async"):
+        r = measure(mode, generate_s, t, sync_s, steps, max_staleness=max_staleness)
+        rows.append([mode, r["step_s"], r["max_step_s"], f"{min(r['staleness'])}..{max(r['staleness'])}"])
+        results.append({"mode": mode, "step_s": r["step_s"], "max_step_s": r["max_step_s"],
+                        "staleness": r["staleness"]})
+    counted = durations[2:steps + 2]
+    print_table(["mode", "step_s", "max step_s", "staleness"], rows, title=(
+        f"mean step seconds (stand-ins), long-tail generate: mean {statistics.mean(counted):.3f} s, max "
+        f"{max(counted):.3f} s (log-normal sigma {sigma:g}); train {t:g} s; async max_staleness {max_staleness}"))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", nargs="+", default=["1:1", "1:0.25", "0.25:1", "2:0.5", "0.5:0.5"],
                         help="generate_s:train_s pairs (seconds of the stand-ins)")
     parser.add_argument("--sync-s", type=float, default=0.05, help="seconds of the stand-in weight sync")
     parser.add_argument("--steps", type=int, default=4, help="steps timed per run (after one untimed first step)")
+    parser.add_argument("--tail", default="0.2:0.2", help="long-tail table: mean_generate_s:train_s ('' skips it)")
+    parser.add_argument("--tail-sigma", type=float, default=1.0, help="log-normal sigma of the generate seconds")
+    parser.add_argument("--tail-steps", type=int, default=30, help="steps timed per mode in the long-tail table")
+    parser.add_argument("--max-staleness", type=int, default=2, help="async's rollout.max_staleness")
     args = parser.parse_args()
     print(f"STAND-INS, not engines or trainers: scripted sleeps through cluster.loop.overlap's schedules; "
           f"sync_s {args.sync_s:g}, {args.steps} timed steps per run (first step excluded)", flush=True)
@@ -103,7 +150,12 @@ def main() -> None:
                         "staleness_one_step_off": off["staleness"]})
     print_table(["generate_s", "train_s", "g+t+s", "sync step_s", "max(g,t)+s", "one_step_off step_s", "(max)",
                  "speed-up", "staleness sync/off"], rows, title="mean step seconds (stand-ins)")
-    print_json("bench_async", {"stand_ins": True, "steps": args.steps, "results": results})
+    tail = (long_tail_table(args.tail, args.tail_sigma, args.sync_s, args.tail_steps, args.max_staleness)
+            if args.tail else [])
+    print_json("bench_async", {"stand_ins": True, "steps": args.steps, "results": results,
+                               "long_tail": {"generate_train_s": args.tail, "sigma": args.tail_sigma,
+                                             "steps": args.tail_steps, "max_staleness": args.max_staleness,
+                                             "results": tail}})
 
 
 if __name__ == "__main__":

@@ -230,3 +230,15 @@ def test_async_needs_max_staleness_1_and_is_made_by_mode():
     schedule = make_schedule("async", t.generate, t.train, t.sync, max_staleness=1, version=lambda: 0,
                              batch_version=lambda b: b[1], drop=t.dropped.append)
     assert isinstance(schedule, AsyncSchedule) and schedule.mode == "async"
+
+
+def test_async_bench_stand_ins_long_tail_staleness_within_bound():
+    """bench/bench_async.py's async row drives the same schedule: staleness 1..k over a long-tail of scripted
+    generate seconds (the same seeded durations in every mode, mean as asked)."""
+    from bench.bench_async import long_tail_durations, measure
+
+    durations = long_tail_durations(0.01, 12, sigma=1.0)
+    assert abs(sum(durations) / 12 - 0.01) < 1e-12 and durations == long_tail_durations(0.01, 12, sigma=1.0)
+    assert max(durations) > 2 * min(durations)  # a tail, not a constant
+    result = measure("async", durations.__getitem__, 0.0, 0.0, 8, max_staleness=2)
+    assert set(result["staleness"]) <= {1, 2} and len(result["staleness"]) == 8
