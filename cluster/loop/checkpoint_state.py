@@ -64,9 +64,9 @@ def driver_state(*, step: int, policy_version: int, prompts: PromptQueue, prompt
                  engine_restarts: int, inflight: dict | None = None) -> dict:
     """The driver's side of a checkpoint, as written to ``trainer_state.json``.
 
-    ``inflight`` (``rollout.mode: one_step_off``): ``{"position": StepBatch.position, "groups": n}`` of the batch
-    generated for the next step and not trained. The data position and group-size state recorded are then the ones
-    from before that batch was drawn, so a resumed job draws its prompts again (none lost, none trained twice), and
+    ``inflight`` (``rollout.mode`` one_step_off, async): ``{"position": StepBatch.position, "groups": n}``: the
+    position of the oldest batch generated ahead and not trained, and the groups of every such batch. The data
+    position and group-size state recorded are then the ones from before that batch was drawn, so a resumed job draws its prompts again (none lost, none trained twice), and
     ``inflight_groups`` = n is recorded (0 when nothing was in flight); None (``sync``): the current ones, no key.
     """
     if inflight is not None:
@@ -85,8 +85,8 @@ def driver_state(*, step: int, policy_version: int, prompts: PromptQueue, prompt
 
 
 def inflight_groups(path: Path) -> int:
-    """Groups generated ahead and not trained when checkpoint ``path`` was written (``rollout.mode: one_step_off``;
-    0 for a ``sync`` checkpoint or an unreadable state): their prompts are drawn again after a resume.
+    """Groups generated ahead and not trained when checkpoint ``path`` was written (``rollout.mode`` one_step_off,
+    async; 0 for a ``sync`` checkpoint or an unreadable state): their prompts are drawn again after a resume.
     (:func:`restore_driver_state` raises for a state that cannot be read.)"""
     try:
         return int(json.loads((path / TRAINER_STATE).read_text()).get("inflight_groups", 0))

@@ -38,8 +38,8 @@ class StaleSamplesError(RuntimeError):
 
 class RecoveryDeferred(RuntimeError):
     """A generate call that may not sync engines (``recover=False``: it overlaps a train step, whose weights are
-    changing, ``rollout.mode: one_step_off``) met an engine fault or stale groups. Nothing was recovered; the caller
-    drops the call's groups and samples them again once the train step has ended and the weights are synced."""
+    changing, ``rollout.mode`` one_step_off or async) met an engine fault or stale groups. Nothing was recovered; the
+    caller drops the call's groups and samples them again once the train step has ended and the weights are synced."""
 
 
 def request_seed(seed: int, step: int, group_id: int) -> int:

@@ -188,7 +188,8 @@ def record_trained_prompts(output_dir: Path, step: int, policy_version: int, pro
                            engines: int, sample_versions: list[int] | None = None) -> None:
     """Append the step's trained prompts (example indices, one per group) to ``trained_prompts.jsonl``:
     ``{"step", "policy_version", "prompts", "engines"}``, plus ``"sample_versions"`` (the policy version that sampled
-    each group, same order as ``prompts``) when given (``rollout.mode`` one_step_off or async: an audit of staleness)."""
+    each group, same order as ``prompts``) when given (``rollout.mode`` one_step_off or async: an audit of
+    staleness)."""
     row = {"step": step, "policy_version": policy_version, "prompts": prompts, "engines": engines}
     if sample_versions is not None:
         row["sample_versions"] = sample_versions

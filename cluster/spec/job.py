@@ -110,8 +110,8 @@ def async_overlap_conflict(rollout, train) -> FieldConflict | None:
     if rollout.gpu_memory_utilization + train_gpus <= 1:
         return None
     return FieldConflict("rollout.mode", (
-        f"'async' overlaps generation with training, but engines ({rollout.replicas} x {rollout.num_gpus_per_replica:g} "
-        f"GPU) and train ranks ({train.world_size} x {train.num_gpus_per_worker:g} GPU) reserve "
+        f"'async' overlaps generation with training, but engines ({rollout.replicas} x "
+        f"{rollout.num_gpus_per_replica:g} GPU) and train ranks ({train.world_size} x {train.num_gpus_per_worker:g} GPU) reserve "
         f"{rollout_gpus + train_gpus:g} GPU in all, so they can share one GPU, and rollout.gpu_memory_utilization "
         f"{rollout.gpu_memory_utilization:g} + the train ranks' {train_gpus:g} exceeds it: expected a memory split "
         f"(gpu_memory_utilization <= {1 - train_gpus:g}) or pools on separate GPUs (reservations summing to > 1)"))
