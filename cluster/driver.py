@@ -39,7 +39,7 @@ from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
 from cluster.loop import restarts
 from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, inflight_groups, open_step_logs,
-                                           restore_driver_state, resume_point, write_checkpoint)
+                                           restore_driver_state, resume_point, stale_dropped_total, write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet, RecoveryDeferred
 from cluster.loop.guard import build_guard, check_resume
@@ -109,7 +109,7 @@ class GRPOJob:
         self._clock = StepClock()  # the running step's clock (train and sync phases; run_step makes each step's)
         self._inflight_resampled = 0  # groups in flight at the restored checkpoint, sampled again by the next step
         self._trained_figures = None  # the fleet's figures of the batch the last step trained on
-        self._stale_dropped_total = 0  # (async) groups dropped for staleness since this job object started
+        self._stale_dropped_total = 0  # (async) groups dropped for staleness in this run (kept by checkpoints)
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
         self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
@@ -391,6 +391,8 @@ class GRPOJob:
                              inflight=self._inflight())
         if self.evaluation is not None:
             state["eval"] = self.evaluation.state_dict()
+        if self.schedule.mode == "async":
+            state["stale_dropped_total"] = self._stale_dropped_total
         path = write_checkpoint(self.checkpoint_root(), self.step, self.train, self.model_path,
                                 spec_to_yaml(self.spec), state, self.spec.checkpoint.keep_last,
                                 protect=self.evaluation.protected_step() if self.evaluation is not None else None)
@@ -419,6 +421,7 @@ class GRPOJob:
         check_policy_kind(path, self.spec.train.lora)
         self.schedule.discard()  # a batch prefetched before a rollback: its prompts are drawn again from the position
         self._inflight_resampled = inflight_groups(path)
+        self._stale_dropped_total = stale_dropped_total(path)
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,
                                                          group_size=self.group_size, skips=self.skips)
         self.versions = PolicyVersionLedger(policy_version)

@@ -66,8 +66,9 @@ def driver_state(*, step: int, policy_version: int, prompts: PromptQueue, prompt
 
     ``inflight`` (``rollout.mode`` one_step_off, async): ``{"position": StepBatch.position, "groups": n}``: the
     position of the oldest batch generated ahead and not trained, and the groups of every such batch. The data
-    position and group-size state recorded are then the ones from before that batch was drawn, so a resumed job draws its prompts again (none lost, none trained twice), and
-    ``inflight_groups`` = n is recorded (0 when nothing was in flight); None (``sync``): the current ones, no key.
+    position and group-size state recorded are then the ones from before that batch was drawn, so a resumed job
+    draws its prompts again (none lost, none trained twice), and ``inflight_groups`` = n is recorded (0 when nothing
+    was in flight); None (``sync``): the current ones, no key.
     """
     if inflight is not None:
         position, sizes = inflight["position"]["prompts"], inflight["position"]["group_size"]
@@ -88,8 +89,18 @@ def inflight_groups(path: Path) -> int:
     """Groups generated ahead and not trained when checkpoint ``path`` was written (``rollout.mode`` one_step_off,
     async; 0 for a ``sync`` checkpoint or an unreadable state): their prompts are drawn again after a resume.
     (:func:`restore_driver_state` raises for a state that cannot be read.)"""
+    return _saved_count(path, "inflight_groups")
+
+
+def stale_dropped_total(path: Path) -> int:
+    """Groups dropped for staleness (``rollout.mode: async``) up to checkpoint ``path``; 0 when it has no such count
+    (another mode, or an unreadable state)."""
+    return _saved_count(path, "stale_dropped_total")
+
+
+def _saved_count(path: Path, key: str) -> int:
     try:
-        return int(json.loads((path / TRAINER_STATE).read_text()).get("inflight_groups", 0))
+        return int(json.loads((path / TRAINER_STATE).read_text()).get(key, 0))
     except (OSError, ValueError, TypeError, AttributeError):
         return 0
 

@@ -173,8 +173,8 @@ def async_metrics(batch: StepBatch, version_at_train: int, dropped: list[StepBat
     """``rollout.mode: async`` figures of a step: the staleness histogram of the trained batch's samples
     (``grpo.off_policy.staleness_histogram``; ``rollout/staleness_hist/s`` = samples s versions behind, for every s
     in 0..``max_staleness``, zeros included, so the series stay continuous), the groups dropped for staleness before
-    this step (``rollout/stale_dropped``) and since the job started (``rollout/stale_dropped_total``), and the
-    batches still queued for later steps (``rollout/queued_batches``)."""
+    this step (``rollout/stale_dropped``) and in the whole run, across resumes (``rollout/stale_dropped_total``),
+    and the batches still queued for later steps (``rollout/queued_batches``)."""
     counts = staleness_histogram([version_at_train - int(v) for v in batch.sampling.batch.versions])
     return {
         **{f"rollout/staleness_hist/{s}": counts.get(s, 0) for s in range(max([max_staleness, *counts]) + 1)},

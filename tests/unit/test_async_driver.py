@@ -122,6 +122,8 @@ def test_async_driver_stale_head_dropped_prompts_drawn_again_and_counted(tmp_pat
             if step == 1:
                 assert len(job.schedule.queued) == 2
                 job.versions, fleet.version = PolicyVersionLedger(3), 3
+            if step == 2:
+                job.save_checkpoint()  # batch 3 queued: in flight
     finally:
         job.close()
     assert [m["rollout/stale_dropped"] for m in history] == [0, 4, 0]
@@ -130,3 +132,5 @@ def test_async_driver_stale_head_dropped_prompts_drawn_again_and_counted(tmp_pat
     rows = _prompts(Path(spec.output_dir))
     assert [r["prompts"] for r in rows] == [[0, 1], [2, 3], [4, 5]]
     assert [r["sample_versions"] for r in rows] == [[0, 0], [3, 3], [3, 3]]
+    resumed = GRPOJob(spec, progress=False, resume=True)  # from step 2's checkpoint: the count and batch 3 in flight
+    assert resumed.step == 2 and resumed._stale_dropped_total == 4 and resumed._inflight_resampled == 2
