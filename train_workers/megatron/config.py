@@ -167,7 +167,7 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
     return TransformerConfig(
         num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_attention_heads,
         num_query_groups=layout.num_query_groups, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn_hidden_size,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp, pipeline_dtype=dtype,
         sequence_parallel=sequence_parallel, normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
