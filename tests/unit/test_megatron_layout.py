@@ -147,3 +147,51 @@ def test_megatron_vocab_padding_zero_rows():
 
 def test_megatron_layout_imports_no_megatron():
     assert not any(name == "megatron" or name.startswith("megatron.") for name in sys.modules)
+
+
+def _hf_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors under the HF Llama/Qwen2 names and shapes of ``config`` (float32)."""
+    g = torch.Generator().manual_seed(seed)
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                       p + "mlp.down_proj.weight": (h, f)})
+        if "Qwen2ForCausalLM" in config["architectures"]:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    if config["tie_word_embeddings"]:
+        del shapes["lm_head.weight"]
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=4, vocab_size=1100)
+
+
+@pytest.mark.parametrize("config", [{**SMOLLM2_135M, **TINY}, {**QWEN25_05B, **TINY, "tie_word_embeddings": False}],
+                         ids=["llama_tied", "qwen2_untied"])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
+def test_megatron_state_dict_round_trip_every_layout(config, tp, pp):
+    """HF → every (pp_rank, tp_rank)'s Megatron state dict → HF is bit-exact; per-rank shapes follow the layout."""
+    from train_workers.megatron.convert import hf_to_megatron, megatron_to_hf
+
+    layout = check_megatron_layout(config, tp=tp, pp=pp)
+    hf = _hf_state_dict(config)
+    shards = {(p, t): hf_to_megatron(hf, layout, t, p) for p in range(pp) for t in range(tp)}
+    back = megatron_to_hf(shards, layout)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    first, last = shards[(0, tp - 1)], shards[(pp - 1, tp - 1)]
+    assert first["embedding.word_embeddings.weight"].shape == (layout.padded_vocab_size // tp, 64)
+    assert first["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * 16 // tp, 64)
+    assert first["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 128 // tp, 64)
+    assert first["decoder.layers.0.mlp.linear_fc2.weight"].shape == (64, 128 // tp)
+    assert sorted(k for k in last if k.startswith("decoder.layers.")) == sorted(
+        k for k in first if k.startswith("decoder.layers."))  # local layer names 0..L/pp-1 on every stage
+    has_output = not layout.tied_embeddings or pp > 1  # tied: the last stage keeps a copy only when pp > 1
+    assert ("output_layer.weight" in last) == has_output
