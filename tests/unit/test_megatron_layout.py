@@ -73,7 +73,8 @@ def test_megatron_fields_refused_with_fsdp(override, field):
                                                              r"train.world_size = 4"),
     (("train.world_size=6", "train.tensor_parallel_size=2", "train.pipeline_parallel_size=2"),
      r"train.tensor_parallel_size.*2 × 2 = 4 must divide train.world_size = 6"),
-    (("train.world_size=2", "train.sequence_parallel=true"), r"train.sequence_parallel.*needs tensor_parallel_size > 1"),
+    (("train.world_size=2", "train.sequence_parallel=true"),
+     r"train.sequence_parallel.*needs tensor_parallel_size > 1"),
 ])
 def test_megatron_impossible_layouts_refused(megatron_registered, overrides, message):
     with pytest.raises(SpecError, match=message):

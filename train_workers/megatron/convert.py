@@ -6,7 +6,8 @@ tp / pp the tensor / pipeline parallel sizes. Every tensor keeps its dtype; noth
 bit-exact.
 
 Megatron names (``GPTModel`` with ``get_gpt_layer_local_spec(normalization="RMSNorm")``, megatron-core 0.16.1; the
-Transformer-Engine spec instead fuses the norms into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``):
+Transformer-Engine spec instead fuses the norms into ``linear_qkv.layer_norm_weight`` and
+``linear_fc1.layer_norm_weight``):
 
 ====================================================  =================================================  ============
 Megatron (per rank)                                   HF                                                 TP split
