@@ -258,6 +258,14 @@ class TrainSpec(BaseModel):
     strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
         "Data-parallel training strategy: the train backend registered under this name in "
         "train_workers.registry; 'megatron' is reserved and rejected until its workers are registered."))
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
+        "Megatron tensor-parallel ranks per model replica (strategy megatron); must divide the model's attention "
+        "heads and kv heads. Data-parallel size = world_size / (tensor_parallel_size × pipeline_parallel_size)."))
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
+        "Megatron pipeline stages per model replica (strategy megatron); must divide the model's layers."))
+    sequence_parallel: bool = Field(False, strict=True, description=(
+        "Megatron sequence parallelism (strategy megatron): activations outside attention/MLP split by sequence "
+        "over the tensor-parallel ranks; needs tensor_parallel_size > 1."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement-group strategy for the train ranks' bundles."))
     resources: CustomResources = Field(default_factory=dict, description=(
@@ -296,6 +304,28 @@ class TrainSpec(BaseModel):
             raise FieldConflict("train.backend", (
                 "backend 'nccl' needs GPUs, but train.num_gpus_per_worker is 0; "
                 "use 'gloo' or 'auto' on CPU, or reserve GPUs"))
+        return self
+
+    @model_validator(mode="after")
+    def _model_parallel_layout(self) -> TrainSpec:
+        """TP/PP/SP need strategy megatron, SP needs TP > 1, and TP × PP divides world_size (the data-parallel size
+        is the quotient). Checks against the model (heads, layers) run when its config.json is read."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if self.strategy != "megatron":
+            for name, value, default in (("tensor_parallel_size", tp, 1), ("pipeline_parallel_size", pp, 1),
+                                         ("sequence_parallel", self.sequence_parallel, False)):
+                if value != default:
+                    raise FieldConflict(f"train.{name}", (
+                        f"{name}={value} needs strategy 'megatron'; strategy {self.strategy!r} shards only by "
+                        f"data parallelism (expected {name}={default})"))
+        if self.sequence_parallel and tp == 1:
+            raise FieldConflict("train.sequence_parallel", (
+                "sequence_parallel splits activations over the tensor-parallel ranks: it needs "
+                "tensor_parallel_size > 1, got 1"))
+        if self.world_size % (tp * pp):
+            raise FieldConflict("train.tensor_parallel_size", (
+                f"tensor_parallel_size × pipeline_parallel_size = {tp} × {pp} = {tp * pp} must divide "
+                f"train.world_size = {self.world_size}"))
         return self
 
 

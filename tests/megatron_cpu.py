@@ -1,0 +1,53 @@
+"""Test-only shims that let megatron-core 0.16.1 run on CPU (over gloo), and tiny Llama/Qwen2 models for the
+Megatron tests. Never imported by the backend: the worker runs on GPUs, where none of this applies.
+
+The CUDA assumptions bypassed (see ../shared/GUIDE.md, megatron-core paragraph):
+1. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``
+   (``megatron/core/models/common/embeddings/rotary_pos_embedding.py``): ``torch.cuda.current_device`` returns the CPU
+   device here.
+2. Without an explicit mask the causal mask is built on "cuda": the tests always pass ``attention_mask``.
+3. ``DotProductAttention`` enters ``get_cuda_rng_tracker().fork()`` (``megatron/core/transformer/
+   dot_product_attention.py``): the tracker is Megatron's own inference tracker, whose ``fork`` is a null context
+   (dropout is 0 in these models).
+4. With pp > 1 and tied embeddings, ``LanguageModule.setup_embeddings_and_output_layer`` calls ``.cuda()`` on the
+   last stage's copy of the embedding before an all-reduce over the embedding group: that copy-at-init is skipped
+   (``_is_in_embd_group`` returns False) — the tests load the copy from the HF weights instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 1100  # not a multiple of 128: padded to 1152 at tp=1 and 1280 at tp=2
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=50000.0)
+
+
+def install_cpu_shims() -> None:
+    """Apply shims 1, 3 and 4 in this process (call before building a GPTModel)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    LanguageModule._is_in_embd_group = lambda self: False
+
+
+def make_tiny_hf_model(out_dir: str | Path, model_type: str, tied: bool, seed: int = 0) -> str:
+    """Save a random fp32 ``model_type`` ("llama" or "qwen2") model of :data:`SHAPE` to ``out_dir``. Every tensor,
+    norms and Qwen2's q/k/v biases included, is random (not HF's ones/zeros init), so a mis-mapped one shows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=tied, **SHAPE)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out_dir)
+    return str(out_dir)
