@@ -6,7 +6,8 @@ same prompts trained on, step by step — nothing lost, nothing repeated:
     checkpoint, which falls exactly on an epoch boundary: 4 prompts, 2 per step);
   - the same kill without restarts: the job stops naming the rank; ``--resume`` (``resume=True``) finishes it;
   - a rollout engine killed at step 2 (replaced, synced, its groups sampled again);
-  - a half-written checkpoint left behind by a crash is ignored, and ``keep_last`` prunes old ones.
+  - a half-written checkpoint left behind by a crash is ignored, and ``keep_last`` prunes old ones (checked on the
+    reference run's checkpoints: it saves every step and keeps the last 2, which changes none of its compared figures).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from tests.job_runs import run_to_end, stopped_after
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
@@ -46,15 +49,6 @@ def make_spec(tiny_model_dir, four_prompts, parity_registered, tmp_path_factory)
     return make
 
 
-def _run_to_end(job) -> None:
-    """Run ``job`` to ``total_steps``, then stop its workers whatever happens."""
-    try:
-        job.run()
-    finally:
-        job.close()
-        job.shutdown()
-
-
 def _trained_prompts(spec) -> list[list[int]]:
     rows = [json.loads(ln) for ln in (Path(spec.output_dir) / "trained_prompts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"
@@ -82,8 +76,8 @@ def _assert_same_run(got_spec, ref_spec) -> None:
 def reference_run(make_spec, local_ray):
     from cluster.driver import GRPOJob
 
-    spec = make_spec("reference")
-    _run_to_end(GRPOJob(spec, progress=False))
+    spec = make_spec("reference", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
+    run_to_end(GRPOJob(spec, progress=False))
     prompts = _trained_prompts(spec)
     assert sorted(prompts[0] + prompts[1]) == [0, 1, 2, 3] == sorted(prompts[2] + prompts[3])  # two whole epochs
     return spec
@@ -137,21 +131,13 @@ def test_train_failure_names_rank_then_resume(make_spec, reference_run, monkeypa
     spec = make_spec("resume")
     job, killed = GRPOJob(spec, progress=False), []
     _kill_train_rank_at(job, 3, 0, monkeypatch, killed)
-    try:
-        with pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
-            job.run()
-    finally:
-        job.close()
-        job.shutdown()
+    with stopped_after(job), pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
+        job.run()
     assert job.step == 3 and (Path(spec.output_dir) / "checkpoints" / "step_000002").is_dir()
     monkeypatch.undo()
-    resumed = GRPOJob(spec, progress=False, resume=True)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False, resume=True)) as resumed:
         assert resumed.step == 2 and resumed.policy_version == 2
         resumed.run()
-    finally:
-        resumed.close()
-        resumed.shutdown()
     _assert_same_run(spec, reference_run)
 
 
@@ -161,8 +147,7 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
     from cluster.driver import GRPOJob
 
     spec = make_spec("engine_kill")
-    job = GRPOJob(spec, progress=False)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         original = job.rollout.generate
 
@@ -174,9 +159,6 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
         job.rollout.generate = generate
         job.run()
         assert job.rollout.restarts == 1
-    finally:
-        job.close()
-        job.shutdown()
     rows = _metrics(spec)
     assert [r["workers/restarts"] for r in rows] == [0, 1, 1, 1]
     assert all(r["sync/verified"] for r in rows)
@@ -190,32 +172,28 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
     from cluster.loop.pools import EngineFailure
 
     spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
-    job = GRPOJob(spec, progress=False)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         ray.kill(job.rollout.engines[0], no_restart=True)
         with pytest.raises(EngineFailure, match="max_engine_restarts=0"):
             job.run()
-    finally:
-        job.close()
-        job.shutdown()
 
 
-def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
+def test_partial_checkpoint_ignored_and_keep_last(reference_run):
+    """The reference run saved steps 1-4 with ``keep_last=2``; a crash mid-write of step 5 is then simulated."""
     from cluster.driver import GRPOJob
     from cluster.loop.checkpoints import latest_checkpoint
 
-    spec = make_spec("ckpt", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "total_steps=3")
-    _run_to_end(GRPOJob(spec, progress=False))
+    spec = reference_run
     root = Path(spec.output_dir) / "checkpoints"
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
-    # A crash while writing step 4: the temporary folder has weights but no trainer_state.json.
-    partial = root / "step_000004.partial"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
+    # A crash while writing step 5: the temporary folder has weights but no trainer_state.json.
+    partial = root / "step_000005.partial"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
-    assert latest_checkpoint(root) == root / "step_000003"
+    assert latest_checkpoint(root) == root / "step_000004"
     resumed = GRPOJob(spec, progress=False, resume=True)
-    assert resumed.step == 3 and resumed.resume_from == root / "step_000003"
+    assert resumed.step == 4 and resumed.resume_from == root / "step_000004"
     resumed.close()
 
 
@@ -229,7 +207,6 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
 
     use_in_train_pool(monkeypatch)  # train ranks that can poison their next step (fail_next_step)
     spec = make_spec("nan", "train.max_skipped_updates=2", "total_steps=3")
-    job = GRPOJob(spec, progress=False)
     original = GRPOJob.run_step
 
     def run_step(self, bar=None):
@@ -237,15 +214,12 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
             ray.get(self.train.workers[1].fail_next_step.remote("loss"))
         return original(self, bar)
 
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         job.run_step = run_step.__get__(job)
         with pytest.raises(NumericsError, match=r"step 3: 2 updates in a row skipped for a non-finite actor/loss"):
             job.run()
         engine_version = ray.get(job.rollout.engines[0].ready.remote()).policy_version
-    finally:
-        job.close()
-        job.shutdown()
     rows = _metrics(spec)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["actor/update_skipped"] == 0.0 and rows[0]["policy_version"] == 1
