@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.job_runs import stopped_after
 from tests.prometheus_scrape import scrape
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
@@ -37,21 +38,23 @@ def _run_tiny_job(model_dir, out: Path, overrides: list[str]) -> dict:
         "total_steps=2",
         *overrides,
     ])
-    job = GRPOJob(spec, progress=False)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:  # frees the Ray cluster for the module's next job
         history = job.run()
         url = job.metrics.url
         samples = scrape(url)
-    finally:
-        job.shutdown()  # frees the job's actors and placement groups for the module's next job
-        job.close()
     return {"spec": spec, "job": job, "history": history, "out": out, "url": url, "samples": samples}
+
+
+#: The module's main run samples with nucleus filtering and truncated IS on (see
+#: :func:`test_top_p_keeps_engine_and_trainer_logprobs_equal`); unfiltered sampling (top_p 1) is run, with the same
+#: ``rollout/logprob_diff < 2e-5`` check, by test_fixed_seed_metrics, test_reliability, test_multinode, test_lora_loop.
+TOP_P = ["rollout.top_p=0.9", "algorithm.tis_cap=2.0"]
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
-    """Run the 2-step job once; the tests below check what it left behind."""
-    run = _run_tiny_job(tiny_model_dir, tmp_path_factory.mktemp("tiny_run"), [])
+    """Run the 2-step job once (with :data:`TOP_P`); the tests below check what it left behind."""
+    run = _run_tiny_job(tiny_model_dir, tmp_path_factory.mktemp("tiny_run"), TOP_P)
     assert Path(run["spec"].data.train_path).resolve() == gsm8k_train_path.resolve()
     return run
 
@@ -140,22 +143,29 @@ def test_per_engine_figures_in_workers_jsonl(tiny_run):
         assert 0.0 < r["rollout/kv_cache_usage"] <= 1.0
 
 
-@pytest.mark.parametrize("filters", [
-    ["rollout.top_p=0.9"],
-    ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05", "rollout.temperature=0.8"],
-], ids=["top_p", "top_p+top_k+min_p"])
-def test_sampling_filters_keep_engine_and_trainer_logprobs_equal(filters, tiny_model_dir, gsm8k_train_path,
-                                                                 parity_registered, local_ray, tmp_path_factory):
-    """Identical weights, sampling filters on, truncated IS on: the trainer's logprobs (policy, old policy and
-    reference, under the same filters) equal the engine's processed logprobs, so every TIS weight is 1 and
-    ``rollout/logprob_diff`` is at the top_p = 1 level. With the trainer ignoring the filters, the diff was 0.097 and
-    the weights ≈ 0.907 for top_p 0.9 (a random model spreads its mass: top-p removes ≈ 10 % of it)."""
-    out = tmp_path_factory.mktemp("tiny_filtered")
-    run = _run_tiny_job(tiny_model_dir, out, [*filters, "algorithm.tis_cap=2.0", f"name={out.name}"])
-    history = run["history"]
+def _assert_filtered_logprobs_equal(history: list[dict]) -> None:
     assert [m["policy_version"] for m in history] == [1, 2]
     assert all(m["actor/update_skipped"] == 0.0 for m in history)
     diffs = [m["rollout/logprob_diff"] for m in history]
     weights = [m["actor/tis_weight_mean"] for m in history]
     assert all(d < 2e-5 for d in diffs), diffs
     assert all(w == pytest.approx(1.0, abs=2e-5) for w in weights), weights
+
+
+def test_top_p_keeps_engine_and_trainer_logprobs_equal(tiny_run):
+    """Identical weights, top_p 0.9, truncated IS on: the trainer's logprobs (policy, old policy and reference, under
+    the same filter) equal the engine's processed logprobs, so every TIS weight is 1 and ``rollout/logprob_diff`` is
+    at the top_p = 1 level. With the trainer ignoring the filters, the diff was 0.097 and the weights ≈ 0.907 for
+    top_p 0.9 (a random model spreads its mass: top-p removes ≈ 10 % of it)."""
+    assert tiny_run["spec"].rollout.top_p == 0.9 and tiny_run["spec"].algorithm.tis_cap == 2.0
+    _assert_filtered_logprobs_equal(tiny_run["history"])
+
+
+def test_sampling_filters_keep_engine_and_trainer_logprobs_equal(tiny_model_dir, gsm8k_train_path,
+                                                                 parity_registered, local_ray, tmp_path_factory):
+    """As :func:`test_top_p_keeps_engine_and_trainer_logprobs_equal`, with top_p, top_k, min_p and temperature 0.8
+    together."""
+    filters = ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05", "rollout.temperature=0.8"]
+    out = tmp_path_factory.mktemp("tiny_filtered")
+    run = _run_tiny_job(tiny_model_dir, out, [*filters, "algorithm.tis_cap=2.0", f"name={out.name}"])
+    _assert_filtered_logprobs_equal(run["history"])

@@ -3,10 +3,11 @@
 One uninterrupted 4-step run is the reference. Every faulty run below must end with the same per-step metrics and the
 same prompts trained on, step by step — nothing lost, nothing repeated:
   - a train rank killed with ``ray.kill`` at step 3, with ``restart_on_failure: 1`` (resumes from the step-2
-    checkpoint, which falls exactly on an epoch boundary: 4 prompts, 2 per step);
-  - the same kill without restarts: the job stops naming the rank; ``--resume`` (``resume=True``) finishes it;
+    checkpoint, which falls exactly on an epoch boundary: 4 prompts, 2 per step); then another killed at step 4, with
+    the restart used up: the job stops naming the rank; ``--resume`` (``resume=True``) finishes it;
   - a rollout engine killed at step 2 (replaced, synced, its groups sampled again);
-  - a half-written checkpoint left behind by a crash is ignored, and ``keep_last`` prunes old ones.
+  - a half-written checkpoint left behind by a crash is ignored, and ``keep_last`` prunes old ones (checked on the
+    reference run's checkpoints: it saves every step and keeps the last 2, which changes none of its compared figures).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from tests.job_runs import run_to_end, stopped_after
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
@@ -46,15 +49,6 @@ def make_spec(tiny_model_dir, four_prompts, parity_registered, tmp_path_factory)
     return make
 
 
-def _run_to_end(job) -> None:
-    """Run ``job`` to ``total_steps``, then stop its workers whatever happens."""
-    try:
-        job.run()
-    finally:
-        job.close()
-        job.shutdown()
-
-
 def _trained_prompts(spec) -> list[list[int]]:
     rows = [json.loads(ln) for ln in (Path(spec.output_dir) / "trained_prompts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"
@@ -69,28 +63,30 @@ def _metrics(spec) -> list[dict]:
     return rows
 
 
-def _assert_same_run(got_spec, ref_spec) -> None:
+def _assert_same_run(got_spec, ref_spec, steps: int = 4) -> None:
+    """``got_spec``'s run logged steps 1..``steps`` with the reference's figures and prompts (the reference has 4)."""
     got, ref = _metrics(got_spec), _metrics(ref_spec)
-    assert len(got) == len(ref) == 4
+    assert len(got) == steps and len(ref) == 4
     for g, r in zip(got, ref):
         for key in COMPARED:
             assert g[key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), f"step {g['step']} {key}"
-    assert _trained_prompts(got_spec) == _trained_prompts(ref_spec)
+    assert _trained_prompts(got_spec) == _trained_prompts(ref_spec)[:steps]
 
 
 @pytest.fixture(scope="module")
 def reference_run(make_spec, local_ray):
     from cluster.driver import GRPOJob
 
-    spec = make_spec("reference")
-    _run_to_end(GRPOJob(spec, progress=False))
+    spec = make_spec("reference", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
+    run_to_end(GRPOJob(spec, progress=False))
     prompts = _trained_prompts(spec)
     assert sorted(prompts[0] + prompts[1]) == [0, 1, 2, 3] == sorted(prompts[2] + prompts[3])  # two whole epochs
     return spec
 
 
-def _kill_train_rank_at(job, step: int, rank: int, monkeypatch, killed: list) -> None:
-    """Kill train rank ``rank`` with ``ray.kill`` just before step ``step`` trains (once per test)."""
+def _kill_train_ranks_at(job_step, plan: dict[int, int], monkeypatch, killed: list) -> None:
+    """Kill train rank ``plan[step]`` with ``ray.kill`` just before step ``step`` trains, once per planned step (a
+    restarted job training that step again is left alone); ``job_step()`` is the current job's step."""
     import ray
 
     from cluster.loop.pools import TrainPool
@@ -98,18 +94,23 @@ def _kill_train_rank_at(job, step: int, rank: int, monkeypatch, killed: list) ->
     original = TrainPool.train_step
 
     def train_step(pool, *args, **kwargs):
-        if job_step() == step and not killed:
-            killed.append(step)
-            ray.kill(pool.workers[rank], no_restart=True)
+        step = job_step()
+        if step in plan and step not in [s for s, _ in killed]:
+            killed.append((step, plan[step]))
+            ray.kill(pool.workers[plan[step]], no_restart=True)
         return original(pool, *args, **kwargs)
 
-    job_step = job if callable(job) else (lambda: job.step)
     monkeypatch.setattr(TrainPool, "train_step", train_step)
 
 
-def test_restart_on_failure_resumes_exactly(make_spec, reference_run, monkeypatch):
-    """Kill rank 1 at step 3; restart_on_failure resumes from step 2 (an epoch boundary) and matches the reference."""
+def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec, reference_run, monkeypatch):
+    """``restart_on_failure: 1``. Rank 1 killed at step 3: the job restarts from the step-2 checkpoint (an epoch
+    boundary). Rank 0 killed at step 4 of the restarted job: the restart is used up, so the job stops with
+    ``TrainWorkerFailure`` naming the rank (as without restarts); ``--resume`` (``resume=True``) from step 2 finishes
+    it. The run matches the reference step by step. (Formerly test_restart_on_failure_resumes_exactly and
+    test_train_failure_names_rank_then_resume, each with a job of its own: one engine start fewer.)"""
     from cluster import driver
+    from cluster.loop.pools import TrainWorkerFailure
 
     spec = make_spec("restart", "restart_on_failure=1")
     messages, killed, current = [], [], {}
@@ -121,38 +122,21 @@ def test_restart_on_failure_resumes_exactly(make_spec, reference_run, monkeypatc
         current["job"] = self
 
     monkeypatch.setattr(driver.GRPOJob, "__init__", init)
-    _kill_train_rank_at(lambda: current["job"].step, 3, 1, monkeypatch, killed)
-    job, history = driver.run_with_restarts(spec, progress=False)
-    assert killed == [3]
-    assert any("train rank 1" in m and "restarting from the latest checkpoint" in m for m in messages), messages
-    assert job.resume_from is not None and job.resume_from.name == "step_000002"
-    assert len(history) == 4
-    _assert_same_run(spec, reference_run)
-
-
-def test_train_failure_names_rank_then_resume(make_spec, reference_run, monkeypatch):
-    from cluster.driver import GRPOJob
-    from cluster.loop.pools import TrainWorkerFailure
-
-    spec = make_spec("resume")
-    job, killed = GRPOJob(spec, progress=False), []
-    _kill_train_rank_at(job, 3, 0, monkeypatch, killed)
-    try:
-        with pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
-            job.run()
-    finally:
-        job.close()
-        job.shutdown()
-    assert job.step == 3 and (Path(spec.output_dir) / "checkpoints" / "step_000002").is_dir()
+    _kill_train_ranks_at(lambda: current["job"].step, {3: 1, 4: 0}, monkeypatch, killed)
+    with pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
+        driver.run_with_restarts(spec, progress=False)
+    assert killed == [(3, 1), (4, 0)]
+    restarted = [m for m in messages if "restarting from the latest checkpoint" in m]
+    assert len(restarted) == 1 and "train rank 1" in restarted[0], messages
+    job = current["job"]
+    assert job.resume_from is not None and job.resume_from.name == "step_000002" and job.step == 4
+    assert (Path(spec.output_dir) / "checkpoints" / "step_000002").is_dir()
+    _assert_same_run(spec, reference_run, steps=3)  # the automatic restart's step 3 (step 4 failed: not logged)
     monkeypatch.undo()
-    resumed = GRPOJob(spec, progress=False, resume=True)
-    try:
+    with stopped_after(driver.GRPOJob(spec, progress=False, resume=True)) as resumed:
         assert resumed.step == 2 and resumed.policy_version == 2
         resumed.run()
-    finally:
-        resumed.close()
-        resumed.shutdown()
-    _assert_same_run(spec, reference_run)
+    _assert_same_run(spec, reference_run)  # the manual resume's steps 3 and 4
 
 
 def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
@@ -161,8 +145,7 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
     from cluster.driver import GRPOJob
 
     spec = make_spec("engine_kill")
-    job = GRPOJob(spec, progress=False)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         original = job.rollout.generate
 
@@ -174,9 +157,6 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
         job.rollout.generate = generate
         job.run()
         assert job.rollout.restarts == 1
-    finally:
-        job.close()
-        job.shutdown()
     rows = _metrics(spec)
     assert [r["workers/restarts"] for r in rows] == [0, 1, 1, 1]
     assert all(r["sync/verified"] for r in rows)
@@ -190,32 +170,28 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
     from cluster.loop.pools import EngineFailure
 
     spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
-    job = GRPOJob(spec, progress=False)
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         ray.kill(job.rollout.engines[0], no_restart=True)
         with pytest.raises(EngineFailure, match="max_engine_restarts=0"):
             job.run()
-    finally:
-        job.close()
-        job.shutdown()
 
 
-def test_partial_checkpoint_ignored_and_keep_last(make_spec, local_ray):
+def test_partial_checkpoint_ignored_and_keep_last(reference_run):
+    """The reference run saved steps 1-4 with ``keep_last=2``; a crash mid-write of step 5 is then simulated."""
     from cluster.driver import GRPOJob
     from cluster.loop.checkpoints import latest_checkpoint
 
-    spec = make_spec("ckpt", "checkpoint.every_steps=1", "checkpoint.keep_last=2", "total_steps=3")
-    _run_to_end(GRPOJob(spec, progress=False))
+    spec = reference_run
     root = Path(spec.output_dir) / "checkpoints"
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_000002", "step_000003"]
-    # A crash while writing step 4: the temporary folder has weights but no trainer_state.json.
-    partial = root / "step_000004.partial"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
+    # A crash while writing step 5: the temporary folder has weights but no trainer_state.json.
+    partial = root / "step_000005.partial"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
-    assert latest_checkpoint(root) == root / "step_000003"
+    assert latest_checkpoint(root) == root / "step_000004"
     resumed = GRPOJob(spec, progress=False, resume=True)
-    assert resumed.step == 3 and resumed.resume_from == root / "step_000003"
+    assert resumed.step == 4 and resumed.resume_from == root / "step_000004"
     resumed.close()
 
 
@@ -229,7 +205,6 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
 
     use_in_train_pool(monkeypatch)  # train ranks that can poison their next step (fail_next_step)
     spec = make_spec("nan", "train.max_skipped_updates=2", "total_steps=3")
-    job = GRPOJob(spec, progress=False)
     original = GRPOJob.run_step
 
     def run_step(self, bar=None):
@@ -237,15 +212,12 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
             ray.get(self.train.workers[1].fail_next_step.remote("loss"))
         return original(self, bar)
 
-    try:
+    with stopped_after(GRPOJob(spec, progress=False)) as job:
         job.start()
         job.run_step = run_step.__get__(job)
         with pytest.raises(NumericsError, match=r"step 3: 2 updates in a row skipped for a non-finite actor/loss"):
             job.run()
         engine_version = ray.get(job.rollout.engines[0].ready.remote()).policy_version
-    finally:
-        job.close()
-        job.shutdown()
     rows = _metrics(spec)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["actor/update_skipped"] == 0.0 and rows[0]["policy_version"] == 1

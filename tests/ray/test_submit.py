@@ -3,6 +3,11 @@ job is submitted through the Ray Jobs API, its logs are followed to SUCCEEDED, a
 while it runs (≈ 2 minutes). Run under the heavy-run lock: ``flock /tmp/grpo-heavy.lock .venv/bin/python -m pytest
 tests/ray/test_submit.py``.
 
+The head is started from the venv without activating it (``.venv/bin/ray start --head``: the ``python`` on the head's
+PATH is not the venv's). Issue 12: the job died in a deep ``ModuleNotFoundError: torch``. Now ``--python`` defaults to
+this interpreter for a cluster on this machine (the submitted tiny job shows it, and runs with it), and an interpreter
+without the project fails in one line.
+
 The random tiny model never solves GSM8K, so the job is scored by the test reward ``parity`` (tests/parity_reward.py,
 imported by the job with ``--import``), which makes the reward series move.
 """
@@ -17,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.ops import jobs
 from tests.prometheus_scrape import scrape
 from tests.ray_head import free_port
 
@@ -40,8 +46,22 @@ def driver_value(samples: dict[str, float], name: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def head(ray_head):
-    return ray_head
+def head():
+    """A 4-CPU head whose PATH does not lead to this venv (``RayHead(venv_on_path=False)``)."""
+    from tests.ray_head import RayHead
+
+    cluster = RayHead(num_cpus=4, venv_on_path=False)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(head):
+    from cluster.ops.jobs import connect
+
+    return connect(head.dashboard)
 
 
 def test_submit_follow_and_scrape(head, client, tiny_model_dir, gsm8k_train_path, tmp_path):
@@ -51,8 +71,11 @@ def test_submit_follow_and_scrape(head, client, tiny_model_dir, gsm8k_train_path
                     "--import", "tests.parity_reward", "--address", head.dashboard)
     assert submitted.returncode == 0, submitted.stderr
     assert "INFO" not in submitted.stderr, submitted.stderr  # Ray's upload chatter is silenced
+    # The head's PATH has no python with the project: the default interpreter is this one (issue 12).
+    assert f"--python {sys.executable} (the cluster at 127.0.0.1 is on this machine" in submitted.stderr
     job_id = submitted.stdout.strip()
     assert job_id.startswith("tiny_cpu-") and "\n" not in job_id  # stdout is the job id alone
+    assert client.get_job_info(job_id).entrypoint.startswith(f"{sys.executable} -m cluster.cli run")
 
     follow = subprocess.Popen([sys.executable, "-m", "cluster.cli", "logs", job_id, "--follow", "--address",
                                head.dashboard], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,3 +141,22 @@ def test_scale_unknown_job_exits_2(head):
     result = cli("scale", "no-such-job", "--rollout-replicas", "2", "--address", head.dashboard)
     assert result.returncode == 2
     assert "no running grpo-cluster job 'no-such-job'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_interpreter_without_the_project_fails_in_one_line(head, client, tmp_path):
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    submitted = cli("submit", EXAMPLE, "--set", f"output_dir={tmp_path / 'out'}", "--python", python,
+                    "--address", head.dashboard)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    details = jobs.wait_for_job(client, job_id, timeout_s=120)
+    logs = client.get_job_logs(job_id)
+    assert str(details.status) == "FAILED", logs
+    assert "Traceback" not in logs, logs
+    printed = logs.split("Running entrypoint for job", 1)[1].splitlines()[1:]  # after Ray's own preamble
+    assert [line for line in printed if line.strip()] == [
+        f"grpo-cluster: missing dependency: torch, transformers, ray, pydantic, yaml, safetensors, prometheus_client, "
+        f"tqdm, filelock, psutil (interpreter {python}); submit with --python PATH (an interpreter on the cluster "
+        f"that has the project's dependencies) or --pip REQUIREMENT"], logs
