@@ -97,24 +97,30 @@ class JobSpec(BaseModel):
 
 
 def async_overlap_conflict(rollout, train) -> FieldConflict | None:
-    """``rollout.mode: async`` needs generation to overlap training. It cannot when engines and trainers share one
-    GPU with no memory split: both pools reserve GPUs, together at most one (``rollout.replicas`` ×
-    ``num_gpus_per_replica`` + ``train.world_size`` × ``num_gpus_per_worker`` <= 1, so Ray may pack every one of
-    them onto the same GPU), and the engines' memory share (``rollout.gpu_memory_utilization``) plus the trainers'
-    (their reserved GPU fraction, the only share the spec gives them) exceeds that GPU. CPU pools share cores, which
-    overlap fine: never refused. None when async can overlap (or the mode is not async)."""
-    rollout_gpus = rollout.replicas * rollout.num_gpus_per_replica
-    train_gpus = train.world_size * train.num_gpus_per_worker
-    if rollout.mode != "async" or rollout_gpus == 0 or train_gpus == 0 or rollout_gpus + train_gpus > 1:
+    """``rollout.mode: async`` needs generation to overlap training. It cannot when an engine and train ranks share
+    one GPU with no memory split. Ray gives a whole-number GPU request whole GPUs of its own, and packs fractional
+    requests onto any GPU with room left, whatever the pools reserve in all; so an engine's GPU bundle (``rollout.
+    num_gpus_per_replica``, split into ``tensor_parallel_size`` bundles by ``RolloutPool._spawn``) and a train rank
+    (``train.num_gpus_per_worker``) can share a GPU when both are fractions (< 1) that fit together (sum <= 1). Up to
+    n = min(``train.world_size``, ⌊(1 − engine bundle) / rank⌋) ranks fit beside one engine bundle; it is refused when
+    the engine's memory share (``rollout.gpu_memory_utilization``) plus theirs (n × their reserved fraction, the only
+    share the spec gives them) exceeds that GPU. CPU pools share cores, which overlap fine: never refused. None when
+    async can overlap (or the mode is not async)."""
+    tp = rollout.tensor_parallel_size if rollout.num_gpus_per_replica > 0 else 1
+    engine, rank = rollout.num_gpus_per_replica / tp, train.num_gpus_per_worker  # GPUs per bundle / per rank
+    tolerance = 1e-9  # reservations such as 0.1 × 3 are sums of binary fractions
+    if rollout.mode != "async" or not (0 < engine < 1 and 0 < rank < 1) or engine + rank > 1 + tolerance:
         return None
-    if rollout.gpu_memory_utilization + train_gpus <= 1:
+    ranks = max(n for n in range(1, train.world_size + 1) if engine + n * rank <= 1 + tolerance)
+    share = ranks * rank
+    if rollout.gpu_memory_utilization + share <= 1 + tolerance:
         return None
     return FieldConflict("rollout.mode", (
-        f"'async' overlaps generation with training, but engines ({rollout.replicas} x "
-        f"{rollout.num_gpus_per_replica:g} GPU) and train ranks ({train.world_size} x {train.num_gpus_per_worker:g} GPU) reserve "
-        f"{rollout_gpus + train_gpus:g} GPU in all, so they can share one GPU, and rollout.gpu_memory_utilization "
-        f"{rollout.gpu_memory_utilization:g} + the train ranks' {train_gpus:g} exceeds it: expected a memory split "
-        f"(gpu_memory_utilization <= {1 - train_gpus:g}) or pools on separate GPUs (reservations summing to > 1)"))
+        f"'async' overlaps generation with training, but an engine's GPU bundle ({rollout.num_gpus_per_replica:g} GPU "
+        f"/ {tp} bundle(s) = {engine:g}) and {ranks} train rank(s) of {rank:g} GPU fit on one GPU, so they can share "
+        f"one GPU, and rollout.gpu_memory_utilization {rollout.gpu_memory_utilization:g} + the train ranks' "
+        f"{share:g} exceeds it: expected a memory split (gpu_memory_utilization <= {1 - share:g}) or pools that "
+        f"cannot share a GPU (whole-GPU reservations, or an engine bundle and a rank that sum to > 1)"))
 
 
 def monitor_conflicts(spec: JobSpec) -> list[FieldConflict]:

@@ -52,3 +52,44 @@ def test_async_refuses_pools_sharing_one_gpu_without_a_memory_split(gpus):
 ])
 def test_async_accepts_pools_that_can_overlap(gpus):
     assert load_spec_text(SPEC, overrides=[*ASYNC, *gpus]).rollout.mode == "async"
+
+
+@pytest.mark.parametrize("gpus", [
+    # 2 GPUs reserved in all, but an engine's 0.5 and a rank's 0.5 fit on one GPU: Ray may pack them, 0.9 + 0.5 > 1
+    ["rollout.num_gpus_per_replica=0.5", "train.world_size=3", "train.num_gpus_per_worker=0.5",
+     "rollout.gpu_memory_utilization=0.9"],
+    # two engines and two ranks of 0.5 each on two GPUs: one GPU may hold an engine and a rank
+    ["rollout.replicas=2", "rollout.num_gpus_per_replica=0.5", "train.world_size=2", "train.num_gpus_per_worker=0.5",
+     "rollout.gpu_memory_utilization=0.9"],
+    # a tensor-parallel engine of 1 GPU is two bundles of 0.5 (RolloutPool._spawn): a rank's 0.5 fits beside one
+    ["rollout.num_gpus_per_replica=1.0", "rollout.tensor_parallel_size=2", "train.num_gpus_per_worker=0.5",
+     "rollout.gpu_memory_utilization=0.9"],
+    # 4 ranks of 0.25 beside an engine of 0.25: 3 of them fit on its GPU, 0.5 + 0.75 > 1
+    ["rollout.num_gpus_per_replica=0.25", "train.world_size=4", "train.num_gpus_per_worker=0.25"],
+])
+def test_async_refuses_fractional_pools_that_can_share_a_gpu_across_several(gpus):
+    """Reservations summing to more than 1 GPU do not keep the pools apart: Ray packs fractional requests onto any
+    GPU with room, so an engine and train ranks share one whenever their fractions fit together."""
+    with pytest.raises(SpecError, match=r"rollout.mode: 'async' overlaps generation with training, .* can share one "
+                                        r"GPU, .* expected a memory split"):
+        load_spec_text(SPEC, overrides=[*ASYNC, *gpus])
+
+
+@pytest.mark.parametrize("gpus", [
+    # the same packings with a memory split on the shared GPU
+    ["rollout.num_gpus_per_replica=0.5", "train.world_size=3", "train.num_gpus_per_worker=0.5",
+     "rollout.gpu_memory_utilization=0.5"],
+    ["rollout.num_gpus_per_replica=0.25", "train.world_size=4", "train.num_gpus_per_worker=0.25",
+     "rollout.gpu_memory_utilization=0.25"],
+    # whole-GPU engines never share with a rank, however many fractional ranks there are
+    ["rollout.num_gpus_per_replica=1.0", "train.world_size=3", "train.num_gpus_per_worker=0.5",
+     "rollout.gpu_memory_utilization=0.9"],
+    # whole-GPU ranks beside fractional engines
+    ["rollout.replicas=2", "rollout.num_gpus_per_replica=0.5", "train.num_gpus_per_worker=1.0",
+     "rollout.gpu_memory_utilization=0.9"],
+    # an engine of 0.7 and ranks of 0.4: no rank fits beside an engine
+    ["rollout.num_gpus_per_replica=0.7", "train.world_size=2", "train.num_gpus_per_worker=0.4",
+     "rollout.gpu_memory_utilization=0.9"],
+])
+def test_async_accepts_fractional_pools_that_cannot_share_a_gpu_or_split_it(gpus):
+    assert load_spec_text(SPEC, overrides=[*ASYNC, *gpus]).rollout.mode == "async"
