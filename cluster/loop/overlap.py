@@ -225,8 +225,9 @@ class AsyncSchedule(Generic[B, R, S]):
 
     @property
     def queued(self) -> list[B]:
-        """Every queued batch, oldest first."""
-        return [batch for _, batch in self._queue]
+        """Every queued batch, oldest first: a snapshot, safe to read while the producer appends (``list(deque)``
+        copies in one C call under the GIL; iterating the deque itself raises 'deque mutated during iteration')."""
+        return [batch for _, batch in list(self._queue)]
 
     def step(self, step: int, prefetch_next: bool = True) -> StepOutcome[B, R, S]:
         """Train step ``step`` on the queue's head (after dropping it and the rest if it is more than

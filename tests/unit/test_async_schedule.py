@@ -5,7 +5,9 @@ boundary, errors, deferral and discard — no Ray, no engine, no trainer. Order 
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import pytest
 
@@ -242,3 +244,35 @@ def test_async_bench_stand_ins_long_tail_staleness_within_bound():
     assert max(durations) > 2 * min(durations)  # a tail, not a constant
     result = measure("async", durations.__getitem__, 0.0, 0.0, 8, max_staleness=2)
     assert set(result["staleness"]) <= {1, 2} and len(result["staleness"]) == 8
+
+
+def test_queued_can_be_read_while_the_producer_appends():
+    """``queued`` (read by whoever watches the queue while a step trains, as these tests' ``wait_queued`` do) is a
+    snapshot: iterating the deque itself while the producer appends raised 'deque mutated during iteration'. Thread
+    switches are forced every microsecond so the reads interleave with the appends."""
+    k, errors, reads = 1000, [], []
+
+    def train(batch):
+        while len(reads) < 100_000:
+            try:
+                reads.append(len(schedule.queued))
+            except RuntimeError as exc:
+                errors.append(exc)
+                break
+            if reads[-1] >= k:
+                break
+        return batch
+
+    def generate(step):
+        time.sleep(0)  # yields the GIL (no timing): the reader runs between appends
+        return step
+
+    schedule = AsyncSchedule(generate, train, lambda trained: trained, max_staleness=k, version=lambda: 0,
+                             batch_version=lambda batch: 0, drop=lambda batches: None)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        schedule.step(1)
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and reads[-1] >= 1 and len(schedule.queued) <= k
