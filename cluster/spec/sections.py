@@ -323,7 +323,10 @@ class TrainSpec(BaseModel):
                 "sequence_parallel splits activations over the tensor-parallel ranks: it needs "
                 "tensor_parallel_size > 1, got 1"))
         if self.world_size % (tp * pp):
-            raise FieldConflict("train.tensor_parallel_size", (
+            # the pipeline size is named when it alone breaks the layout (tp divides world_size, pp does not)
+            culprit = "pipeline_parallel_size" if self.world_size % tp == 0 and self.world_size % pp else (
+                "tensor_parallel_size")
+            raise FieldConflict(f"train.{culprit}", (
                 f"tensor_parallel_size × pipeline_parallel_size = {tp} × {pp} = {tp * pp} must divide "
                 f"train.world_size = {self.world_size}"))
         return self

@@ -196,3 +196,24 @@ def test_megatron_state_dict_round_trip_every_layout(config, tp, pp):
         k for k in first if k.startswith("decoder.layers."))  # local layer names 0..L/pp-1 on every stage
     has_output = not layout.tied_embeddings or pp > 1  # tied: the last stage keeps a copy only when pp > 1
     assert ("output_layer.weight" in last) == has_output
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # only the pipeline size breaks the layout: tp 1 (the default, never set) divides anything
+    (("train.world_size=2", "train.pipeline_parallel_size=3"),
+     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*1 × 3 = 3 must divide train.world_size = 2"),
+    (("train.world_size=4", "train.tensor_parallel_size=2", "train.pipeline_parallel_size=3"),
+     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*2 × 3 = 6 must divide"),
+])
+def test_megatron_layout_refusal_names_the_pipeline_size_when_it_alone_does_not_divide(megatron_registered,
+                                                                                       overrides, message):
+    with pytest.raises(SpecError, match=message):
+        load("train.strategy=megatron", *overrides)
+
+
+@pytest.mark.parametrize("tp, pp, field", [(0, 1, "train.tensor_parallel_size"), (1, 0, "train.pipeline_parallel_size"),
+                                           (-2, 1, "train.tensor_parallel_size")])
+def test_megatron_layout_sizes_below_1_name_their_field(tp, pp, field):
+    with pytest.raises(MegatronLayoutError, match=r">= 1") as info:
+        check_megatron_layout(SMOLLM2_135M, tp=tp, pp=pp)
+    assert info.value.field == field

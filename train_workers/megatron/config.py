@@ -112,8 +112,9 @@ def check_megatron_layout(hf_config: dict[str, Any], tp: int = 1, pp: int = 1,
     archs = hf_config.get("architectures") or []
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise MegatronLayoutError("architectures", f"expected one of {list(SUPPORTED_ARCHITECTURES)}, got {archs}")
-    if tp < 1 or pp < 1:
-        raise MegatronLayoutError("train.tensor_parallel_size", f"expected tp, pp >= 1, got tp={tp}, pp={pp}")
+    for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if size < 1:
+            raise MegatronLayoutError(f"train.{name}", f"expected {name} >= 1, got {size}")
     qwen2 = "Qwen2ForCausalLM" in archs
     act = hf_config.get("hidden_act", "silu")
     if act != "silu":
