@@ -201,7 +201,8 @@ def test_megatron_state_dict_round_trip_every_layout(config, tp, pp):
 @pytest.mark.parametrize("overrides, message", [
     # only the pipeline size breaks the layout: tp 1 (the default, never set) divides anything
     (("train.world_size=2", "train.pipeline_parallel_size=3"),
-     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*1 × 3 = 3 must divide train.world_size = 2"),
+     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*1 × 3 = 3 must divide "
+     r"train.world_size = 2"),
     (("train.world_size=4", "train.tensor_parallel_size=2", "train.pipeline_parallel_size=3"),
      r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*2 × 3 = 6 must divide"),
 ])
@@ -211,9 +212,27 @@ def test_megatron_layout_refusal_names_the_pipeline_size_when_it_alone_does_not_
         load("train.strategy=megatron", *overrides)
 
 
-@pytest.mark.parametrize("tp, pp, field", [(0, 1, "train.tensor_parallel_size"), (1, 0, "train.pipeline_parallel_size"),
-                                           (-2, 1, "train.tensor_parallel_size")])
+@pytest.mark.parametrize("tp, pp, field", [
+    (0, 1, "train.tensor_parallel_size"), (1, 0, "train.pipeline_parallel_size"),
+    (-2, 1, "train.tensor_parallel_size")])
 def test_megatron_layout_sizes_below_1_name_their_field(tp, pp, field):
     with pytest.raises(MegatronLayoutError, match=r">= 1") as info:
         check_megatron_layout(SMOLLM2_135M, tp=tp, pp=pp)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("name", ["decoder.layers.0.self_attention.linear_proj.weight",
+                                  "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+                                  "embedding.word_embeddings.weight"])
+def test_megatron_param_to_hf_refuses_one_shard_of_a_tp_split_parameter(name):
+    """One shard stands for the whole parameter only when it is replicated (the norms); a split one given as one
+    shard came back as a part of the HF tensor, under its HF name, with no error."""
+    from train_workers.megatron.convert import hf_to_megatron, megatron_param_to_hf
+
+    config = {**SMOLLM2_135M, **TINY}
+    layout = check_megatron_layout(config, tp=2)
+    shard = hf_to_megatron(_hf_state_dict(config), layout, tp_rank=0)[name]
+    with pytest.raises(ValueError, match=rf"{name}: .*split over tp=2 ranks: expected 2 shards, got 1"):
+        megatron_param_to_hf(name, [shard], layout)
+    norm = megatron_param_to_hf("decoder.layers.0.input_layernorm.weight", [torch.ones(64)], layout)
+    assert norm[0][1].shape == (64,)

@@ -167,16 +167,22 @@ def megatron_param_to_hf(name: str, shards: list[torch.Tensor],
 
     Args:
         name: the Megatron name with the *global* layer index (``decoder.layers.{i}...``, i in [0, L)).
-        shards: the parameter on TP ranks 0..tp-1, in rank order (a replicated one: any one or all of them).
+        shards: the parameter on TP ranks 0..tp-1, in rank order (a replicated one, a norm: any one or all of
+            them; a split one: all tp of them).
     Returns:
         [(HF name, tensor)], one entry, or three for ``linear_qkv`` (q, k, v) and two for ``linear_fc1`` (gate, up);
         empty for ``output_layer.weight`` with tied embeddings (the embedding is the HF source of truth).
     Raises:
         KeyError: ``name`` is not a parameter of the Llama/Qwen2 layout.
-        ValueError: the number of shards is neither 1 (replicated) nor tp, or a shape does not match ``layout``.
+        ValueError: the number of shards is neither 1 (replicated) nor tp, one shard of a TP-split parameter, or a
+            shape does not match ``layout``.
     """
     if len(shards) not in (1, layout.tp):
         raise ValueError(f"{name}: expected 1 or tp={layout.tp} shards, got {len(shards)}")
+    leaf = name[len(_LAYER):].split(".", 1)[-1] if name.startswith(_LAYER) else name
+    replicated = leaf == "decoder.final_layernorm.weight" or _SIMPLE.get(leaf, ("", ""))[1] == "rep"  # the norms
+    if not replicated and len(shards) != layout.tp:
+        raise ValueError(f"{name}: split over tp={layout.tp} ranks: expected {layout.tp} shards, got {len(shards)}")
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name == "output_layer.weight" and layout.tied_embeddings:
             return []
