@@ -4,7 +4,9 @@ train_workers/megatron/convert.py against hand-built tensors. Nothing here impor
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ import torch
 from cluster.spec import SpecError, load_spec_text
 from train_workers.megatron.config import MegatronLayoutError, check_megatron_layout
 from train_workers.megatron.convert import fuse_qkv, pad_vocab, shard_fc1, split_qkv, unshard_fc1
+
+REPO = Path(__file__).resolve().parents[2]
 
 MINIMAL = """\
 output_dir: runs/test
@@ -147,7 +151,12 @@ def test_megatron_vocab_padding_zero_rows():
 
 
 def test_megatron_layout_imports_no_megatron():
-    assert not any(name == "megatron" or name.startswith("megatron.") for name in sys.modules)
+    # In a fresh interpreter: earlier tests of the same pytest process (tests/distributed) import megatron-core.
+    code = ("import sys; import cluster.spec, train_workers.megatron.config, train_workers.megatron.convert; "
+            "loaded = sorted(n for n in sys.modules if n == 'megatron' or n.startswith('megatron.')); "
+            "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def _hf_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
