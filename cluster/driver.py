@@ -297,7 +297,7 @@ class GRPOJob:
         """
         overlapped = step > self.step
         clock = StepClock(None if overlapped or self.schedule.mode != "sync" else self._clock.bar)
-        carried = self.partial.take(step, self.policy_version) if self.partial is not None else None
+        carried = self.partial.take(step, self.policy_version + step - self.step) if self.partial else None
         position = (carried.position if carried is not None else
                     {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()})
         alg = self.spec.algorithm

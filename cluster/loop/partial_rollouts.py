@@ -17,9 +17,9 @@ records the data position before its prompts were drawn (they are sampled again 
 from the restored position); so no prompt is lost or trained twice.
 
 Staleness: a carried group's ``policy_version`` is the oldest version of any of its tokens. A group that would be
-``rollout.max_staleness`` or more versions behind the trainer when resumed is sampled again from scratch (same seed)
-instead, counted in ``rollout/partial_restarted``, so resumed groups never exceed the staleness bound by
-construction of the carry alone.
+more than ``rollout.max_staleness`` versions behind the policy that trains it is sampled again from scratch (same
+seed) instead of continued, counted in ``rollout/partial_restarted``: a long completion interrupted step after step
+never outgrows the staleness bound.
 
 Sources: AReaL (Fu et al. 2025, interruptible rollout workers), PipelineRL (Piché et al. 2025, in-flight weight
 updates), slime (THUDM, partial rollouts: aborted samples kept and continued in the next rollout).
@@ -112,11 +112,11 @@ class PartialRollouts:
         self.carried = CarriedRound(step, position, group_size, interrupted.examples, requests, figures)
         return self.carried
 
-    def take(self, step: int, trainer_version: int) -> CarriedRound | None:
-        """The carried round of ``step`` (removed from here), its requests ready to send on the trainer's version
-        ``trainer_version``: a group whose oldest token is ``max_staleness`` or more versions behind it is sampled
-        again from scratch (``resume_from`` None); None when no round of ``step`` is carried (one of another step
-        stays).
+    def take(self, step: int, trained_at: int) -> CarriedRound | None:
+        """The carried round of ``step`` (removed from here), its requests ready to send: a group whose oldest
+        token would be more than ``max_staleness`` versions behind ``trained_at`` (the earliest policy version that
+        can train it: the trainer's now, plus one per step between) is sampled again from scratch (``resume_from``
+        None); None when no round of ``step`` is carried (one of another step stays).
         """
         carried = self.carried
         if carried is None or carried.step != step:
@@ -125,7 +125,7 @@ class PartialRollouts:
         requests = []
         for q in carried.requests:
             prior = q.resume_from
-            if trainer_version - prior.policy_version >= self.max_staleness:
+            if trained_at - prior.policy_version > self.max_staleness:
                 self.restarted += 1
                 requests.append(replace(q, resume_from=None))
                 continue
