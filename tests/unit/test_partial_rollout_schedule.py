@@ -175,3 +175,15 @@ def test_partial_rollout_only_producer_calls_may_be_interrupted():
                              batch_version=lambda b: 0, drop=lambda b: None, interrupt=lambda: None)
     with pytest.raises(GenerateInterrupted, match="caller thread"):
         schedule.step(1)
+
+
+def test_partial_rollout_bench_stand_ins_interrupt_the_long_call():
+    """bench/bench_async.py's async+partial row drives the same schedule: the producer's 1 s call for step 3 is
+    interrupted once step 2 has trained (0.05 s) and continued by step 3 after the sync, keeping the time it had
+    left; staleness stays within max_staleness 1."""
+    from bench.bench_async import measure
+
+    durations = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    result = measure("async", durations.__getitem__, 0.05, 0.0, 2, max_staleness=1, partial=True)
+    assert result["interrupted"] == 1 and set(result["staleness"]) == {1}
+    assert 0.9 < result["max_step_s"] < 5.0  # step 3 (queue empty) waits for what was left of the call
