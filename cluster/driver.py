@@ -261,8 +261,7 @@ class GRPOJob:
         return metrics
 
     def _interrupt_producer(self) -> None:
-        """(partial rollouts) The schedule's ``interrupt``: stop the producer's generate calls of this step's epoch on
-        every engine; the call returns its groups with their tokens so far and :meth:`_generate` carries them over."""
+        """(partial rollouts) The schedule's ``interrupt``: stop this step's producer calls on every engine."""
         self.fleet.interrupt(self.partial.epoch)
 
     def _drop_stale(self, batches: list[StepBatch]) -> None:
@@ -285,10 +284,8 @@ class GRPOJob:
         worker thread while the train ranks work: it uses the engines, the prompt queue, the scorer and the group-size
         controller, which nothing else touches then, and it syncs no engine (the trainer's weights are changing).
 
-        With partial rollouts a round carried over for ``step`` (an interrupted call's) is sent again instead of
-        drawing prompts (its groups continued on the engines' current weights), and a producer call's round is
-        interruptible (``interrupt_epoch``): when interrupted, it is carried over (``self.partial``) and
-        :class:`GenerateInterrupted` raised (the schedule stops the producer for the step).
+        Partial rollouts: a round carried over for ``step`` is sent again instead of drawing prompts (continued on
+        the current weights); an interrupted producer call's round is carried over (``self.partial``).
 
         Raises:
             RecoveryDeferred: (overlapped only) an engine fault; the prompts drawn are put back, to be drawn again
@@ -342,19 +339,15 @@ class GRPOJob:
     def _sample_round(self, group_size: int, clock: StepClock, recover: bool, num_prompts: int,
                       carried=None, interrupt_epoch: int | None = None) -> RolloutBatch:
         """generate → score → advantages for ``num_prompts`` new prompts of G = ``group_size`` completions each;
-        each engine's groups are scored as soon as it finishes. ``recover``: ``EngineFleet.generate``'s.
-
-        Partial rollouts: ``carried`` (a :class:`~cluster.loop.partial_rollouts.CarriedRound`) replaces the draw by
-        its prompts and requests; ``interrupt_epoch`` makes the call interruptible.
+        each engine's groups are scored as soon as it finishes. ``recover``: ``EngineFleet.generate``'s. Partial
+        rollouts: ``carried`` (a ``CarriedRound``) replaces the draw; ``interrupt_epoch`` makes the call interruptible.
 
         Raises:
             RoundInterrupted: a group came back with an interrupted completion (nothing was scored).
         """
         clock.show("generate")
-        if carried is not None:
-            examples, requests = carried.examples, carried.requests
-        else:
-            examples, requests = self.requests.draw(num_prompts, group_size)
+        examples, requests = ((carried.examples, carried.requests) if carried is not None
+                              else self.requests.draw(num_prompts, group_size))
         scorer = RoundScorer(self.scoring, requests, examples)
         extra = {"interrupt_epoch": interrupt_epoch} if interrupt_epoch is not None else {}
         with clock.measure("generate"):
