@@ -194,6 +194,7 @@ class RolloutEngine:
         engine = self.llm.llm_engine
         t0 = time.perf_counter()
         version = self.policy_version
+        self.inflight_tokens = 0
         per_group: list[dict] = [{} for _ in requests]  # sample index -> (job, state)
         by_id: dict[str, tuple] = {}  # request id -> (job, state)
         try:
@@ -207,7 +208,6 @@ class RolloutEngine:
                     engine.add_request(rid, TokensPrompt(prompt_token_ids=job.prompt_ids), params,
                                        lora_request=self.lora_request)
                     by_id[rid] = per_group[k][job.sample] = (job, CompletionState())
-            self.inflight_tokens = 0
             while engine.has_unfinished_requests():
                 if interrupt_epoch is not None and self._interrupted_epoch >= interrupt_epoch:
                     engine.abort_request([rid for rid, (_, st) in by_id.items() if st.finish_reason is None])

@@ -73,6 +73,7 @@ SCRIPT = textwrap.dedent("""
         out["stepped_versions"] = [g.token_versions for g in stepped]
 
         box = {}
+        engine.inflight_tokens = 0  # the last call's count until the next call starts
         thread = threading.Thread(target=lambda: box.update(r=engine.generate(requests, 2, interrupt_epoch=1)))
         thread.start()
         deadline = time.monotonic() + 60
