@@ -8,7 +8,9 @@ Notation: B prompts per step, G completions per prompt (a group), N = B·G seque
 ``one_step_off`` generates the batch of step k+1 (on the weights step k starts from) while step k trains, then syncs
 the new weights, so every batch after the first is trained one policy version after the one that sampled it;
 ``async`` keeps the engines generating batches back to back while each step trains, at most ``rollout.max_staleness``
-versions ahead of the trainer (a stale head is dropped, counted and its prompts drawn again).
+versions ahead of the trainer (a stale head is dropped, counted and its prompts drawn again); with
+``rollout.partial_rollout`` the producer's call in flight is interrupted after each train step instead of awaited,
+and its groups are continued from their tokens on the new weights (``cluster.loop.partial_rollouts``).
 
 With ``algorithm.dynamic_sampling`` the generate → score → advantages stage repeats (``cluster.loop.sampling``) until the
 batch holds B groups with a learning signal; G follows ``GroupSizeController``; β follows the KL controller.
@@ -43,7 +45,8 @@ from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, infl
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.fleet import EngineFleet, RecoveryDeferred
 from cluster.loop.guard import build_guard, check_resume
-from cluster.loop.overlap import make_schedule
+from cluster.loop.overlap import GenerateInterrupted, make_schedule
+from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted
 from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
@@ -102,10 +105,13 @@ class GRPOJob:
                               if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
+        # partial rollouts: the carried-over round, the interrupt epoch and the rollout/partial_* counts
+        self.partial = PartialRollouts(spec.rollout.max_staleness) if spec.rollout.partial_rollout else None
         self.schedule = make_schedule(spec.rollout.mode, self._generate, self._train_batch, self._sync_step,
                                       deferrable=(RecoveryDeferred,), max_staleness=spec.rollout.max_staleness,
                                       version=lambda: self.policy_version, batch_version=_batch_version,
-                                      drop=self._drop_stale, last_step=spec.total_steps)
+                                      drop=self._drop_stale, last_step=spec.total_steps,
+                                      interrupt=self._interrupt_producer if self.partial is not None else None)
         self._clock = StepClock()  # the running step's clock (train and sync phases; run_step makes each step's)
         self._inflight_resampled = 0  # groups in flight at the restored checkpoint, sampled again by the next step
         self._trained_figures = None  # the fleet's figures of the batch the last step trained on
@@ -227,6 +233,8 @@ class GRPOJob:
         phase, in ``async`` the batches of the next steps, up to ``rollout.max_staleness`` queued). Returns the step's
         metrics."""
         self._clock = clock = StepClock(bar)
+        if self.partial is not None:
+            self.partial.begin_step()
         outcome = self.schedule.step(self.step, prefetch_next=self.step < self.spec.total_steps)
         batch, (result, packing, version_at_train), sync_metrics = outcome.batch, outcome.trained, outcome.synced
         for phase, seconds in batch.seconds.items():
@@ -248,7 +256,13 @@ class GRPOJob:
         if self.schedule.mode == "async":
             metrics.update(async_metrics(batch, version_at_train, outcome.dropped, outcome.queued,
                                          self._stale_dropped_total, self.spec.rollout.max_staleness))
+        if self.partial is not None:
+            metrics.update(self.partial.metrics(batch.sampling.batch))
         return metrics
+
+    def _interrupt_producer(self) -> None:
+        """(partial rollouts) The schedule's ``interrupt``: stop this step's producer calls on every engine."""
+        self.fleet.interrupt(self.partial.epoch)
 
     def _drop_stale(self, batches: list[StepBatch]) -> None:
         """(async) The queued ``batches`` (oldest first) were dropped because the oldest is more than
@@ -256,6 +270,8 @@ class GRPOJob:
         oldest one's, so their prompts are drawn again in the same order, and count their groups."""
         self.requests.load_state_dict(batches[0].position["prompts"])
         self.group_size.load_state_dict(batches[0].position["group_size"])
+        if self.partial is not None:
+            self.partial.discard()  # a round carried for a later step: its prompts come after the rewound position
         groups = sum(b.sampling.num_groups_sampled for b in batches)
         self._stale_dropped_total += groups
         self._status(f"step {self.step}: dropped {len(batches)} queued batch(es), {groups} group(s): the oldest was "
@@ -268,18 +284,29 @@ class GRPOJob:
         worker thread while the train ranks work: it uses the engines, the prompt queue, the scorer and the group-size
         controller, which nothing else touches then, and it syncs no engine (the trainer's weights are changing).
 
+        Partial rollouts: a round carried over for ``step`` is sent again instead of drawing prompts (continued on
+        the current weights); an interrupted producer call's round is carried over (``self.partial``).
+
         Raises:
             RecoveryDeferred: (overlapped only) an engine fault; the prompts drawn are put back, to be drawn again
                 by the next step after the sync.
+            GenerateInterrupted: (partial rollouts, overlapped only) the call was interrupted.
         """
         overlapped = step > self.step
         clock = StepClock(None if overlapped or self.schedule.mode != "sync" else self._clock.bar)
-        position = {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()}
+        carried = self.partial.take(step, self.policy_version + step - self.step) if self.partial else None
+        position = (carried.position if carried is not None else
+                    {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()})
         alg = self.spec.algorithm
-        group_size = self.group_size.group_size(step)
+        group_size = carried.group_size if carried is not None else self.group_size.group_size(step)
         self.requests.begin_step(step)
         self.fleet.begin_step()
-        sample_round = partial(self._sample_round, group_size, clock, not overlapped)
+        if carried is not None:
+            self.requests.redraw(carried.examples, carried.requests)
+            self.fleet.figures = carried.figures
+        epoch = self.partial.epoch if self.partial is not None and overlapped else None
+        sample_round = partial(self._sample_round, group_size, clock, not overlapped, carried=carried,
+                               interrupt_epoch=epoch)
         try:
             sampling = sample_groups(sample_round, self.spec.rollout.prompts_per_step, dynamic=alg.dynamic_sampling,
                                      max_rounds=alg.max_sampling_rounds)
@@ -287,6 +314,9 @@ class GRPOJob:
             self.requests.load_state_dict(position["prompts"])
             self._status(f"step {step}'s batch: {exc}")
             raise
+        except RoundInterrupted as exc:
+            self.partial.carry(step, position, group_size, exc, self.fleet.figures)
+            raise GenerateInterrupted(f"step {step}'s batch: {exc}") from None
         self.group_size.observe(step, sampling.all_equal_fraction)
         return StepBatch(step=step, sampling=sampling, group_size=group_size,
                          prompts=self.requests.trained_prompts(sampling.batch.group_ids), fleet=self.fleet.figures,
@@ -306,14 +336,24 @@ class GRPOJob:
         with self._clock.phase("sync"):
             return self._sync(trained[0])
 
-    def _sample_round(self, group_size: int, clock: StepClock, recover: bool, num_prompts: int) -> RolloutBatch:
+    def _sample_round(self, group_size: int, clock: StepClock, recover: bool, num_prompts: int,
+                      carried=None, interrupt_epoch: int | None = None) -> RolloutBatch:
         """generate → score → advantages for ``num_prompts`` new prompts of G = ``group_size`` completions each;
-        each engine's groups are scored as soon as it finishes. ``recover``: ``EngineFleet.generate``'s."""
+        each engine's groups are scored as soon as it finishes. ``recover``: ``EngineFleet.generate``'s. Partial
+        rollouts: ``carried`` (a ``CarriedRound``) replaces the draw; ``interrupt_epoch`` makes the call interruptible.
+
+        Raises:
+            RoundInterrupted: a group came back with an interrupted completion (nothing was scored).
+        """
         clock.show("generate")
-        examples, requests = self.requests.draw(num_prompts, group_size)
+        examples, requests = ((carried.examples, carried.requests) if carried is not None
+                              else self.requests.draw(num_prompts, group_size))
         scorer = RoundScorer(self.scoring, requests, examples)
+        extra = {"interrupt_epoch": interrupt_epoch} if interrupt_epoch is not None else {}
         with clock.measure("generate"):
-            groups = self.fleet.generate(requests, scorer.on_groups, recover=recover)
+            groups = self.fleet.generate(requests, scorer.on_groups, recover=recover, **extra)
+        if not all(g.complete for g in groups):
+            raise RoundInterrupted(examples, requests, groups)
         clock.add("score", scorer.seconds)
         with clock.phase("score"):
             return scorer.batch(groups)
@@ -401,15 +441,20 @@ class GRPOJob:
 
     def _inflight(self) -> dict | None:
         """``driver_state``'s ``inflight`` (``one_step_off``, ``async``): the position before the oldest batch
-        generated but not trained, and the groups of every such batch, so the checkpoint records the data position of
-        the trained batches only; None in ``sync``."""
+        generated but not trained (or the round carried over by partial rollouts, which comes after every queued
+        batch), and the groups of every such batch and round, so the checkpoint records the data position of the
+        trained batches only; None in ``sync``."""
         if self.schedule.mode == "sync":
             return None
         queued = self.schedule.queued
-        if not queued:
-            return {"position": {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()},
-                    "groups": 0}
-        return {"position": queued[0].position, "groups": sum(b.sampling.num_groups_sampled for b in queued)}
+        carried = self.partial.carried if self.partial is not None else None  # a later step's than any queued
+        groups = sum(b.sampling.num_groups_sampled for b in queued) + (carried.num_groups if carried else 0)
+        if queued:
+            return {"position": queued[0].position, "groups": groups}
+        if carried is not None:
+            return {"position": carried.position, "groups": groups}
+        return {"position": {"prompts": self.requests.state_dict(), "group_size": self.group_size.state_dict()},
+                "groups": 0}
 
     def _restore(self, path: Path) -> None:
         """Restore the driver's side of checkpoint ``path`` (the workers load theirs in :meth:`start`).
@@ -420,6 +465,8 @@ class GRPOJob:
         """
         check_policy_kind(path, self.spec.train.lora)
         self.schedule.discard()  # a batch prefetched before a rollback: its prompts are drawn again from the position
+        if self.partial is not None:
+            self.partial.discard()  # likewise a round carried over (partial rollouts)
         self._inflight_resampled = inflight_groups(path)
         self._stale_dropped_total = stale_dropped_total(path)
         self.step, policy_version = restore_driver_state(path, prompts=self.requests, kl_controller=self.kl_controller,

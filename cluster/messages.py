@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: ``GroupResult.finish_reasons`` entry of a completion aborted by a weight update (``rollout.partial_rollout``).
+INTERRUPTED = "interrupted"
+
+
 # ---- rollout: driver → engine → driver -------------------------------------------------------------------------
 
 
@@ -49,6 +53,9 @@ class GroupRequest:
             reproducible.
         sampling: None samples with the spec's ``rollout`` settings (training); a :class:`SamplingOverride` replaces
             them for this request (held-out evaluation).
+        resume_from: (``rollout.partial_rollout``) the group as an earlier, interrupted generate call left it: its
+            completions with finish reason ``"interrupted"`` are continued from their tokens on the engine's current
+            weights (``rollout_workers.partial``), the others are returned as they are. None: sample from scratch.
     """
 
     group_id: int
@@ -56,6 +63,7 @@ class GroupRequest:
     group_size: int | None = None
     seed: int | None = None
     sampling: SamplingOverride | None = None
+    resume_from: GroupResult | None = None
 
 
 @dataclass
@@ -65,9 +73,15 @@ class GroupResult:
     Attributes:
         response_ids: G lists of R_i token ids (int); the EOS token, when sampled, is the last one.
         behaviour_logprobs: G float32 tensors [R_i], natural log, under the sampling distribution.
-        finish_reasons: G of ``"stop"`` (EOS or stop string) or ``"length"`` (hit ``max_response_tokens``).
+        finish_reasons: G of ``"stop"`` (EOS or stop string), ``"length"`` (hit ``max_response_tokens``) or
+            ``"interrupted"`` (``rollout.partial_rollout``: aborted by a weight update before it finished; the tokens
+            so far are kept and continued by a later call, see ``GroupRequest.resume_from``).
         texts: G decoded completions (special tokens skipped).
-        policy_version: the version of the weights that sampled every token of the group.
+        policy_version: the OLDEST policy version that sampled any token of the group (every token's, for a group
+            sampled in one call); a group's staleness is measured from it.
+        token_versions: G lists of R_i ints, the policy version that sampled each response token (partial rollouts:
+            a completion interrupted by a weight update and continued spans versions); None means every token was
+            sampled by ``policy_version`` (:meth:`versions_of`).
     """
 
     group_id: int
@@ -77,6 +91,25 @@ class GroupResult:
     finish_reasons: list[str]
     texts: list[str]
     policy_version: int
+    token_versions: list[list[int]] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """True when no completion was interrupted (the group can be scored and trained)."""
+        return INTERRUPTED not in self.finish_reasons
+
+    def versions_of(self, i: int) -> list[int]:
+        """The policy version of each token of completion ``i`` (R_i ints)."""
+        if self.token_versions is None:
+            return [self.policy_version] * len(self.response_ids[i])
+        return list(self.token_versions[i])
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version that sampled any token (``policy_version`` when there is none)."""
+        return max((v for i in range(len(self.response_ids)) for v in self.versions_of(i)),
+                   default=self.policy_version)
+
 
 
 @dataclass(frozen=True)

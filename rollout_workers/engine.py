@@ -11,17 +11,28 @@ adapter slot, ``max_lora_rank`` the smallest vLLM allows that holds ``train.lora
 each sync it serves the received adapter (the policy version's ``LoRARequest``) with every request. Before the first
 sync it serves the base, which is policy version 0 (LoRA's ``B = 0`` initialisation).
 
+Partial rollouts (``rollout.partial_rollout``, :mod:`rollout_workers.partial`): a call given an ``interrupt_epoch``
+(or resuming interrupted groups) steps the engine itself, one request per completion, and checks between engine steps
+whether :meth:`RolloutEngine.interrupt` was called for that epoch; if so it aborts the unfinished requests through
+vLLM (``LLMEngine.abort_request``) and returns them with finish reason ``"interrupted"``. The Ray actor then has two
+concurrency slots (``max_concurrency=2``, ``cluster.loop.pools``) so that ``interrupt`` runs while ``generate`` does;
+every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate`` and the weight
+sync never run at once, whatever the caller does.
+
 Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
 
 import torch
 
 from cluster.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
+from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
 
@@ -83,6 +94,12 @@ class RolloutEngine:
         self.rollout = rollout
         self.policy_version = policy_version
         self.lora_request = None
+        # Held by every method that touches the vLLM engine (generate, the weight sync): with two concurrency slots
+        # (partial rollouts) only interrupt() and ready() may run beside them.
+        self._engine_lock = threading.Lock()
+        self._interrupted_epoch = -1  # the newest epoch interrupt() was called with
+        self._request_ids = itertools.count()
+        self.inflight_tokens = 0  # new tokens sampled so far by the running stepped call (progress, for tests)
         lora_kwargs = {}
         if lora is not None and lora.sync == "adapter":
             lora_kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora.rank))
@@ -119,24 +136,107 @@ class RolloutEngine:
             pass
         return EngineInfo(policy_version=self.policy_version, pid=os.getpid(), node_id=node_id, gpu_ids=gpu_ids)
 
-    def generate(self, requests: list[GroupRequest], group_size: int) -> tuple[list[GroupResult], GenerateStats]:
+    def interrupt(self, epoch: int) -> None:
+        """Interrupt every ``generate`` call of ``interrupt_epoch`` <= ``epoch``, running or still to come (partial
+        rollouts): it aborts its unfinished requests at the next engine step and returns them as partial completions.
+
+        Only records ``epoch`` (one integer assignment, atomic under the GIL): it runs in the actor's second
+        concurrency slot while ``generate`` runs in the first. An epoch rather than an event that ``generate`` would
+        clear: an interrupt may reach the actor before a call of the same epoch starts (Ray orders nothing between
+        the two slots), and that call must stop as well.
+        """
+        self._interrupted_epoch = max(self._interrupted_epoch, int(epoch))
+
+    def generate(self, requests: list[GroupRequest], group_size: int, interrupt_epoch: int | None = None
+                 ) -> tuple[list[GroupResult], GenerateStats]:
         """Sample ``group_size`` completions for each request (``request.group_size`` when set), with the spec's
         rollout sampling settings or the request's ``sampling`` override.
+
+        Args:
+            interrupt_epoch: (partial rollouts) the call stops early when :meth:`interrupt` is called with an epoch
+                >= this one; None: it runs to the end. A call with an ``interrupt_epoch`` or a request with
+                ``resume_from`` steps the engine itself (:meth:`_generate_stepped`); otherwise ``LLM.generate`` runs
+                it (one ``n=G`` request per group).
 
         Raises:
             RuntimeError: the weights are inconsistent after a failed sync, or vLLM reports a prompt other than the
                 request's ``prompt_ids`` (training would score completions of a prompt the engine did not see).
+            ValueError: a request's ``resume_from`` does not fit it (:func:`rollout_workers.partial.completion_jobs`).
 
         Returns:
-            (results in request order, :class:`GenerateStats`): busy seconds, response tokens, and the estimated peak
-            fraction of the KV cache the call used (prompt + completion tokens of all its requests over the cache's
-            token capacity; None when the capacity is unknown).
+            (results in request order, :class:`GenerateStats`): busy seconds, response tokens sampled by this call,
+            and the estimated peak fraction of the KV cache the call used (prompt + completion tokens of all its
+            requests over the cache's token capacity; None when the capacity is unknown).
         """
+        with self._engine_lock:
+            if self.policy_version is None:
+                raise RuntimeError("engine weights are inconsistent after a failed weight sync; sync it before "
+                                   "generating")
+            if interrupt_epoch is not None or any(r.resume_from is not None for r in requests):
+                return self._generate_stepped(requests, group_size, interrupt_epoch)
+            return self._generate_whole(requests, group_size)
+
+    def _kv_usage(self, kv_tokens: int) -> float | None:
+        """``kv_tokens`` over the cache's token capacity, at most 1 (None when the capacity is unknown)."""
+        if not self.kv_capacity_tokens:
+            return None
+        return min(1.0, kv_tokens / self.kv_capacity_tokens)
+
+    def _generate_stepped(self, requests: list[GroupRequest], group_size: int, interrupt_epoch: int | None
+                          ) -> tuple[list[GroupResult], GenerateStats]:
+        """``generate`` one request per completion (:func:`rollout_workers.partial.completion_jobs`), stepping
+        ``llm_engine`` and checking for an interrupt of ``interrupt_epoch`` between steps; aborted completions come
+        back ``"interrupted"`` with their tokens so far, each token with the policy version that sampled it."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        t0 = time.perf_counter()
+        version = self.policy_version
+        self.inflight_tokens = 0
+        per_group: list[dict] = [{} for _ in requests]  # sample index -> (job, state)
+        by_id: dict[str, tuple] = {}  # request id -> (job, state)
+        try:
+            for k, r in enumerate(requests):
+                sampling = self._sampling(r)
+                for job in completion_jobs(r, group_size, sampling.pop("max_tokens")):
+                    params = SamplingParams(n=1, **sampling, max_tokens=job.max_tokens, logprobs=0,
+                                            skip_special_tokens=True, seed=job.seed,
+                                            output_kind=RequestOutputKind.DELTA)
+                    rid = f"grpo-{next(self._request_ids)}"
+                    engine.add_request(rid, TokensPrompt(prompt_token_ids=job.prompt_ids), params,
+                                       lora_request=self.lora_request)
+                    by_id[rid] = per_group[k][job.sample] = (job, CompletionState())
+            while engine.has_unfinished_requests():
+                if interrupt_epoch is not None and self._interrupted_epoch >= interrupt_epoch:
+                    engine.abort_request([rid for rid, (_, st) in by_id.items() if st.finish_reason is None])
+                    break
+                for out in engine.step():
+                    job, state = by_id[out.request_id]
+                    comp = out.outputs[0]
+                    tok = list(comp.token_ids)
+                    state.add(tok, [step[t].logprob for t, step in zip(tok, comp.logprobs or [])], comp.text)
+                    self.inflight_tokens += len(tok)
+                    if out.finished:
+                        state.finish_reason = comp.finish_reason or "stop"
+        except BaseException:
+            engine.abort_request([rid for rid, (_, st) in by_id.items() if st.finish_reason is None])
+            raise
+        tokenizer = self.llm.get_tokenizer()
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        results = [assemble_group(r, group_size, per_group[k], version, decode) for k, r in enumerate(requests)]
+        tokens = sum(len(st.ids) for _, st in by_id.values())
+        kv_tokens = sum(len(job.prompt_ids) + len(st.ids) for job, st in by_id.values())  # one request each: no sharing
+        return results, GenerateStats(seconds=time.perf_counter() - t0, tokens=tokens,
+                                      kv_cache_usage=self._kv_usage(kv_tokens))
+
+    def _generate_whole(self, requests: list[GroupRequest], group_size: int
+                        ) -> tuple[list[GroupResult], GenerateStats]:
+        """``generate`` through ``LLM.generate``: one ``SamplingParams(n=G)`` request per group, run to the end."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self.policy_version is None:
-            raise RuntimeError("engine weights are inconsistent after a failed weight sync; sync it before generating")
         params = [SamplingParams(
             n=r.group_size or group_size,
             **self._sampling(r),
@@ -166,10 +266,8 @@ class RolloutEngine:
             results.append(GroupResult(req.group_id, list(req.prompt_ids), ids, lps, reasons, texts,
                                        self.policy_version))
             kv_tokens += len(req.prompt_ids) + sum(map(len, ids))  # the prompt's KV is shared (prefix cache)
-        kv_cache_usage = None
-        if self.kv_capacity_tokens:  # every request of the call is in flight at once: this bounds the peak
-            kv_cache_usage = min(1.0, kv_tokens / self.kv_capacity_tokens)
-        return results, GenerateStats(seconds=seconds, tokens=tokens, kv_cache_usage=kv_cache_usage)
+        # every request of the call is in flight at once: this bounds the peak
+        return results, GenerateStats(seconds=seconds, tokens=tokens, kv_cache_usage=self._kv_usage(kv_tokens))
 
     def _sampling(self, request: GroupRequest) -> dict:
         """A request's temperature, filters and length cap: the spec's ``rollout`` settings, or its
@@ -188,15 +286,17 @@ class RolloutEngine:
         buckets hold LoRA adapters); returns their ranks."""
         from weight_sync.buckets import buckets_to_wire
 
-        return self.llm.collective_rpc(
-            "init_weight_sync",
-            args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend, channel,
-                  adapter_config),
-        )
+        with self._engine_lock:
+            return self.llm.collective_rpc(
+                "init_weight_sync",
+                args=(host, port, rank_offset, world_size, buckets_to_wire(buckets), timeout_s, backend, channel,
+                      adapter_config),
+            )
 
     def close_weight_sync(self) -> None:
         """Every engine worker leaves the sync group (before a group with new membership is formed)."""
-        self.llm.collective_rpc("close_weight_sync")
+        with self._engine_lock:
+            self.llm.collective_rpc("close_weight_sync")
 
     def receive_weights(self, policy_version: int, verify: bool | list[str]) -> ReceiveReport:
         """Receive one streamed sync, reset the prefix cache, then serve ``policy_version`` (with adapter sync: its
@@ -208,7 +308,15 @@ class RolloutEngine:
         Returns:
             The first worker's version, seconds and bytes (``WeightSyncExtension.receive_weights``), with every
             worker's checksums.
+
+        Never runs while ``generate`` does (both hold the engine lock): the driver syncs between generate calls, and
+        with partial rollouts an interrupted call has aborted its requests before it released the lock.
         """
+        with self._engine_lock:
+            return self._receive_weights(policy_version, verify)
+
+    def _receive_weights(self, policy_version: int, verify: bool | list[str]) -> ReceiveReport:
+        """:meth:`receive_weights` under the engine lock."""
         try:
             reports = self.llm.collective_rpc("receive_weights", args=(policy_version, verify))
         except BaseException:

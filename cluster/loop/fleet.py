@@ -115,14 +115,16 @@ class EngineFleet:
 
     def generate(self, requests: list[GroupRequest],
                  on_groups: Callable[[list[GroupResult]], None] | None = None,
-                 record: bool = True, recover: bool = True) -> list[GroupResult]:
+                 record: bool = True, recover: bool = True, interrupt_epoch: int | None = None) -> list[GroupResult]:
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
         an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``).
 
         Returns the groups in request order; the accepted call's stats are added to :attr:`figures` when ``record``
         (held-out evaluation passes False: its calls are not the step's rollouts). ``recover=False`` (a generate that
         overlaps a train step) replaces and syncs nothing: the trainer's weights are changing, so a replaced engine
-        could not be given the version the others sample with.
+        could not be given the version the others sample with. ``interrupt_epoch`` (partial rollouts, with
+        ``recover=False``): :meth:`interrupt` with that epoch stops the call early; groups with an ``"interrupted"``
+        completion come back as they are (``GroupResult.complete`` False), for the caller to resume.
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
@@ -133,7 +135,8 @@ class EngineFleet:
         r = self.spec.rollout
         for attempt in range(r.max_engine_restarts + 3):
             try:
-                groups, stats = self.rollout.generate(requests, on_groups)
+                extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
+                groups, stats = self.rollout.generate(requests, on_groups, **extra)
             except ENGINE_ERRORS as exc:
                 if not recover and (self.rollout.dead_engines() or self.versions.stale_engines()):
                     raise RecoveryDeferred(f"engine fault during a generate that overlaps training "
@@ -155,6 +158,15 @@ class EngineFleet:
             self.figures.stale_refused += len(stale)
             self.resync("stale samples")
         raise StaleSamplesError(f"engines still returned stale or failed samples after {attempt + 1} attempts")
+
+    def interrupt(self, epoch: int) -> None:
+        """Partial rollouts: stop every engine's generate calls of ``interrupt_epoch`` <= ``epoch`` at their next
+        engine step (``RolloutPool.interrupt``). An engine that died or stalls is not an error here: the generate
+        call it holds fails and is handled by :meth:`generate`'s caller."""
+        try:
+            self.rollout.interrupt(epoch)
+        except ENGINE_ERRORS as exc:
+            self._status(f"interrupting the engines: {type(exc).__name__}: {first_line(exc)}")
 
     def _recover(self, exc: BaseException, num_groups: int) -> bool:
         """After a failed generate call: sync engines that hold no complete policy, or replace dead ones and sync

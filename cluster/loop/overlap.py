@@ -37,15 +37,27 @@ advanced more than one version per step) is dropped with every batch queued afte
 owner rewinds the data position to the oldest one's: their prompts are drawn again in the same order, none lost,
 none trained twice) and the step generates its batch itself. Weight sync still happens at a generation boundary:
 after ``train`` the producer finishes its current generate call and stops, the new weights are synced, and the next
-step starts it again. So a step lasts at least until the slowest generate call that started during it ends (no
-partial rollouts yet: a weight update waits for the longest completion). Nothing is generated between steps, as in
-``one_step_off``. A producer call raising one of ``deferrable`` stops the producer for the step (the batches queued
-before it stay; ``StepOutcome.prefetch_deferred``); any other error is raised after ``train`` ends, and after any
-error nothing stays queued (the caller owns the data position).
+step starts it again. So a step lasts at least until the slowest generate call that started during it ends (a weight
+update waits for the longest completion) — unless partial rollouts are on (below). Nothing is generated between
+steps, as in ``one_step_off``. A producer call raising one of ``deferrable`` stops the producer for the step (the
+batches queued before it stay; ``StepOutcome.prefetch_deferred``); any other error is raised after ``train`` ends,
+and after any error nothing stays queued (the caller owns the data position).
+
+Partial rollouts (``rollout.partial_rollout``; AReaL's interruptible rollout, PipelineRL's in-flight weight updates,
+slime's partial rollouts): :class:`AsyncSchedule` is given ``interrupt``. After ``train`` (or when it fails) it calls
+``interrupt()`` instead of letting the producer's generate call run to its end; the call stops at its engines' next
+step and raises :class:`GenerateInterrupted`, which stops the producer for the step like a deferral
+(``StepOutcome.interrupted``). What the interrupted call had sampled is kept by whoever owns the generate callable
+(the driver: the interrupted groups, their prompts and data position) and continued by the next call for the same
+step, after the sync, on the new weights; complete groups are only those whose G completions all finished. The
+schedule itself keeps nothing of it, so the invariants stay: the producer is joined before ``sync``, nothing is in
+flight between steps, and a checkpoint taken then counts the carried-over groups as in flight (the owner's
+``inflight`` record: resampled from scratch on resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -53,12 +65,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["AsyncSchedule", "OneStepOffSchedule", "RolloutMode", "StepOutcome", "SyncSchedule", "make_schedule"]
+__all__ = ["AsyncSchedule", "GenerateInterrupted", "OneStepOffSchedule", "RolloutMode", "StepOutcome", "SyncSchedule",
+           "make_schedule"]
 
 RolloutMode = Literal["sync", "one_step_off", "async"]
 B = TypeVar("B")  # a generated batch
 R = TypeVar("R")  # a train result
 S = TypeVar("S")  # a sync result
+
+
+class GenerateInterrupted(Exception):
+    """Raised by a producer's ``generate`` call that ``interrupt()`` stopped early (partial rollouts). Its caller
+    keeps what was sampled, to continue it in the next call for the same step; the schedule only stops the producer
+    for the step."""
 
 
 @dataclass
@@ -71,7 +90,8 @@ class StepOutcome(Generic[B, R, S]):
         prefetch_deferred: the next step's prefetch raised a ``deferrable`` error and was dropped.
         dropped: (async) the queued batches dropped before this step because the head was more than
             ``max_staleness`` versions behind, oldest first. queued: (async) batches queued for later steps when the
-            step ended.
+            step ended. interrupted: (async, partial rollouts) the producer's generate call was interrupted after
+            ``train`` (its owner carries its groups over to the next step).
     """
 
     step: int
@@ -82,6 +102,7 @@ class StepOutcome(Generic[B, R, S]):
     prefetch_deferred: bool = False
     dropped: list = field(default_factory=list)
     queued: int = 0
+    interrupted: bool = False
 
 
 class SyncSchedule(Generic[B, R, S]):
@@ -200,6 +221,10 @@ class AsyncSchedule(Generic[B, R, S]):
             puts their prompts back (the data position of the oldest).
         last_step: no batch is generated for a later step (the run's ``total_steps``); None: no limit.
         deferrable: exception types of a producer call that stop the producer for the step instead of failing it.
+        interrupt: (partial rollouts) called once ``train`` has ended (or failed) while the producer is still
+            running: it must make the producer's generate call in flight, and any the producer starts before it
+            sees the stop, raise :class:`GenerateInterrupted` soon (the driver: interrupt every engine). None: the
+            producer's call runs to its end (a weight update waits for the longest completion).
     Raises:
         ValueError: ``max_staleness`` < 1.
     """
@@ -209,12 +234,13 @@ class AsyncSchedule(Generic[B, R, S]):
     def __init__(self, generate: Callable[[int], B], train: Callable[[B], R], sync: Callable[[R], S], *,
                  max_staleness: int, version: Callable[[], int], batch_version: Callable[[B], int],
                  drop: Callable[[list[B]], None], last_step: int | None = None,
-                 deferrable: tuple[type[BaseException], ...] = ()):
+                 deferrable: tuple[type[BaseException], ...] = (), interrupt: Callable[[], None] | None = None):
         if max_staleness < 1:
             raise ValueError(f"rollout.max_staleness: mode 'async' needs >= 1, got {max_staleness}")
         self.generate, self.train, self.sync, self.deferrable = generate, train, sync, deferrable
         self.max_staleness, self.version, self.batch_version, self.drop = max_staleness, version, batch_version, drop
-        self.last_step = last_step
+        self.last_step, self.interrupt = last_step, interrupt
+        self._interrupted = False  # the running step's producer call was interrupted
         self._queue: deque[tuple[int, B]] = deque()  # (the step that will train it, batch), oldest first
         self._stop = threading.Event()  # set: the producer starts no further generate call
 
@@ -232,11 +258,14 @@ class AsyncSchedule(Generic[B, R, S]):
     def step(self, step: int, prefetch_next: bool = True) -> StepOutcome[B, R, S]:
         """Train step ``step`` on the queue's head (after dropping it and the rest if it is more than
         ``max_staleness`` behind; generated now when the queue is empty) while the producer fills the queue for the
-        steps after it (when ``prefetch_next``); then stop the producer at its next generation boundary and sync.
+        steps after it (when ``prefetch_next``); then stop the producer at its next generation boundary (with
+        ``interrupt``: interrupt its call in flight) and sync.
 
         Raises:
             ValueError: the head was generated for another step (nothing run; :meth:`discard` first).
-            whatever ``generate``, ``train``, ``sync`` or ``drop`` raise; after a failure nothing stays queued.
+            whatever ``generate``, ``train``, ``sync``, ``drop`` or ``interrupt`` raise (:class:`GenerateInterrupted`
+            too, from a call made in the caller's thread: only the producer's calls may be interrupted); after a
+            failure nothing stays queued.
         """
         if self._queue and self._queue[0][0] != step:
             raise ValueError(f"step {step}: the queued head was generated for step {self._queue[0][0]}; discard() "
@@ -251,7 +280,7 @@ class AsyncSchedule(Generic[B, R, S]):
             self._queue.clear()
             raise
         return StepOutcome(step, batch, trained, synced, prefetched=prefetched, prefetch_deferred=deferred,
-                           dropped=dropped, queued=len(self._queue))
+                           dropped=dropped, queued=len(self._queue), interrupted=self._interrupted)
 
     def _drop_stale(self) -> list[B]:
         """Drop the whole queue when its head is more than ``max_staleness`` versions behind (versions never
@@ -265,8 +294,10 @@ class AsyncSchedule(Generic[B, R, S]):
     def _train_while_producing(self, step: int, batch: B, produce: bool) -> tuple[R, bool]:
         """``train(batch)`` in the caller's thread while the producer thread fills the queue; the producer is
         stopped and joined (after its current generate call) before this returns or raises. Returns (train's
-        result, whether the producer stopped on a ``deferrable`` error)."""
+        result, whether the producer stopped on a ``deferrable`` error). With ``interrupt``, the producer's call in
+        flight is interrupted instead of awaited."""
         self._stop.clear()
+        self._interrupted = False
         last = self.last_step if produce else step
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-producer-{step}") as worker:
             future = worker.submit(self._produce, step + 1 + len(self._queue), last)
@@ -274,23 +305,40 @@ class AsyncSchedule(Generic[B, R, S]):
                 trained = self.train(batch)
             except BaseException as train_error:
                 self._stop.set()
+                with contextlib.suppress(Exception):  # the train error is the one raised
+                    self._interrupt_producer(future)
                 produce_error = future.exception()  # waits for the current generate call to end
                 if produce_error is not None and train_error.__context__ is None:
                     train_error.__context__ = produce_error
                 raise
             self._stop.set()
             try:
+                self._interrupt_producer(future)
+            except BaseException:
+                future.exception()  # no thread outlives the step: wait for the call to end, then raise
+                raise
+            try:
                 future.result()  # waits for the current generate call to end; raises its error
             except self.deferrable:
                 return trained, True
         return trained, False
+
+    def _interrupt_producer(self, future) -> None:
+        """Call ``interrupt`` (when given) if the producer is still running."""
+        if self.interrupt is not None and not future.done():
+            self.interrupt()
 
     def _produce(self, next_step: int, last_step: int | None) -> None:
         """Generate the batches of ``next_step``, ``next_step`` + 1, … back to back while the queue holds fewer than
         ``max_staleness`` batches, up to ``last_step``, until :attr:`_stop` is set."""
         while (not self._stop.is_set() and len(self._queue) < self.max_staleness
                and (last_step is None or next_step <= last_step)):
-            self._queue.append((next_step, self.generate(next_step)))
+            try:
+                batch = self.generate(next_step)
+            except GenerateInterrupted:
+                self._interrupted = True
+                return
+            self._queue.append((next_step, batch))
             next_step += 1
 
     def discard(self) -> list[B]:
@@ -305,7 +353,7 @@ def make_schedule(mode: RolloutMode, generate: Callable[[int], B], train: Callab
                   ) -> SyncSchedule[B, R, S] | OneStepOffSchedule[B, R, S] | AsyncSchedule[B, R, S]:
     """The schedule of ``rollout.mode`` (``deferrable``: see :class:`OneStepOffSchedule`; unused by ``sync``).
     ``async_args``: :class:`AsyncSchedule`'s keyword arguments (``max_staleness``, ``version``, ``batch_version``,
-    ``drop``, ``last_step``), ignored by the other modes.
+    ``drop``, ``last_step``, ``interrupt``), ignored by the other modes.
 
     Raises:
         ValueError: an unknown mode (expected 'async', 'one_step_off' or 'sync'); AsyncSchedule's errors.

@@ -174,8 +174,12 @@ class RolloutPool:
         bundles[0] = {**bundles[0], **r.resources}  # the engine actor's own bundle holds the custom resources
         pg = _pool_placement_group(bundles, "STRICT_PACK", f"{self.spec.name}-rollout-{index}",
                                    min(r.timeout_s, 120.0))
+        # partial rollouts: a second concurrency slot, so interrupt() reaches the engine while generate() runs
+        # (RolloutEngine's engine lock keeps generate and the weight sync apart)
+        concurrency = {"max_concurrency": 2} if r.partial_rollout else {}
         engine = ray.remote(RolloutEngine).options(
             num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], resources=dict(r.resources), **_in_group(pg),
+            **concurrency,
         ).remote(self.model_path, r, self.spec.model.dtype, self.spec.seed + index, self.max_model_len,
                  policy_version, lora=self.spec.train.lora)
         return engine, pg
@@ -279,15 +283,26 @@ class RolloutPool:
             _kill(engine, pg)
         self.engines, self.placement_groups, self.infos = [], [], []
 
+    def interrupt(self, epoch: int, timeout_s: float = 30.0) -> None:
+        """Interrupt every engine's generate calls of ``interrupt_epoch`` <= ``epoch`` (partial rollouts:
+        ``RolloutEngine.interrupt``, answered from the engine's second concurrency slot while its generate runs).
+
+        Raises:
+            WorkerTimeout: an engine did not acknowledge within ``timeout_s``.
+            ray.exceptions.RayError: an engine died (its generate call fails too; the fleet recovers it).
+        """
+        get([e.interrupt.remote(epoch) for e in self.engines], timeout_s, f"interrupting the engines (epoch {epoch})")
+
     def generate(self, requests: list[GroupRequest],
-                 on_groups: Callable[[list[GroupResult]], None] | None = None
+                 on_groups: Callable[[list[GroupResult]], None] | None = None, interrupt_epoch: int | None = None
                  ) -> tuple[list[GroupResult], PoolGenerateStats]:
         """Sample one group per request across the engines; results come back in request order.
 
         Dispatch: :func:`cluster.loop.scheduler.assign_groups` (whole groups, by tokens in flight, heaviest first). Each
         engine gets one call; ``ray.wait`` collects the calls as they finish, and ``on_groups`` (when given) is called
         with each finished engine's groups at once, in completion order, so the caller can score them while the other
-        engines still sample.
+        engines still sample. ``interrupt_epoch`` (partial rollouts): the calls stop early, returning interrupted
+        groups, once :meth:`interrupt` is called with an epoch >= it; None: they run to the end.
 
         Returns:
             (results in request order, :class:`PoolGenerateStats`): ``tokens`` (response tokens sampled),
@@ -303,7 +318,8 @@ class RolloutPool:
         t0 = time.perf_counter()
         plan = assign_groups([len(q.prompt_ids) for q in requests], [q.group_size or r.group_size for q in requests],
                              len(self.engines), r.max_response_tokens)
-        calls = {e.generate.remote([requests[i] for i in idx], r.group_size): k
+        extra = () if interrupt_epoch is None else (interrupt_epoch,)
+        calls = {e.generate.remote([requests[i] for i in idx], r.group_size, *extra): k
                  for k, (e, idx) in enumerate(zip(self.engines, plan)) if idx}
         pending = list(calls)
         per_engine = [EngineLoad(groups=len(idx)) for idx in plan]

@@ -52,6 +52,14 @@ class PromptQueue:
             examples.append(ex)
         return examples, requests
 
+    def redraw(self, examples: list[Example], requests: list[GroupRequest]) -> None:
+        """Register, in the step begun last, prompts drawn by an earlier call of the same step that was interrupted
+        (partial rollouts: its round is carried over): their group ids keep their examples and later draws continue
+        the count after them. Nothing is drawn from the sampler."""
+        for ex, q in zip(examples, requests):
+            self._step_prompts[q.group_id] = ex.index
+            self._group_counter = max(self._group_counter, q.group_id + 1)
+
     def trained_prompts(self, group_ids: torch.Tensor) -> list[int]:
         """Example indices of the groups in ``group_ids`` ([N] int64, rows of one group adjacent), one per group,
         in first-seen order."""

@@ -39,6 +39,9 @@ class RolloutBatch:
     per_function: name → [N] float32 unweighted rewards (NaN = none).
     advantages: [N] float32.
     num_failed: failed reward evaluations (completions × functions that raised with reward_on_error "none").
+    token_versions: N lists of R_i ints, the policy version that sampled each response token (partial rollouts: a
+        row may span versions; ``versions`` is then its group's oldest); None when not recorded (every token of a
+        row is ``versions[i]``'s).
     """
 
     prompt_ids: list[list[int]]
@@ -55,6 +58,7 @@ class RolloutBatch:
     per_function: dict[str, torch.Tensor]
     advantages: torch.Tensor
     num_failed: int = 0
+    token_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -85,8 +89,8 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        """Rows of every batch in order; ``num_failed`` summed. Raises ValueError for no batches or differing
-        reward functions."""
+        """Rows of every batch in order; ``num_failed`` summed; ``token_versions`` None unless every batch has them.
+        Raises ValueError for no batches or differing reward functions."""
         if not batches:
             raise ValueError("RolloutBatch.concat: expected at least one batch, got none")
         names = set(batches[0].per_function)
@@ -96,7 +100,9 @@ class RolloutBatch:
         out = {}
         for f in fields(cls):
             values = [getattr(b, f.name) for b in batches]
-            if isinstance(values[0], torch.Tensor):
+            if any(v is None for v in values):  # an optional field missing from one batch: missing from all
+                out[f.name] = None
+            elif isinstance(values[0], torch.Tensor):
                 out[f.name] = torch.cat(values)
             elif isinstance(values[0], dict):
                 out[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}

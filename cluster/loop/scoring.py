@@ -24,13 +24,16 @@ OVERLONG = OVERLONG_PENALTY_KEY
 
 def flatten_groups(groups: list[GroupResult], references: list[str]) -> dict:
     """Groups → row-aligned lists over N = B·G sequences (``prompt_ids``, ``response_ids``, ``behaviour_logprobs``,
-    ``finish_reasons``, ``texts``, ``references``, ``versions``); ``group_ids`` [N] int64 identifies each row's
-    group. ``references``: one per group, in ``groups`` order."""
+    ``finish_reasons``, ``texts``, ``references``, ``versions`` (the group's ``policy_version``: its oldest token's),
+    ``token_versions`` (N lists of R_i ints)); ``group_ids`` [N] int64 identifies each row's group. ``references``:
+    one per group, in ``groups`` order."""
     out = {k: [] for k in ("prompt_ids", "response_ids", "behaviour_logprobs", "finish_reasons", "texts",
-                           "references", "versions")}
+                           "references", "versions", "token_versions")}
     gids = []
     for g, ref in zip(groups, references):
-        for ids, lps, reason, text in zip(g.response_ids, g.behaviour_logprobs, g.finish_reasons, g.texts):
+        for i, (ids, lps, reason, text) in enumerate(zip(g.response_ids, g.behaviour_logprobs, g.finish_reasons,
+                                                         g.texts)):
+            out["token_versions"].append(g.versions_of(i))
             out["prompt_ids"].append(g.prompt_ids)
             out["response_ids"].append(ids if ids else [])
             out["behaviour_logprobs"].append(lps)
@@ -129,9 +132,12 @@ class RoundScorer:
         self.seconds = 0.0
 
     def on_groups(self, results: list[GroupResult]) -> None:
-        """Compute the reward functions of one finished engine's groups."""
+        """Compute the reward functions of one finished engine's groups (complete ones only: a group with an
+        interrupted completion, partial rollouts, is scored once it is continued)."""
         t = time.perf_counter()
         for g in results:
+            if not g.complete:
+                continue
             self._early[g.group_id] = self.scoring.rewards(g.texts, [self._by_group[g.group_id]] * len(g.texts))
         self.seconds += time.perf_counter() - t
 

@@ -68,6 +68,11 @@ class JobSpec(BaseModel):
                 f"{self.ray.num_cpus}; Ray would wait forever"))
         if (conflict := async_overlap_conflict(rollout, train)) is not None:
             raise conflict
+        if rollout.partial_rollout and self.algorithm.dynamic_sampling:
+            raise FieldConflict("rollout.partial_rollout", (
+                "partial rollouts carry one interrupted sampling round over to the next producer call; dynamic "
+                "sampling runs several rounds per batch: expected algorithm.dynamic_sampling false with "
+                "partial_rollout true"))
         if train.reduce_dtype not in ("float32", self.model.dtype):
             raise FieldConflict("train.reduce_dtype", (
                 f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))

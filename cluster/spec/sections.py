@@ -198,8 +198,16 @@ class RolloutSpec(BaseModel):
         "are one policy version old (staleness 1; the first step's are on-policy). 'async': while each step trains, "
         "a producer generates batches back to back into a queue holding at most max_staleness of them, so every "
         "trained batch is at most max_staleness versions old (older ones are dropped, counted in "
-        "rollout/stale_dropped, and their prompts drawn again). Weights are still synced between generate calls "
-        "(no partial rollouts): a step lasts at least until the slowest generate call started during it ends."))
+        "rollout/stale_dropped, and their prompts drawn again). Weights are synced between generate calls, so a step "
+        "lasts at least until the slowest generate call started during it ends, unless partial_rollout is on."))
+    partial_rollout: bool = Field(False, description=(
+        "Partial rollouts (mode async only; AReaL's interruptible rollout, PipelineRL's in-flight weight updates): "
+        "after each train step the producer's generate call is interrupted instead of awaited; unfinished "
+        "completions are aborted in vLLM, the new weights are synced, and the next producer call continues them "
+        "from their tokens on the new weights (their KV cache is recomputed: one prefill of prompt + tokens so far). "
+        "Every response token records the policy version that sampled it (a trajectory may span versions; a group's "
+        "staleness is measured from its oldest token). Counted in rollout/partial_interrupted, "
+        "rollout/partial_resumed and rollout/partial_older_token_fraction."))
     max_engine_restarts: int = Field(3, ge=0, le=1_000_000, strict=True, description=(
         "Engines that die are replaced and synced before they serve; more than this many replacements in one job "
         "stop it with the cause."))
@@ -225,6 +233,10 @@ class RolloutSpec(BaseModel):
             raise FieldConflict("rollout.max_staleness", (
                 f"rollout.mode 'async' generates batches while the policy trains, so they are trained at least one "
                 f"version after the one that sampled them: expected max_staleness >= 1, got {self.max_staleness}"))
+        if self.partial_rollout and self.mode != "async":
+            raise FieldConflict("rollout.partial_rollout", (
+                f"partial rollouts interrupt the producer's in-flight generate call at each weight update, which only "
+                f"rollout.mode 'async' has: expected mode 'async', got {self.mode!r}"))
         return self
 
 

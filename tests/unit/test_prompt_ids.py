@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -135,6 +136,7 @@ def _engine(llm) -> RolloutEngine:
     engine = object.__new__(RolloutEngine)
     engine.llm, engine.policy_version, engine.kv_capacity_tokens, engine.lora_request = llm, 3, None, None
     engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_response_tokens=8)
+    engine._engine_lock, engine._interrupted_epoch = threading.Lock(), -1
     return engine
 
 

