@@ -91,7 +91,8 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
                           strategy=strategy, tensor_parallel_size=run.get("tp", 1))
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
-        worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0)
+        worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
+                     sampling_filters=run.get("filters"))
         worker.init_distributed("127.0.0.1", port, policy_path=dirs["policy"])
         grads: dict = {}
         step = worker.optimizer.step
@@ -114,11 +115,15 @@ def _spawn(world: int, dirs: dict, runs: list[dict], out_dir) -> dict[str, dict]
     return {run["name"]: torch.load(out_dir / f"{run['name']}.pt") for run in runs}
 
 
+def _models(root) -> dict[str, str]:
+    return {"reference": make_tiny_hf_model(root / "reference", "llama", tied=True, seed=0),
+            "policy": make_tiny_hf_model(root / "policy", "llama", tied=True, seed=1)}
+
+
 @pytest.fixture(scope="module")
 def steps(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_step")
-    dirs = {"reference": make_tiny_hf_model(root / "reference", "llama", tied=True, seed=0),
-            "policy": make_tiny_hf_model(root / "policy", "llama", tied=True, seed=1)}
+    dirs = _models(root)
     out = _spawn(1, dirs, [{"name": "fsdp", "backend": "fsdp", "microbatches": ONE_RANK},
                            {"name": "megatron_tp1", "backend": "megatron", "microbatches": ONE_RANK}], root)
     out.update(_spawn(2, dirs, [{"name": "megatron_tp2", "backend": "megatron", "tp": 2, "microbatches": TWO_RANKS},
@@ -149,3 +154,23 @@ def test_megatron_step_grads_and_weights_match_fsdp(steps, run):
                                    msg=lambda m: f"{run}: grad of {name}: {m}")
         torch.testing.assert_close(got["params"][name], ref["params"][name], rtol=0, atol=1e-5,
                                    msg=lambda m: f"{run}: {name}: {m}")
+
+
+FILTERS = {"top_k": 50, "top_p": 0.9, "min_p": 0.0}
+
+
+def test_megatron_tp1_sampling_filters_match_fsdp(tmp_path):
+    """With the rollout's top-k/top-p (tp = 1: ``grpo.logprobs`` on the gathered logits), the step still equals
+    FSDP2's (whose fused head applies the same filters). The filters matter: the entropy of the filtered
+    distribution is ≈ 3.8 nats against ≈ 6.9 unfiltered (log 1100 ≈ 7.0)."""
+    dirs = _models(tmp_path)
+    out = _spawn(1, dirs, [{"name": "fsdp_f", "backend": "fsdp", "microbatches": ONE_RANK, "filters": FILTERS},
+                           {"name": "megatron_f", "backend": "megatron", "microbatches": ONE_RANK,
+                            "filters": FILTERS}], tmp_path)
+    ref, got = out["fsdp_f"]["result"]["metrics"], out["megatron_f"]["result"]["metrics"]
+    assert got["actor/entropy"] < 5.0
+    for key in METRICS:
+        assert abs(got[key] - ref[key]) <= 1e-5 * max(1.0, abs(ref[key])), (key, got[key], ref[key])
+    scale = max(float(g.abs().max()) for g in out["fsdp_f"]["grads"].values())
+    for name, g in out["fsdp_f"]["grads"].items():
+        torch.testing.assert_close(out["megatron_f"]["grads"][name], g, rtol=1e-4, atol=1e-6 * scale)

@@ -126,3 +126,17 @@ def test_spec_strategy_follows_the_registry(monkeypatch):
     monkeypatch.delitem(registry.TRAIN_BACKENDS, "megatron")
     with pytest.raises(ValidationError, match=r"strategy 'megatron' is not available yet; use one of \['fsdp'\]"):
         TrainSpec(strategy="megatron")
+
+
+def test_megatron_refuses_sampling_filters_with_tensor_parallelism():
+    """Top-k/top-p/min-p need the whole vocabulary per position: refused at tp > 1 naming the rollout field, accepted
+    at tp = 1 (computed as the FSDP2 path does) and when off."""
+    from cluster.spec import AlgorithmSpec, TrainSpec
+
+    backend = train_backend("megatron")
+    tp2 = TrainSpec(world_size=2, strategy="megatron", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"rollout\.top_k=20: sampling filters are not computed vocab-parallel"):
+        backend(0, 2, "unused", tp2, AlgorithmSpec(), 1.0, 16, sampling_filters={"top_k": 20, "top_p": 1.0})
+    backend(0, 2, "unused", tp2, AlgorithmSpec(), 1.0, 16, sampling_filters={"top_k": -1, "top_p": 1.0, "min_p": 0.0})
+    backend(0, 1, "unused", TrainSpec(world_size=1, strategy="megatron"), AlgorithmSpec(), 1.0, 16,
+            sampling_filters={"top_k": 20, "top_p": 0.9})

@@ -17,8 +17,9 @@ Logprobs under the rollout's sampling distribution (``grpo.logprobs`` module doc
 the real vocabulary only — the Vp − V padded columns (zero rows of the output layer, ``convert.pad_vocab``) are
 dropped (tp = 1) or set to −inf (tp > 1) before the log-softmax.
 
-- tp = 1: ``grpo.logprobs.logprobs_from_logits`` / ``entropy_from_logits`` on z[:, :V], with the rollout's
-  top-k/top-p/min-p filters, exactly as the FSDP2 path computes them.
+- tp = 1: ``grpo.logprobs.logprobs_from_logits`` on z[:, :V] with the rollout's top-k/top-p/min-p filters, and the
+  entropy of the filtered distribution (``filter_logits_`` then ``entropy_from_logits``), as the FSDP2 path computes
+  them (``linear_logprobs``).
 - tp > 1: each rank holds Vp/tp vocabulary columns (``ColumnParallelLinear`` with ``parallel_output=True``);
   log p(y) = −``vocab_parallel_cross_entropy``(z, y) (``megatron/core/tensor_parallel/cross_entropy.py``: max, Σ exp
   and the target's logit all-reduced over the TP group, gradient softmax − one-hot on each rank's columns); the
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from grpo.logprobs import entropy_from_logits, logprobs_from_logits
+from grpo.logprobs import entropy_from_logits, filter_logits_, logprobs_from_logits
 
 
 def unpack_right_padded(input_ids: torch.Tensor, position_ids: torch.Tensor
@@ -90,6 +91,18 @@ def _vocab_parallel_entropy(z: torch.Tensor, group) -> torch.Tensor:
         return sums[0].log() - sums[1] / sums[0]
 
 
+def refuse_vocab_parallel_filters(tp: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
+    """Raise :class:`ValueError` naming ``rollout.<filter>`` when a sampling filter is on (top_k > 0, top_p < 1,
+    min_p > 0; vLLM's "off" values 0/−1, 1, 0 pass) with tensor parallel size ``tp`` > 1."""
+    if tp <= 1:
+        return
+    for field, on, off in (("top_k", top_k > 0, 0), ("top_p", top_p < 1.0, 1.0), ("min_p", min_p > 0.0, 0.0)):
+        if on:
+            value = {"top_k": top_k, "top_p": top_p, "min_p": min_p}[field]
+            raise ValueError(f"rollout.{field}={value}: sampling filters are not computed vocab-parallel yet; "
+                             f"train.strategy megatron with tensor_parallel_size={tp} needs {field}={off}")
+
+
 class MegatronResponseLogprobs(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
     ``(logprobs [M] float32, entropy [M] float32 detached, or None)``: the signature of
@@ -117,10 +130,8 @@ class MegatronResponseLogprobs(nn.Module):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
-        for field, value, off in (("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0), ("min_p", self.min_p, 0.0)):
-            if self.tp > 1 and value != off:
-                raise ValueError(f"rollout.{field}={value}: sampling filters are not computed vocab-parallel yet; "
-                                 f"train.strategy megatron with tensor_parallel_size={self.tp} needs {field}={off}")
+        if self.tp > 1:
+            refuse_vocab_parallel_filters(self.tp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
     def forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
         ids, row, col = unpack_right_padded(input_ids, position_ids)
@@ -132,7 +143,12 @@ class MegatronResponseLogprobs(nn.Module):
             z = picked[:, : self.vocab_size]
             lp = logprobs_from_logits(z, targets, self.temperature, top_k=self.top_k, top_p=self.top_p,
                                       min_p=self.min_p)
-            ent = entropy_from_logits(z.detach(), self.temperature) if with_entropy else None
+            ent = None
+            if with_entropy:  # of the distribution the tokens were sampled from: after the filters, as FSDP2's
+                with torch.no_grad():
+                    zs = z.detach().float() / self.temperature
+                    zs = filter_logits_(zs, targets, self.top_k, self.top_p, self.min_p)
+                    ent = entropy_from_logits(zs)
             return lp, ent
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 

@@ -77,6 +77,9 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         self.policy_version = 0
         self._phase_s = dict.fromkeys(PHASES, 0.0)
         self.refuse_unsupported(train, dtype)
+        from train_workers.megatron.policy import refuse_vocab_parallel_filters
+
+        refuse_vocab_parallel_filters(train.tensor_parallel_size, **self.sampling_filters)
         if train.num_threads:
             torch.set_num_threads(train.num_threads)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
