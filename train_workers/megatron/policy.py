@@ -15,7 +15,9 @@ GPU the packed path (``PackedSeqParams`` with ``cu_seqlens``) can replace it lat
 
 Logprobs under the rollout's sampling distribution (``grpo.logprobs`` module docstring): z = logits / temperature over
 the real vocabulary only — the Vp − V padded columns (zero rows of the output layer, ``convert.pad_vocab``) are
-dropped (tp = 1) or set to −inf (tp > 1) before the log-softmax.
+dropped (tp = 1) or set to −inf (tp > 1) before the log-softmax. The output layer runs only on the M positions that
+predict response tokens (a forward pre-hook on ``output_layer`` picks their hidden states): [M, Vp/tp] logits, never
+[n, S, Vp/tp].
 
 - tp = 1: ``grpo.logprobs.logprobs_from_logits`` on z[:, :V] with the rollout's top-k/top-p/min-p filters, and the
   entropy of the filtered distribution (``filter_logits_`` then ``entropy_from_logits``), as the FSDP2 path computes
@@ -127,18 +129,33 @@ class MegatronResponseLogprobs(nn.Module):
         self.vocab_size = int(vocab_size)
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
+        self._rows = self._cols = None
+        model.output_layer.register_forward_pre_hook(self._pick_response_positions)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         if self.tp > 1:
             refuse_vocab_parallel_filters(self.tp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
+    def _pick_response_positions(self, module, args):
+        """``output_layer`` forward pre-hook: keep only the hidden states of the M positions whose logits are read,
+        [S, n, H] → [M, 1, H] (set by :meth:`forward`), so the LM head never runs on prompt or padding positions
+        (``GPTModel._postprocess`` calls ``output_layer(hidden_states, weight=...)`` after the final norm)."""
+        if self._rows is None:  # the GPTModel called on its own: all positions
+            return None
+        hidden = args[0]
+        return (hidden[self._cols, self._rows][:, None, :],) + tuple(args[1:])
+
     def forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
         ids, row, col = unpack_right_padded(input_ids, position_ids)
         n, s = ids.shape
         positions = torch.arange(s, device=ids.device)[None].expand(n, s)
-        logits = self.model(input_ids=ids, position_ids=positions, attention_mask=causal_mask(n, s, ids.device))
-        picked = logits[row[logit_positions], col[logit_positions]]  # [M, Vp/tp]
+        self._rows, self._cols = row[logit_positions], col[logit_positions]
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=causal_mask(n, s, ids.device))
+        finally:
+            self._rows = self._cols = None
+        picked = logits[0]  # [M, Vp/tp]: the output layer ran on the picked positions only
         if self.tp == 1:
             z = picked[:, : self.vocab_size]
             lp = logprobs_from_logits(z, targets, self.temperature, top_k=self.top_k, top_p=self.top_p,
