@@ -82,14 +82,17 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
     from train_workers.megatron.worker import MegatronTrainWorker
 
     torch.set_num_threads(1)
-    install_cpu_shims()
+    gpu = any(run.get("gpu") for run in runs)  # tests/gpu: CUDA + NCCL, megatron-core unpatched
+    if not gpu:
+        install_cpu_shims()
     _, responses, _ = make_batch()
     num_tokens = sum(len(r) for r in responses)
     algorithm = AlgorithmSpec(kl_coef=0.04, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.2)
     for run, port in zip(runs, ports):
         strategy = "megatron" if run["backend"] == "megatron" else "fsdp"
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
-                          strategy=strategy, tensor_parallel_size=run.get("tp", 1))
+                          strategy=strategy, tensor_parallel_size=run.get("tp", 1),
+                          num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
                      sampling_filters=run.get("filters"))
