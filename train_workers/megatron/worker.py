@@ -30,12 +30,14 @@ sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Mega
   param_and_grad_buffer.py``, ``distributed_data_parallel.py``), so they cannot run on CPU, where this backend is
   tested. On GPU they are the next step (ZeRO-1 sharded state, overlapped reduce-scatter).
 
-Refused for now, each with a :class:`ValueError` naming the field: ``train.pipeline_parallel_size`` > 1 (megatron-core's
-pipeline schedules, ``get_forward_backward_func`` → ``p2p_communication.py``, allocate their shape-exchange buffers on
-``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``, so they cannot be tested here; the conversion
-already handles pp), ``train.sequence_parallel`` (its RMSNorm gradients need a TP all-reduce this worker does not do
-yet), ``train.lora``, and ``model.dtype`` other than float32 (Megatron's mixed precision, ``Float16Module`` with fp32
-master weights in its optimizer, is GPU-only here); sampling filters at tp > 1 (``policy.py``).
+Refused for now, each with a :class:`ValueError` naming the field: ``train.pipeline_parallel_size`` > 1 (PP needs
+megatron-core's schedule, ``get_forward_backward_func``, to own the forward and backward of all micro-batches with the
+loss on the last stage, where this worker reuses ``FSDPStep``'s one-backward-per-micro-batch loop; on CPU the
+schedule's ``p2p_communication.py`` also allocates on ``torch.cuda.current_device()`` and, with ``batch_p2p_sync``,
+calls ``torch.cuda.synchronize()``; the weight conversion already handles pp), ``train.sequence_parallel`` (its
+RMSNorm gradients need a TP all-reduce this worker does not do yet), ``train.lora``, and ``model.dtype`` other than
+float32 (Megatron's mixed precision, ``Float16Module`` with fp32 master weights in its optimizer, is not wired here);
+sampling filters at tp > 1 (``policy.py``).
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
