@@ -1,4 +1,6 @@
-"""Train throughput: FSDP2 GRPO train steps of :class:`train_workers.fsdp_worker.FSDPTrainWorker` on CPU.
+"""Train throughput: GRPO train steps of the FSDP2 (:class:`train_workers.fsdp_worker.FSDPTrainWorker`) or, with
+``--strategy megatron``, the Megatron-core backend (:class:`train_workers.megatron.worker.MegatronTrainWorker`, TP
+``--tensor-parallel-size``, DP = world size / TP) on CPU, on the same synthetic batch.
 
 What is measured: ``--world-size`` ranks (default 2) spawned with ``torch.multiprocessing`` (start method spawn), each
 with ``torch.set_num_threads(1)``, join a gloo process group and build the FSDP2-sharded policy, the frozen reference
@@ -16,6 +18,9 @@ bracketed by ``dist.barrier()`` on every rank, so a step is as slow as its slowe
 With ``--lora-rank R`` the policy is the same model with LoRA adapters (``train.lora``: rank R, all linear layers;
 the reference pass is the policy with its adapters off, no reference copy is built).
 
+With ``--strategy megatron`` on a machine without CUDA, each rank first installs the CPU shims of
+``tests/megatron_cpu.py`` (megatron-core 0.16.1 assumes CUDA in three places; the backend itself carries no shim).
+
 Reported: packed tokens per step (all ranks; prompt + response tokens the forward passes compute), seconds per step,
 tokens/s, each rank's peak RSS (``ru_maxrss`` at the end) and AdamW state bytes, trainable parameters, and achieved
 GFLOP/s = (6·N_params·T [policy fwd+bwd] + 2·N_params·T [reference fwd]) / seconds, with
@@ -30,6 +35,7 @@ Usage (from the repo root)::
     .venv/bin/python -m bench.bench_train --quick               # tiny batch, 1 timed step: a correctness smoke run
     .venv/bin/python -m bench.bench_train --world-size 1 --kl-coef 0
     .venv/bin/python -m bench.bench_train --lora-rank 16              # the same batch with a LoRA policy
+    .venv/bin/python -m bench.bench_train --strategy megatron --tensor-parallel-size 2   # the same batch, Megatron TP=2
 """
 
 from __future__ import annotations
@@ -82,14 +88,19 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     from transformers import AutoConfig
 
     from cluster.spec import AlgorithmSpec, LoraSpec, TrainSpec
-    from train_workers.fsdp_worker import FSDPTrainWorker
+    from train_workers.registry import train_backend
 
+    if args.strategy == "megatron" and not torch.cuda.is_available():
+        from tests.megatron_cpu import install_cpu_shims
+
+        install_cpu_shims()
     lora = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank else None
     train = TrainSpec(world_size=args.world_size, num_threads=args.threads, backend="gloo",
-                      max_tokens_per_microbatch=args.max_tokens_per_microbatch, lora=lora)
+                      max_tokens_per_microbatch=args.max_tokens_per_microbatch, lora=lora, strategy=args.strategy,
+                      tensor_parallel_size=args.tensor_parallel_size)
     algorithm = AlgorithmSpec(kl_coef=args.kl_coef)
-    worker = FSDPTrainWorker(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
-                             max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
+    worker = train_backend(args.strategy)(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
+                                          max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
     t0 = time.perf_counter()
     info = worker.init_distributed("127.0.0.1", port)
     init_s = time.perf_counter() - t0
@@ -135,7 +146,9 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2, help="FSDP ranks (processes)")
+    parser.add_argument("--world-size", type=int, default=2, help="train ranks (processes)")
+    parser.add_argument("--strategy", choices=("fsdp", "megatron"), default="fsdp", help="train backend")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="Megatron TP size (strategy megatron)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--sequences", "-N", type=int, default=16, help="sequences per step")
     parser.add_argument("--prompt-len", type=int, default=100, help="mean prompt tokens (±10)")
@@ -159,7 +172,8 @@ def main() -> None:
 
     load_start = load_note()
     model_path = resolve_model(args.model)
-    print(f"model={model_path}\nworld_size={args.world_size} (gloo, {args.threads} thread/rank), "
+    print(f"model={model_path}\nstrategy={args.strategy} (tp={args.tensor_parallel_size}), "
+          f"world_size={args.world_size} (gloo, {args.threads} thread/rank), "
           f"N={args.sequences}, prompt ~{args.prompt_len}, response U[{args.resp_min},{args.resp_max}], "
           f"kl_coef={args.kl_coef}, lora_rank={args.lora_rank or 'off'}, 1 warm-up + {args.steps} timed steps",
           flush=True)
@@ -197,6 +211,7 @@ def main() -> None:
     print(f"machine: {load_end['cpus']} CPUs, load average {load_start['loadavg_1m']} at start, "
           f"{load_end['loadavg_1m']} at end (above ~{load_end['cpus']}, other processes shared the cores)")
     print_json("train", {
+        "strategy": args.strategy, "tensor_parallel_size": args.tensor_parallel_size,
         "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
         "kl_coef": args.kl_coef, "lora_rank": args.lora_rank, "ranks": ranks,
         "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],

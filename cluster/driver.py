@@ -51,8 +51,8 @@ from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
-from cluster.loop.setup import (SetupError, check_lora, ensure_writable_dir, load_prompts, load_tokenizer,
-                                model_eos_ids)
+from cluster.loop.setup import (SetupError, check_lora, check_train_layout, ensure_writable_dir, load_prompts,
+                                load_tokenizer, model_eos_ids)
 from cluster.loop.step_metrics import StepBatch, StepClock, async_metrics, record_trained_prompts, step_metrics
 from cluster.loop.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
@@ -86,6 +86,7 @@ class GRPOJob:
         ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir", create=not dry_run)
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
         check_lora(spec.train.lora, self.model_path)
+        check_train_layout(spec.train, self.model_path, spec.model.dtype)
         tokenizer = load_tokenizer(self.model_path)
         d = spec.data
         prompts = load_prompts(d, tokenizer)

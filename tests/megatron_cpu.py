@@ -1,5 +1,6 @@
 """Test-only shims that let megatron-core 0.16.1 run on CPU (over gloo), and tiny Llama/Qwen2 models for the
 Megatron tests. Never imported by the backend: the worker runs on GPUs, where none of this applies.
+:class:`CPUMegatronTrainWorker` runs the shims inside a Ray actor's own process (tests/ray).
 
 The CUDA assumptions bypassed (see ../shared/GUIDE.md, megatron-core paragraph):
 1. ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()``
@@ -19,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from train_workers.megatron.worker import MegatronTrainWorker  # imports no megatron-core (that comes in lazily)
 
 VOCAB = 1100  # not a multiple of 128: padded to 1152 at tp=1 and 1280 at tp=2
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -51,3 +54,18 @@ def make_tiny_hf_model(out_dir: str | Path, model_type: str, tied: bool, seed: i
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def use_cpu_megatron_in_train_pool(monkeypatch) -> None:
+    """Make ``TrainPool`` start :class:`CPUMegatronTrainWorker` for ``train.strategy: megatron`` until the test ends."""
+    from train_workers.registry import TRAIN_BACKENDS
+
+    monkeypatch.setitem(TRAIN_BACKENDS, "megatron", CPUMegatronTrainWorker)
+
+
+class CPUMegatronTrainWorker(MegatronTrainWorker):
+    """The production Megatron worker, with :func:`install_cpu_shims` run in its process before anything is built."""
+
+    def __init__(self, *args, **kwargs):
+        install_cpu_shims()
+        super().__init__(*args, **kwargs)

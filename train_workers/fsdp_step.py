@@ -97,11 +97,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _all_reduce_sum(t: torch.Tensor, device: torch.device, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum (or ``op``) a small CPU tensor over the train group (NCCL reduces device tensors only, so it goes via
-    ``device``)."""
+def _all_reduce_sum(t: torch.Tensor, device: torch.device, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """Sum (or ``op``) a small CPU tensor over ``group`` (None: the train group; NCCL reduces device tensors only,
+    so it goes via ``device``)."""
     on_device = t.to(device)
-    dist.all_reduce(on_device, op=op)
+    dist.all_reduce(on_device, op=op, group=group)
     return on_device.cpu()
 
 
@@ -114,6 +114,10 @@ class FSDPStep:
     """
 
     _lora = None  # train_workers.lora.LoraPolicy when train.lora is set (the worker builds it), else None
+    #: Process group the step's metric sums and counts are reduced over: None, the whole train group (FSDP2: every
+    #: rank holds different sequences); a backend whose ranks share sequences (Megatron's tensor-parallel ranks)
+    #: sets its data-parallel group, so each sequence is counted once.
+    _metrics_group = None
 
     def _has_reference(self) -> bool:
         """Whether the job has a reference policy: a frozen copy (``self.reference``) or, with LoRA, the policy with
@@ -176,7 +180,8 @@ class FSDPStep:
             grad_norm = self._clip_gradients()
             sums[SUMS["nonfinite_loss"]] = float(not math.isfinite(float(sums[SUMS["loss"]])))
             sums[SUMS["nonfinite_grad_norm"]] = float(not math.isfinite(grad_norm))
-            sums = _all_reduce_sum(sums, self.device)  # every rank sees every rank's flags: all skip or none
+            # every rank sees every rank's flags: all skip or none
+            sums = _all_reduce_sum(sums, self.device, group=self._metrics_group)
             bad = [metric for key, metric in _NONFINITE.items() if sums[SUMS[key]] > 0]
             if bad:
                 self.optimizer.zero_grad(set_to_none=True)  # the poisoned gradients never reach AdamW's moments
@@ -237,7 +242,7 @@ class FSDPStep:
         finite engine logprob), ``actor/behaviour_ratio_min/max`` (token ratio trainer/engine),
         ``actor/behaviour_seq_ratio_min/max`` (geometric-mean ratio of a sequence; NaN when there is no token) and,
         with MIS, ``actor/mis_masked_fraction`` (dropped / valid loss tokens)."""
-        ext = torch.exp(_all_reduce_sum(self._extremes, self.device, op=dist.ReduceOp.MAX))
+        ext = torch.exp(_all_reduce_sum(self._extremes, self.device, op=dist.ReduceOp.MAX, group=self._metrics_group))
 
         def extreme(name: str, negate: bool) -> float:
             value = float(ext[EXTREMES[name]])
@@ -269,7 +274,7 @@ class FSDPStep:
                                    mis.low, mis.high, mis.level)
             counts[0] += float(s.keep.sum())
             counts[1] += float(s.keep.any(dim=-1).sum())
-        counts = _all_reduce_sum(counts, self.device)
+        counts = _all_reduce_sum(counts, self.device, group=self._metrics_group)
         return int(counts[0]), int(counts[1])
 
     def _lora_metrics(self) -> dict[str, float]:

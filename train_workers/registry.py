@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib
 
 #: ``train.strategy`` → backend class, or ``"module:Class"`` resolved by :func:`train_backend`.
-TRAIN_BACKENDS: dict[str, type | str] = {"fsdp": "train_workers.fsdp_worker:FSDPTrainWorker"}
+TRAIN_BACKENDS: dict[str, type | str] = {
+    "fsdp": "train_workers.fsdp_worker:FSDPTrainWorker",
+    "megatron": "train_workers.megatron.worker:MegatronTrainWorker",
+}
 
 
 def register_train_backend(name: str, backend: type | str) -> None:

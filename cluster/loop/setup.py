@@ -120,6 +120,26 @@ def check_lora(lora, model_path: str) -> None:
         _check_engine_serves_lora(config.architectures or [])
 
 
+def check_train_layout(train, model_path: str, dtype: str) -> None:
+    """Check the train backend's model-parallel layout against the model before any worker starts, through the
+    backend registry: a backend class with a ``check_layout(train, model_path, dtype)`` classmethod (Megatron: TP/PP
+    sizes that divide heads and layers, the settings it supports) is asked; others have nothing to check.
+
+    Raises:
+        ModelError: the backend's message, which names the spec field (``train.tensor_parallel_size``, ...) or the
+            model's ``config.json`` key.
+    """
+    from train_workers.registry import train_backend
+
+    check = getattr(train_backend(train.strategy), "check_layout", None)
+    if check is None:
+        return
+    try:
+        check(train, model_path, dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelError(str(exc)) from None
+
+
 def _check_engine_serves_lora(architectures: list[str]) -> None:
     """``train.lora.sync: adapter`` needs vLLM's model class for the architecture to support LoRA (vLLM's
     ``supports_lora``); unknown architectures and a missing vLLM are left to the engine's own start-up check.

@@ -269,7 +269,8 @@ class TrainSpec(BaseModel):
         "stops the step naming it."))
     strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
         "Data-parallel training strategy: the train backend registered under this name in "
-        "train_workers.registry; 'megatron' is reserved and rejected until its workers are registered."))
+        "train_workers.registry: 'fsdp' (FSDP2) or 'megatron' (Megatron-core tensor parallelism, float32, "
+        "pipeline_parallel_size 1 for now)."))
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Megatron tensor-parallel ranks per model replica (strategy megatron); must divide the model's attention "
         "heads and kv heads. Data-parallel size = world_size / (tensor_parallel_size × pipeline_parallel_size)."))

@@ -45,11 +45,11 @@ def load(*overrides: str):
 
 
 @pytest.fixture
-def megatron_registered(monkeypatch):
-    """Let the spec accept strategy 'megatron' (no worker is registered yet; the spec only checks the name)."""
+def megatron_registered():
+    """The spec accepts strategy 'megatron' now that its worker is registered (kept as a fixture for the tests below)."""
     from train_workers import registry
 
-    monkeypatch.setitem(registry.TRAIN_BACKENDS, "megatron", "train_workers.megatron_worker:MegatronTrainWorker")
+    assert registry.TRAIN_BACKENDS["megatron"] == "train_workers.megatron.worker:MegatronTrainWorker"
 
 
 def test_megatron_defaults_keep_fsdp_layout():
@@ -57,9 +57,9 @@ def test_megatron_defaults_keep_fsdp_layout():
     assert (train.tensor_parallel_size, train.pipeline_parallel_size, train.sequence_parallel) == (1, 1, False)
 
 
-def test_megatron_strategy_still_rejected():
-    with pytest.raises(SpecError, match=r"strategy 'megatron' is not available yet"):
-        load("train.strategy=megatron", "train.tensor_parallel_size=2", "train.world_size=2")
+def test_megatron_strategy_accepted_once_registered():
+    train = load("train.strategy=megatron", "train.tensor_parallel_size=2", "train.world_size=2").train
+    assert (train.strategy, train.tensor_parallel_size) == ("megatron", 2)
 
 
 @pytest.mark.parametrize("override, field", [
@@ -245,3 +245,19 @@ def test_megatron_param_to_hf_refuses_one_shard_of_a_tp_split_parameter(name):
         megatron_param_to_hf(name, [shard], layout)
     norm = megatron_param_to_hf("decoder.layers.0.input_layernorm.weight", [torch.ones(64)], layout)
     assert norm[0][1].shape == (64,)
+
+
+def test_megatron_layout_checked_by_the_driver_before_workers_start(tmp_path, megatron_registered):
+    """``cluster.loop.setup.check_train_layout`` (called by ``GRPOJob.__init__`` before Ray starts) reaches the
+    Megatron backend's ``check_layout`` through the registry and reports the field as a ModelError."""
+    import json
+
+    from cluster.loop.setup import ModelError, check_train_layout
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
+    spec = load("train.strategy=megatron", "train.tensor_parallel_size=3", "train.world_size=3")
+    check_train_layout(spec.train, str(tmp_path), "float32")  # 9 heads, 3 kv heads: tp=3 fits
+    bad = load("train.strategy=megatron", "train.tensor_parallel_size=2", "train.world_size=2")
+    with pytest.raises(ModelError, match=r"train\.tensor_parallel_size: tensor_parallel_size=2 must divide"):
+        check_train_layout(bad.train, str(tmp_path), "float32")
+    check_train_layout(load().train, str(tmp_path / "missing"), "float32")  # fsdp: nothing to check

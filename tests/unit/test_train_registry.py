@@ -28,8 +28,33 @@ def test_fsdp_is_registered_as_a_string_and_resolves_to_the_worker():
 
 
 def test_unknown_strategy_names_the_field_and_the_known_backends():
-    with pytest.raises(ValueError, match=r"train\.strategy 'megatron' has no train backend; known: \['fsdp'\]"):
-        train_backend("megatron")
+    with pytest.raises(ValueError, match=r"train\.strategy 'deepspeed' has no train backend; known: \['fsdp', "
+                                         r"'megatron'\]"):
+        train_backend("deepspeed")
+
+
+def test_megatron_is_registered_and_checks_its_layout_before_anything_starts(tmp_path):
+    """The registered Megatron class checks a spec's TP × PP layout against ``config.json`` through the registry
+    (the driver's route: ``train_backend(strategy).check_layout``), naming the field; megatron-core not needed."""
+    import json
+
+    from cluster.spec import TrainSpec
+
+    assert TRAIN_BACKENDS["megatron"] == "train_workers.megatron.worker:MegatronTrainWorker"
+    backend = train_backend("megatron")
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1100,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    layout = backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=2), tmp_path)
+    assert (layout.tp, layout.pp, layout.padded_vocab_size) == (2, 1, 1280)
+    with pytest.raises(ValueError, match=r"train\.tensor_parallel_size: tensor_parallel_size=4 must divide the "
+                                         r"model's num_key_value_heads=2"):
+        backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=4), tmp_path)
+    with pytest.raises(ValueError, match=r"train\.pipeline_parallel_size=2: pipeline parallelism is not supported"):
+        backend.check_layout(TrainSpec(strategy="megatron", world_size=2, pipeline_parallel_size=2), tmp_path)
+    with pytest.raises(ValueError, match=r"model\.dtype='bfloat16': the megatron backend trains in float32"):
+        backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="bfloat16")
 
 
 def test_duplicate_name_raises(monkeypatch):
@@ -71,11 +96,12 @@ def test_the_train_pool_imports_no_backend():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_fsdp_worker_satisfies_the_protocol():
+@pytest.mark.parametrize("strategy", ["fsdp", "megatron"])
+def test_backends_satisfy_the_protocol(strategy):
     from cluster.spec import AlgorithmSpec, TrainSpec
-    from train_workers.fsdp_worker import FSDPTrainWorker
 
-    worker = FSDPTrainWorker(0, 1, "unused", TrainSpec(world_size=1), AlgorithmSpec(), 1.0, 16)  # builds nothing
+    backend = train_backend(strategy)
+    worker = backend(0, 1, "unused", TrainSpec(world_size=1, strategy=strategy), AlgorithmSpec(), 1.0, 16)
     assert isinstance(worker, TrainWorker)
     methods = [name for name, member in vars(TrainWorker).items()
                if callable(member) and not name.startswith("_")]
@@ -83,7 +109,7 @@ def test_fsdp_worker_satisfies_the_protocol():
             "load_checkpoint", "set_kl_coef", "init_distributed"} <= set(methods)
     for name in methods:
         wanted = list(inspect.signature(getattr(TrainWorker, name)).parameters.values())
-        got = list(inspect.signature(getattr(FSDPTrainWorker, name)).parameters.values())
+        got = list(inspect.signature(getattr(backend, name)).parameters.values())
         assert [p.name for p in got[:len(wanted)]] == [p.name for p in wanted], name
         assert all(p.default is not inspect.Parameter.empty for p in got[len(wanted):]), name
 
@@ -96,7 +122,21 @@ def test_spec_strategy_follows_the_registry(monkeypatch):
     from cluster.spec import TrainSpec
     from train_workers import registry
 
+    assert TrainSpec(strategy="megatron").strategy == "megatron"
+    monkeypatch.delitem(registry.TRAIN_BACKENDS, "megatron")
     with pytest.raises(ValidationError, match=r"strategy 'megatron' is not available yet; use one of \['fsdp'\]"):
         TrainSpec(strategy="megatron")
-    monkeypatch.setitem(registry.TRAIN_BACKENDS, "megatron", "train_workers.megatron_worker:MegatronTrainWorker")
-    assert TrainSpec(strategy="megatron").strategy == "megatron"
+
+
+def test_megatron_refuses_sampling_filters_with_tensor_parallelism():
+    """Top-k/top-p/min-p need the whole vocabulary per position: refused at tp > 1 naming the rollout field, accepted
+    at tp = 1 (computed as the FSDP2 path does) and when off."""
+    from cluster.spec import AlgorithmSpec, TrainSpec
+
+    backend = train_backend("megatron")
+    tp2 = TrainSpec(world_size=2, strategy="megatron", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"rollout\.top_k=20: sampling filters are not computed vocab-parallel"):
+        backend(0, 2, "unused", tp2, AlgorithmSpec(), 1.0, 16, sampling_filters={"top_k": 20, "top_p": 1.0})
+    backend(0, 2, "unused", tp2, AlgorithmSpec(), 1.0, 16, sampling_filters={"top_k": -1, "top_p": 1.0, "min_p": 0.0})
+    backend(0, 1, "unused", TrainSpec(world_size=1, strategy="megatron"), AlgorithmSpec(), 1.0, 16,
+            sampling_filters={"top_k": 20, "top_p": 0.9})

@@ -1,5 +1,7 @@
-"""Megatron-core train backend (issue #15). Phase 1: model config and HF ⇄ Megatron weight conversion.
+"""Megatron-core train backend (issue #15): ``worker.MegatronTrainWorker`` (``train.strategy: megatron``), its
+logprob model (``policy``), weight-sync sources (``sync``), checkpoints (``checkpoint``, ``hf_io``), the layout rules
+(``config``) and the HF ⇄ Megatron tensor mapping (``convert``).
 
 Nothing is imported here: ``import train_workers`` stays light, and megatron-core (the ``megatron`` extra) is imported
-only by the functions of :mod:`train_workers.megatron.config` that build Megatron objects.
+only inside the functions and methods that build Megatron objects.
 """

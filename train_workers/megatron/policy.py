@@ -1,0 +1,177 @@
+"""A Megatron-core ``GPTModel`` that returns per-token logprobs of the response tokens of a packed micro-batch.
+
+Shapes: one packed micro-batch (``train_workers.packing.PackedMicroBatch``) of n sequences, L packed tokens, M
+response tokens; S = the longest sequence (prompt + response); V the real vocabulary, Vp the padded one
+(``MegatronLayout.padded_vocab_size``), tp the tensor-parallel size.
+
+Padding-free "or the equivalent": megatron-core's local (non-Transformer-Engine) attention, the one that runs without
+CUDA, refuses packed sequences (``PackedSeqParams`` need TE's fused attention), and Megatron's RoPE ignores
+``position_ids`` (positions are 0..S-1 of each row). So :func:`unpack_right_padded` turns the packed row back into a
+right-padded [n, S] batch, each sequence starting at position 0 of its row, and the forward passes an explicit causal
+mask [n, 1, S, S] (True = masked, Megatron's convention). Right padding needs nothing beyond the causal mask: a real
+token never attends to a later (padding) position, and logits of padding positions are never read. This is the same
+math as the packed FSDP2 path (block-diagonal causal attention, per-sequence positions). With Transformer Engine on
+GPU the packed path (``PackedSeqParams`` with ``cu_seqlens``) can replace it later.
+
+Logprobs under the rollout's sampling distribution (``grpo.logprobs`` module docstring): z = logits / temperature over
+the real vocabulary only — the Vp − V padded columns (zero rows of the output layer, ``convert.pad_vocab``) are
+dropped (tp = 1) or set to −inf (tp > 1) before the log-softmax. The output layer runs only on the M positions that
+predict response tokens (a forward pre-hook on ``output_layer`` picks their hidden states): [M, Vp/tp] logits, never
+[n, S, Vp/tp].
+
+- tp = 1: ``grpo.logprobs.logprobs_from_logits`` on z[:, :V] with the rollout's top-k/top-p/min-p filters, and the
+  entropy of the filtered distribution (``filter_logits_`` then ``entropy_from_logits``), as the FSDP2 path computes
+  them (``linear_logprobs``).
+- tp > 1: each rank holds Vp/tp vocabulary columns (``ColumnParallelLinear`` with ``parallel_output=True``);
+  log p(y) = −``vocab_parallel_cross_entropy``(z, y) (``megatron/core/tensor_parallel/cross_entropy.py``: max, Σ exp
+  and the target's logit all-reduced over the TP group, gradient softmax − one-hot on each rank's columns); the
+  entropy H = log Σ e − Σ e·(z − max) / Σ e with e = exp(z − max), reduced the same way, without gradient (as
+  ``grpo.logprobs.linear_logprobs`` returns it). The sampling filters need the whole distribution per position and
+  are refused at tp > 1 (:class:`MegatronResponseLogprobs` raises).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from grpo.logprobs import entropy_from_logits, filter_logits_, logprobs_from_logits
+
+
+def unpack_right_padded(input_ids: torch.Tensor, position_ids: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed row → right-padded batch.
+
+    Args:
+        input_ids, position_ids: [1, L] int64; a sequence starts where its position id is 0 and its position ids
+            count 0, 1, 2, ... (``train_workers.packing.pack_microbatch``).
+
+    Returns:
+        (ids [n, S] int64, padded with 0; row [L] int64 and col [L] int64: packed position p is token
+        ``ids[row[p], col[p]]``).
+
+    Raises:
+        ValueError: not one row, or position ids that do not restart at 0 and count up by one (Megatron's RoPE uses
+            the column index as the position, so any other position ids would be silently wrong).
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or position_ids.shape != input_ids.shape:
+        raise ValueError(f"expected one packed row: input_ids and position_ids [1, L], got "
+                         f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}")
+    pos = position_ids[0]
+    length = pos.shape[0]
+    starts = (pos == 0).nonzero().flatten()
+    if length == 0 or starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError(f"packed position ids must start at 0, got {pos[:8].tolist()}")
+    row = torch.cumsum(pos == 0, 0) - 1
+    col = torch.arange(length, device=pos.device) - starts[row]
+    if not torch.equal(col, pos):
+        raise ValueError("packed position ids must count 0, 1, 2, ... within each sequence (Megatron's RoPE uses "
+                         "the column of the right-padded batch as the position)")
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([length])]))
+    ids = input_ids.new_zeros(starts.numel(), int(lengths.max()))
+    ids[row, col] = input_ids[0]
+    return ids, row, col
+
+
+def causal_mask(n: int, s: int, device: torch.device) -> torch.Tensor:
+    """[n, 1, S, S] bool, True above the diagonal (masked): Megatron's ``attention_mask`` convention
+    (``megatron/core/transformer/utils.py`` ``attention_mask_func`` fills True entries)."""
+    return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None].expand(n, 1, s, s)
+
+
+def _vocab_parallel_entropy(z: torch.Tensor, group) -> torch.Tensor:
+    """Entropy [M] float32 (nats, no gradient) of softmax(z) where z [M, Vp/tp] float32 is this rank's share of the
+    columns (−inf entries allowed) and ``group`` the tensor-parallel group holding the others."""
+    with torch.no_grad():
+        zmax = z.max(dim=-1).values
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = z - zmax[:, None]
+        e = shifted.exp()
+        sums = torch.stack([e.sum(-1), torch.where(e > 0, e * shifted, 0.0).sum(-1)])
+        dist.all_reduce(sums, group=group)
+        return sums[0].log() - sums[1] / sums[0]
+
+
+def refuse_vocab_parallel_filters(tp: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
+    """Raise :class:`ValueError` naming ``rollout.<filter>`` when a sampling filter is on (top_k > 0, top_p < 1,
+    min_p > 0; vLLM's "off" values 0/−1, 1, 0 pass) with tensor parallel size ``tp`` > 1."""
+    if tp <= 1:
+        return
+    for field, on, off in (("top_k", top_k > 0, 0), ("top_p", top_p < 1.0, 1.0), ("min_p", min_p > 0.0, 0.0)):
+        if on:
+            value = {"top_k": top_k, "top_p": top_p, "min_p": min_p}[field]
+            raise ValueError(f"rollout.{field}={value}: sampling filters are not computed vocab-parallel yet; "
+                             f"train.strategy megatron with tensor_parallel_size={tp} needs {field}={off}")
+
+
+class MegatronResponseLogprobs(nn.Module):
+    """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
+    ``(logprobs [M] float32, entropy [M] float32 detached, or None)``: the signature of
+    ``train_workers.policy.ResponseLogprobModel``, so ``train_workers.fsdp_step``'s loss code runs unchanged.
+
+    Args:
+        model: a ``GPTModel`` holding the whole decoder (pp = 1) built with ``parallel_output=True``.
+        vocab_size: V, the real vocabulary (HF ``vocab_size``); columns ≥ V are padding.
+        temperature: > 0, the rollout's sampling temperature.
+        top_k, top_p, min_p: the rollout's sampling filters (``grpo.logprobs.filter_logits_``), tp = 1 only.
+
+    Raises:
+        ValueError: a sampling filter is set with tensor parallelism (the message names the ``rollout.*`` field).
+    """
+
+    def __init__(self, model: nn.Module, vocab_size: int, temperature: float, *, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0):
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        self.model = model
+        self.vocab_size = int(vocab_size)
+        self.temperature = float(temperature)
+        self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
+        self._rows = self._cols = None
+        model.output_layer.register_forward_pre_hook(self._pick_response_positions)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        if self.tp > 1:
+            refuse_vocab_parallel_filters(self.tp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+
+    def _pick_response_positions(self, module, args):
+        """``output_layer`` forward pre-hook: keep only the hidden states of the M positions whose logits are read,
+        [S, n, H] → [M, 1, H] (set by :meth:`forward`), so the LM head never runs on prompt or padding positions
+        (``GPTModel._postprocess`` calls ``output_layer(hidden_states, weight=...)`` after the final norm)."""
+        if self._rows is None:  # the GPTModel called on its own: all positions
+            return None
+        hidden = args[0]
+        return (hidden[self._cols, self._rows][:, None, :],) + tuple(args[1:])
+
+    def forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
+        ids, row, col = unpack_right_padded(input_ids, position_ids)
+        n, s = ids.shape
+        positions = torch.arange(s, device=ids.device)[None].expand(n, s)
+        self._rows, self._cols = row[logit_positions], col[logit_positions]
+        try:
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=causal_mask(n, s, ids.device))
+        finally:
+            self._rows = self._cols = None
+        picked = logits[0]  # [M, Vp/tp]: the output layer ran on the picked positions only
+        if self.tp == 1:
+            z = picked[:, : self.vocab_size]
+            lp = logprobs_from_logits(z, targets, self.temperature, top_k=self.top_k, top_p=self.top_p,
+                                      min_p=self.min_p)
+            ent = None
+            if with_entropy:  # of the distribution the tokens were sampled from: after the filters, as FSDP2's
+                with torch.no_grad():
+                    zs = z.detach().float() / self.temperature
+                    zs = filter_logits_(zs, targets, self.top_k, self.top_p, self.min_p)
+                    ent = entropy_from_logits(zs)
+            return lp, ent
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        part = picked.shape[-1]
+        columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=picked.device)
+        z = (picked.float() / self.temperature).masked_fill(columns >= self.vocab_size, float("-inf"))
+        ent = _vocab_parallel_entropy(z.detach(), self.tp_group) if with_entropy else None
+        # vocab_parallel_cross_entropy subtracts the max from its input in place: z is not read afterwards
+        return -vocab_parallel_cross_entropy(z, targets), ent
