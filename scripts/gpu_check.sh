@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh --dry-run    # on CPU: tiny sizes, gloo, shared memory; CUDA-only parts SKIP
 #   bash scripts/gpu_check.sh --only throughput mixed_precision --json-out /tmp/gpu_check.json
 #
-# Sections and what each compares: bench/gpu_check.py (the driver; bench/gpu_check_{kernels,train,transport}.py).
+# Sections and what each compares: bench/gpu_check.py (the driver; bench/gpu_check_{kernels,train,transport,async}.py).
 # Each section runs in its own process with its own timeout; --budget-s (default 330) bounds the whole run.
 #
 # What the machine needs: Python >= 3.10 with torch (CUDA build) and transformers, plus pytest for the gpu_tests

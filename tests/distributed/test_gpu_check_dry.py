@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "cuda_ipc",
-                "fsdp_two_ranks"]
+                "fsdp_two_ranks", "async_overlap"]
 
 
 def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
@@ -40,6 +40,9 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
     assert sections["cuda_ipc"]["numbers"]["transport"] == "shm"
     assert sections["cuda_ipc"]["numbers"]["crc_checked_tensors"] == sections["cuda_ipc"]["numbers"]["tensors"]
     assert sections["throughput"]["numbers"]["attention=packed_varlen_sdpa"]["tokens_per_s"] > 0
+    overlap = sections["async_overlap"]["numbers"]  # real generate + FSDP2 train through the rollout.mode schedules
+    assert overlap["mode=one_step_off"]["staleness"] == [0, 1, 1] and overlap["weight_gap_after_sync"] == 0.0
+    assert overlap["overlap_ratio"] > 0 and overlap["generate_plus_train_s"] >= overlap["max_generate_train_s"] > 0
     assert report["total_s"] > 0  # its wall time is printed, not asserted: a busy machine must not fail this test
-    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", "8 PASS, 0 FAIL, 1 SKIP"):
+    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", "9 PASS, 0 FAIL, 1 SKIP"):
         assert line in proc.stdout

@@ -101,3 +101,30 @@ def test_half_billion_config_has_the_parameters_it_claims():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(llama_config("0.5b"))
     assert sum(p.numel() for p in model.parameters()) == model_flops("0.5b", [(1, 1)])["params_total"] == 494_005_120
+
+
+def test_async_overlap_contract_flags_what_the_schedules_must_not_do():
+    """The async_overlap section's verdict on the steps it ran (bench/gpu_check_async.py ``_contract``): staleness 0 in
+    sync, exactly 1 after the first step in one_step_off, 1..k in async; each step trains its own batch; finite
+    losses; no stale drops."""
+    from types import SimpleNamespace
+
+    from bench.gpu_check_async import _contract
+
+    def row(staleness, steps=None, losses=(0.5,), dropped=0):
+        steps = steps or list(range(1, len(staleness) + 1))
+        outcomes = [SimpleNamespace(trained={"step": s, "losses": list(losses)}) for s in steps]
+        return {"staleness": list(staleness), "dropped": dropped, "_outcomes": outcomes}
+
+    assert _contract("sync", 0, row([0, 0, 0]), 2) == []
+    assert _contract("one_step_off", 1, row([0, 1, 1]), 2) == []
+    assert _contract("async", 2, row([0, 2, 1]), 2) == []
+    assert _contract("sync", 0, row([0, 1, 0]), 2) == ["sync: staleness [0, 1, 0]"]
+    assert _contract("one_step_off", 1, row([0, 1, 2]), 2) == ["one_step_off: staleness [0, 1, 2]"]
+    assert _contract("one_step_off", 1, row([0, 0, 1]), 2) == ["one_step_off: staleness [0, 0, 1]"]
+    assert _contract("async", 2, row([0, 3, 1]), 2) == ["async: staleness [0, 3, 1]"]
+    assert _contract("async", 2, row([0, 1, 2], steps=[1, 3, 3]), 2) == [
+        "async: trained batches of steps [1, 3, 3], expected [1, 2, 3]"]
+    assert _contract("sync", 0, row([0, 0, 0], losses=(float("nan"),)), 2) == [
+        "sync: non-finite loss in [nan, nan, nan]"]
+    assert _contract("async", 2, row([0, 1, 1], dropped=1), 2) == ["async: 1 stale drop(s)"]

@@ -10,6 +10,9 @@ file's package, and ``importlib.import_module("literal.name")`` counts as an imp
 3. ``weight_sync/`` (transport only) does not import ``cluster/``.
 4. The loop (``cluster/driver.py`` and ``cluster/loop/**``) does not import a concrete train backend module
    (``train_workers.fsdp_*``, ``train_workers.megatron*``); it reaches a backend through the registry/protocol.
+5. ``cluster/loop/overlap.py`` (the ``rollout.mode`` schedules) and the package files imported with it
+   (``cluster/__init__.py``, ``cluster/loop/__init__.py``) import no project package, nor Ray, pydantic or vLLM: the
+   device check's ``async_overlap`` section (``bench/gpu_check_async.py``) runs the schedules with torch alone.
 
 A failure names ``file:line``, the offending import statement and the rule it breaks. The self-tests at the end feed
 the checker synthetic sources, one per rule, so each rule is shown to fail.
@@ -93,6 +96,10 @@ RULES = (
     Rule("messages_import_no_project", ("cluster/messages.py", "cluster/__init__.py"), PROJECT_PACKAGES,
          "workers import cluster.messages (and so cluster/__init__.py): they must bring in nothing else of the "
          "project, or the control plane would ride into every worker"),
+    Rule("overlap_is_pure", ("cluster/loop/overlap.py", "cluster/loop/__init__.py", "cluster/__init__.py"),
+         (*PROJECT_PACKAGES, "ray", "pydantic", "vllm"),
+         "cluster.loop.overlap orders three callables and nothing else: the device check imports it where only torch "
+         "and transformers are installed (bench/gpu_check_async.py)"),
     Rule("loop_not_concrete_backend", ("cluster/driver.py", "cluster/loop/"), CONCRETE_TRAIN_BACKENDS,
          "the loop (cluster/driver.py, cluster/loop/) reaches train backends through train_workers' registry and "
          "protocol, never a concrete backend module"),
@@ -194,6 +201,9 @@ def test_import_layering(rule: Rule):
     ("cluster/messages.py", "from cluster.loop import pools\n", "cluster.loop"),
     ("cluster/__init__.py", "from cluster.spec import JobSpec\n", "cluster.spec"),
     ("cluster/messages.py", "def f():\n    from weight_sync.buckets import Bucket\n", "weight_sync.buckets"),
+    ("cluster/loop/overlap.py", "from cluster.spec import RolloutSpec\n", "cluster.spec"),
+    ("cluster/loop/overlap.py", "def f():\n    import ray\n", "ray"),
+    ("cluster/loop/__init__.py", "from pydantic import BaseModel\n", "pydantic"),
 ])
 def test_checker_finds_each_kind_of_violation(rel_path, source, offending):
     found = violations(rel_path, source)
