@@ -61,14 +61,17 @@ def _plan(ctx: Context) -> dict:
     """Sizes of the run: model, prompts B, samples per prompt G, prompt tokens P, new tokens N, timed steps."""
     if ctx.dry_run:
         return dict(size="tiny", prompts=2, group=2, prompt_tokens=4, new_tokens=4, steps=2)
-    return dict(size="0.5b", prompts=16, group=8, prompt_tokens=64, new_tokens=64, steps=4)
+    # HF generate of the 24-layer model is launch-bound (≈ 20-25 ms per token, estimated, not measured here): 48 new
+    # tokens ≈ 1-1.5 s a call; the whole section is then ≈ 50 s on the GPU (timeout 90 s)
+    return dict(size="0.5b", prompts=16, group=8, prompt_tokens=64, new_tokens=48, steps=3)
 
 
 class OverlapRig:
     """The generator (a plain HF model on its own stream), the FSDP2 trainer and the sync between them.
 
     Args:
-        ctx: the check's context (device, dry run). plan: :func:`_plan`'s sizes.
+        ctx: the check's context (dry run: float32, no mixed precision). plan: :func:`_plan`'s sizes. device: where
+            both models live (the process group is already initialised: FSDP2 needs it).
     Attributes:
         trainer_version: policy version of the trainer (+1 per train call); engine_version: of the generator
             (set by sync). calls: per kind ("generate", "train", "sync") the wall seconds of each call, appended.
@@ -105,8 +108,11 @@ class OverlapRig:
     def generate(self, step: int) -> dict:
         """The batch of ``step``: B·G sequences of P random prompt tokens (seeded by ``step``) + N sampled tokens.
         Returns {"step", "version" (the generator's policy version), "prompts" [BG, P] int64, "responses" [BG, N]
-        int64, "logprobs" [BG, N] float32 (behaviour, natural log), "advantages" [BG] float32, "group_ids" [BG]},
-        all on the CPU."""
+        int64, "logprobs" [BG, N] float32 (behaviour, natural log), "rewards" [BG] float32 (stand-in),
+        "advantages" [BG] float32, "group_ids" [BG] int64}, all on the CPU.
+
+        Raises:
+            RuntimeError: ``generate`` returned another number of new tokens than N."""
         p = self.plan
         t0 = time.perf_counter()
         version = self.engine_version
@@ -322,6 +328,8 @@ def section_async_overlap(ctx: Context) -> Result:
                "overlap_ratio": round(rows["sync"]["step_s"] / rows["one_step_off"]["step_s"], 3),
                "async_ratio": round(rows["sync"]["step_s"] / rows["async"]["step_s"], 3),
                "weight_gap_after_sync": gap}
+    if device.type == "cuda":
+        numbers["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     if gap != 0.0:
         failures.append(f"generator weights differ from the trainer's after the sync by {gap:.3g}")
     summary = (f"sync {rows['sync']['step_s']:.3f} s/step, one_step_off {rows['one_step_off']['step_s']:.3f} "
