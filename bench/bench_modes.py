@@ -10,8 +10,8 @@ max_staleness 2, ``rollout.partial_rollout``). Per mode, over the steps after th
 from an empty pipeline and pays one-off warm-up; ``--steps`` counts all steps):
 
 - steps/hour = 3600 / mean ``timing/step_s`` (wall seconds of one step: from its start to its metrics row);
-- the mean of ``timing/generate_s``, ``timing/train_s`` and ``timing/sync_s`` (in the overlapped modes generate is
-  the time the step itself waited for its batch, not the producer's work);
+- the mean of ``timing/generate_s``, ``timing/train_s`` and ``timing/sync_s`` (generate is the wall time the step's
+  batch took to generate; in the overlapped modes most of it ran while the step before trained);
 - staleness: mean and max of ``rollout/staleness_mean`` / ``rollout/staleness_max`` (policy versions);
 - the logprob gap: mean of ``rollout/logprob_diff`` (mean |trainer logprob before the update − engine behaviour
   logprob| per token, natural log) and of ``actor/kl_behaviour_current`` (KL(behaviour ‖ current), nats/token);
