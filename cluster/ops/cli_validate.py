@@ -3,7 +3,8 @@ it starts anything (:func:`cluster.ops.prepare.prepare_job`: dependencies, spec,
 model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
 (``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs, GPUs and custom resources
 the pools reserve; for the local cluster ``run`` would start, that no custom resource (``rollout.resources``,
-``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once.
+``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once, and that the
+``cpu_affinity`` cores are among this machine's (:func:`cluster.ops.prepare.local_cores_problem`).
 Prints the resolved spec's summary. Starts no Ray cluster, engine or worker, and writes nothing.
 
 Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec values with file:line).
@@ -92,8 +93,10 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
                  f"{job.prompts_filtered} over data.max_prompt_tokens={s.data.max_prompt_tokens} dropped)"),
         *([("held-out", held_out_summary(s.data))] if s.data.source == "reasoning_gym" else []),
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
-                    f"at most {r.max_response_tokens} tokens each"),
-        ("train", f"{t.world_size} rank(s), backend {t.backend}" + (
+                    f"at most {r.max_response_tokens} tokens each"
+                    + (f"; on cores {r.cpu_affinity}" if r.cpu_affinity is not None else "")),
+        ("train", f"{t.world_size} rank(s), backend {t.backend}"
+         + (f"; on cores {t.cpu_affinity}" if t.cpu_affinity is not None else "") + (
             f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
             f"{t.lora.sync}" if t.lora is not None else "")),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),

@@ -47,6 +47,20 @@ def import_modules(modules) -> str | None:
     return None
 
 
+def local_cores_problem(spec) -> str | None:
+    """Why the local Ray cluster ``run`` starts (every actor on this machine, inheriting this process's CPU
+    affinity) could not bind a pool to its ``cpu_affinity`` cores, or None: each core must be one this process may use
+    (``os.sched_getaffinity``). On a joined cluster the engine or rank checks its own node when it starts."""
+    allowed = os.sched_getaffinity(0)
+    for name, pool in (("rollout", spec.rollout), ("train", spec.train)):
+        missing = sorted(set(pool.cpu_affinity or ()) - allowed)
+        if missing:
+            return (f"{name}.cpu_affinity: cores {missing} are not among this machine's usable cores "
+                    f"{sorted(allowed)}, where the local Ray cluster `run` starts without --address runs every "
+                    f"actor; expected ids among those, got {pool.cpu_affinity}")
+    return None
+
+
 def prepare_job(args, dry_run: bool = False):
     """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
     interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
@@ -83,6 +97,10 @@ def prepare_job(args, dry_run: bool = False):
         address, source = job_address(args.address, spec)
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
+        return 2
+    problem = None if address is not None else local_cores_problem(spec)
+    if problem:
+        print(f"grpo-cluster: {locate_field_error(problem, args.spec, args.set or ())}", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
         job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run,

@@ -4,6 +4,8 @@
 - Bounds (``MAX_*``, :data:`MIN_TEMPERATURE`) that catch a mistyped extra digit before any resource is reserved.
 - :data:`ByteSize` (``"64MiB"`` → 67108864 via :func:`parse_byte_size`) and :data:`CustomResources` (a pool's custom
   Ray resources per actor, checked by :func:`check_custom_resources`).
+- :data:`CpuCores` (a pool's CPU core ids, ``rollout.cpu_affinity`` / ``train.cpu_affinity``, checked by
+  :func:`check_cpu_cores`).
 
 Imports only pydantic and the standard library.
 """
@@ -18,6 +20,7 @@ from pydantic import BeforeValidator, ConfigDict, Field
 __all__ = [
     "SPEC_CONFIG", "MAX_SEQUENCE_TOKENS", "MAX_SEED", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TIMEOUT_S",
     "MAX_CUSTOM_RESOURCE", "CustomResources", "check_custom_resources", "parse_byte_size", "ByteSize",
+    "MAX_CPU_ID", "CpuCores", "check_cpu_cores",
 ]
 
 #: Model config of every spec section: unknown keys rejected, frozen after validation, no inf/NaN.
@@ -70,6 +73,30 @@ def check_custom_resources(resources: dict[str, float], section: str, per: str) 
         if round(units) == 0 or abs(units - round(units)) > 1e-6:  # 1e-11 is 0 units: Ray would reserve nothing
             raise ValueError(f"resource {name!r}: expected a multiple of 0.0001 (Ray's resource unit), got {amount!r}")
     return resources
+
+
+#: Largest CPU core id a spec may name (a typo guard: Linux's CONFIG_NR_CPUS is at most 8192).
+MAX_CPU_ID = 8191
+#: CPU core ids as ``os.sched_getaffinity`` numbers them: strict ints in [0, MAX_CPU_ID].
+CpuCores = list[Annotated[int, Field(strict=True, ge=0, le=MAX_CPU_ID)]]
+
+
+def check_cpu_cores(cores: list[int] | None) -> list[int] | None:
+    """Validate a pool's CPU core ids (``rollout.cpu_affinity``, ``train.cpu_affinity``): None (no binding) or a
+    non-empty list without repeats; each id's range is :data:`CpuCores`'s. Whether the cores exist and may be used is
+    checked where the process runs (its node's ``os.sched_getaffinity``), not here.
+
+    Raises:
+        ValueError: an empty list, or the ids repeated (named).
+    """
+    if cores is None:
+        return None
+    if not cores:
+        raise ValueError("expected at least one CPU core id, or null for no binding; got []")
+    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    if repeated:
+        raise ValueError(f"expected each CPU core id once, got {repeated} more than once in {cores}")
+    return cores
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -14,8 +14,8 @@ from pydantic import BaseModel, Field, StrictFloat, field_validator, model_valid
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
 from cluster.spec.fields import (
-    MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CustomResources,
-    check_custom_resources,
+    MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CpuCores,
+    CustomResources, check_cpu_cores, check_custom_resources,
 )
 from cluster.spec.lora import LoraSpec
 
@@ -217,11 +217,34 @@ class RolloutSpec(BaseModel):
     resources: CustomResources = Field(default_factory=dict, description=(
         "Custom Ray resources each engine replica reserves besides CPUs/GPUs, e.g. {rollout_node: 1} to place the "
         "engines only on nodes started with `ray start --resources '{\"rollout_node\": 8}'`; {} reserves none."))
+    cpu_affinity: CpuCores | None = Field(None, description=(
+        "CPU core ids (os.sched_getaffinity's numbering) each engine replica runs on: the engine actor binds its "
+        "process (os.sched_setaffinity, inherited by vLLM's engine-core and worker processes) and, on CPU engines, "
+        "vLLM's OpenMP threads, one per core (VLLM_CPU_OMP_THREADS_BIND, the cores split into tensor_parallel_size "
+        "equal contiguous parts, one per TP rank). null (default): no binding; CPU engines bind their threads to "
+        "cores 0..cpu_count-1. Every replica on a node uses the same cores; a core the engine's process may not use "
+        "stops it at start, naming this field. Give engines and train ranks disjoint cores (train.cpu_affinity) so "
+        "that rollout.mode one_step_off/async really overlap generation and training on one machine."))
 
     @field_validator("resources")
     @classmethod
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
         return check_custom_resources(resources, "rollout", "replica")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_cores(cls, cores: list[int] | None) -> list[int] | None:
+        return check_cpu_cores(cores)
+
+    @model_validator(mode="after")
+    def _cores_per_tp_rank(self) -> RolloutSpec:
+        cores = self.cpu_affinity
+        if cores is not None and self.num_gpus_per_replica == 0 and len(cores) % self.tensor_parallel_size:
+            raise FieldConflict("rollout.cpu_affinity", (
+                f"a CPU engine binds each of its tensor_parallel_size={self.tensor_parallel_size} ranks' threads to "
+                f"an equal share of the cores: expected a multiple of {self.tensor_parallel_size} core ids, got "
+                f"{len(cores)} ({cores})"))
+        return self
 
     @model_validator(mode="after")
     def _mode_needs_staleness(self) -> RolloutSpec:
@@ -251,7 +274,14 @@ class TrainSpec(BaseModel):
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
         "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
     num_threads: int | None = Field(None, ge=1, le=4096, strict=True, description=(
-        "torch intra-op threads per rank; null keeps torch's."))
+        "torch intra-op threads per rank; null keeps torch's (with cpu_affinity: one per core of cpu_affinity)."))
+    cpu_affinity: CpuCores | None = Field(None, description=(
+        "CPU core ids (os.sched_getaffinity's numbering) every train rank's process is bound to "
+        "(os.sched_setaffinity); with num_threads null each rank then runs len(cpu_affinity) torch threads. null "
+        "(default): no binding. Every rank on a node is bound to the same cores, so ranks sharing a node share them "
+        "(set num_threads to split them); a core the rank's process may not use stops it at start, naming this "
+        "field. Give train ranks and engines disjoint cores (rollout.cpu_affinity) so that rollout.mode "
+        "one_step_off/async really overlap training and generation on one machine."))
     lr: float = Field(1e-6, strict=True, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, strict=True, ge=0, description="AdamW decoupled weight decay.")
     betas: tuple[StrictFloat, StrictFloat] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
@@ -303,6 +333,11 @@ class TrainSpec(BaseModel):
     @classmethod
     def _custom_resources(cls, resources: dict[str, float]) -> dict[str, float]:
         return check_custom_resources(resources, "train", "worker")
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _cpu_cores(cls, cores: list[int] | None) -> list[int] | None:
+        return check_cpu_cores(cores)
 
     @field_validator("betas")
     @classmethod

@@ -13,6 +13,7 @@ Six prompts, two per step: the three steps are exactly one epoch, so every promp
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -25,8 +26,10 @@ def _rows(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, tmp_path_factory):
-    """Run 3 steps of ``mode`` (checkpoint after step 2 only); returns (spec, history)."""
+def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, tmp_path_factory,
+              extra: tuple[str, ...] = (), infos: list | None = None):
+    """Run 3 steps of ``mode`` (checkpoint after step 2 only, ``extra`` spec overrides); returns (spec, history).
+    ``infos``, when given, receives the engines' and train ranks' own reports (``EngineInfo``, ``TrainRankInfo``)."""
     from cluster.driver import GRPOJob
     from cluster.spec import load_spec
 
@@ -38,10 +41,12 @@ def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, t
         f"model.path={tiny_model_dir}", f"output_dir={base / 'out'}", f"data.train_path={data}",
         'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}', "metrics.port=null", "total_steps=3",
         f"rollout.mode={mode}", f"rollout.max_staleness={max_staleness}", "checkpoint.every_steps=2",
-        "checkpoint.save_final=false", f"name={mode}"])
+        "checkpoint.save_final=false", f"name={mode}", *extra])
     job = GRPOJob(spec, progress=False)
     try:
         history = job.run()
+        if infos is not None:
+            infos += [*job.rollout.infos, *job.train.infos]
     finally:
         job.close()
         job.shutdown()
@@ -110,8 +115,20 @@ def test_async_loop_trains_within_max_staleness_and_records_versions(tiny_model_
     """async, max_staleness 2: step 1 on-policy; step 2's batch was queued during step 1 (version 0, trained at 1);
     step 3's during step 1 or 2 (the producer always starts one when there is room, and the sync waits for it), so
     staleness 1 or 2. Nothing dropped (the queue bound keeps every batch within 2 versions); the checkpoint after step
-    2 records step 3's queued batch as in flight; each prompt trained once; the audit matches the metrics."""
-    spec, history = _run_mode("async", 2, tiny_model_dir, gsm8k_train_path, tmp_path_factory)
+    2 records step 3's queued batch as in flight; each prompt trained once; the audit matches the metrics.
+
+    Engine and train ranks get disjoint cores (rollout.cpu_affinity, train.cpu_affinity; the overlap's point on one
+    machine): each process reports the cores it runs on, and each rank one torch thread per core."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [[allowed[0]], [allowed[-1]]] if len(allowed) > 1 else None
+    pinned = () if cores is None else (f"rollout.cpu_affinity={cores[0]}", f"train.cpu_affinity={cores[1]}",
+                                       "train.num_threads=null")
+    infos: list = []
+    spec, history = _run_mode("async", 2, tiny_model_dir, gsm8k_train_path, tmp_path_factory, pinned, infos)
+    if cores is not None:
+        engine, *ranks = infos
+        assert engine.cpu_cores == cores[0] and [r.cpu_cores for r in ranks] == [cores[1]] * 2
+        assert [r.num_threads for r in ranks] == [1, 1]
     assert [m["policy_version"] for m in history] == [1, 2, 3]
     assert all(m["sync/verified"] is True and m["actor/update_skipped"] == 0.0 for m in history)
     staleness = [m["rollout/staleness_max"] for m in history]

@@ -102,3 +102,23 @@ def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, 
     assert "the local Ray cluster `run` starts without --address has no custom resources" in err
     assert main(["validate", str(spec)]) == 0
     assert not (tmp_path / "out").exists()
+
+
+def test_cpu_affinity_outside_this_machine_exits_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """The local cluster runs every actor here: a core this process may not use is refused before Ray starts, naming
+    the field and where it was set; cores that exist are shown in the summary."""
+    import os
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    spec = _spec_file(tmp_path, tiny_model_dir)
+    allowed = sorted(os.sched_getaffinity(0))
+    absent = max(allowed) + 1
+    assert main(["validate", str(spec), "--set", f"train.cpu_affinity=[{allowed[0]}, {absent}]"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--set train.cpu_affinity: train.cpu_affinity: cores [{absent}] are not among this machine's usable "
+            f"cores {allowed}") in err, err
+    assert main(["validate", str(spec), "--set", f"rollout.cpu_affinity=[{allowed[-1]}]", "--set",
+                 f"train.cpu_affinity=[{allowed[0]}]"]) == 0
+    out = capsys.readouterr().out
+    assert f"on cores [{allowed[-1]}]" in out and f"backend auto; on cores [{allowed[0]}]" in out, out
+    assert not (tmp_path / "out").exists()

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.messages import TrainRankInfo
+from train_workers.cpu_affinity import bind_rank
 from train_workers.fsdp_step import PHASES, FSDPStep
 from train_workers.megatron.sync import MegatronSync
 from train_workers.packing import PackedMicroBatch
@@ -82,8 +83,7 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         from train_workers.megatron.policy import refuse_vocab_parallel_filters
 
         refuse_vocab_parallel_filters(train.tensor_parallel_size, **self.sampling_filters)
-        if train.num_threads:
-            torch.set_num_threads(train.num_threads)
+        bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
         self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
         self._cpu_fast_paths = False  # FSDP2-only switches (FSDPStep reads it); nothing to unshard here
 
@@ -176,7 +176,8 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
             node_id = ray.get_runtime_context().get_node_id()
             gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         return TrainRankInfo(rank=self.rank, backend=backend, num_parameters=n_params, pid=os.getpid(),
-                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids)
+                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids,
+                             cpu_cores=sorted(os.sched_getaffinity(0)), num_threads=torch.get_num_threads())
 
     def _build(self, path: str, trainable: bool):
         """A ``GPTModel`` of this rank's shard of the HF folder ``path`` (each tensor read from the safetensors
