@@ -5,6 +5,7 @@ gloo groups of two processes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "cuda_ipc",
-                "fsdp_two_ranks"]
+#: ``megatron`` runs where megatron-core is installed (CI: the test extra) and SKIPs otherwise.
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput",
+                *(["megatron"] if HAVE_MEGATRON else []), "cuda_ipc", "fsdp_two_ranks"]
+ALL_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "megatron",
+                "cuda_ipc", "fsdp_two_ranks", "gpu_tests"]
 
 
 def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
@@ -26,7 +31,7 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert list(sections) == CPU_SECTIONS + ["gpu_tests"]
+    assert list(sections) == ALL_SECTIONS
     assert {name: sections[name]["status"] for name in CPU_SECTIONS} == dict.fromkeys(CPU_SECTIONS, "PASS"), \
         {name: sections[name]["reason"] for name in CPU_SECTIONS}
     assert sections["gpu_tests"]["status"] == "SKIP", sections["gpu_tests"]
@@ -40,6 +45,13 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
     assert sections["cuda_ipc"]["numbers"]["transport"] == "shm"
     assert sections["cuda_ipc"]["numbers"]["crc_checked_tensors"] == sections["cuda_ipc"]["numbers"]["tensors"]
     assert sections["throughput"]["numbers"]["attention=packed_varlen_sdpa"]["tokens_per_s"] > 0
+    if HAVE_MEGATRON:  # bf16 Megatron vs bf16 FSDP2 on the same weights, first step, within the section's tolerances
+        meg = sections["megatron"]["numbers"]
+        assert meg["megatron_param_and_grad_dtypes"] == ["torch.float32"]
+        assert meg["first_step"]["loss_rel"] <= 2e-2 and meg["megatron"]["tokens_per_s"] > 0
+    else:
+        assert sections["megatron"]["status"] == "SKIP" and "megatron-core" in sections["megatron"]["reason"]
     assert report["total_s"] > 0  # its wall time is printed, not asserted: a busy machine must not fail this test
-    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", "8 PASS, 0 FAIL, 1 SKIP"):
+    counts = f"{len(CPU_SECTIONS)} PASS, 0 FAIL, {2 - HAVE_MEGATRON} SKIP"
+    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", counts):
         assert line in proc.stdout

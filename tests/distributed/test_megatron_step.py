@@ -75,6 +75,21 @@ def _snapshot(worker, backend: str, grads: bool) -> dict[str, torch.Tensor]:
     return _hf_tensors(worker, {n: (p.grad if grads else p) for n, p in named.items()})
 
 
+def _bf16_buckets(worker, rank: int) -> dict | None:
+    """Rank 0: the worker's bfloat16 engine-bound buckets (plan, CRC-32 per tensor, bytes) from its real
+    ``broadcast_weights`` into a recording sender; a collective; other ranks return None."""
+    from tests.distributed.test_lora_worker import RecordingSender
+
+    plan = worker.sync_plan("bfloat16", 64 * 1024)
+    sender = RecordingSender() if rank == 0 else None
+    worker._sync_group = sender  # what init_sync_group would set on rank 0, without engines
+    report = worker.broadcast_weights(True)
+    worker._sync_group = None
+    if rank != 0:
+        return None
+    return {"plan": [asdict(b) for b in plan], "checksums": report.checksums, "bytes": dict(sender.sent)}
+
+
 def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list[int], out_dir: str):
     from cluster.spec import AlgorithmSpec, TrainSpec
     from tests.megatron_cpu import install_cpu_shims
@@ -95,8 +110,9 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
                           num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
-                     sampling_filters=run.get("filters"))
+                     sampling_filters=run.get("filters"), dtype=run.get("dtype", "float32"))
         worker.init_distributed("127.0.0.1", port, policy_path=dirs["policy"])
+        sync_before = _bf16_buckets(worker, rank) if run.get("sync") else None
         grads: dict = {}
         step = worker.optimizer.step
 
@@ -107,8 +123,10 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         worker.optimizer.step = recording_step
         result = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
         params = _snapshot(worker, run["backend"], grads=False)
+        sync = {"before": sync_before, "after": _bf16_buckets(worker, rank)} if run.get("sync") else None
         if rank == 0:
-            torch.save({"result": asdict(result), "grads": grads, "params": params}, f"{out_dir}/{run['name']}.pt")
+            torch.save({"result": asdict(result), "grads": grads, "params": params, "sync": sync},
+                       f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 
@@ -177,3 +195,37 @@ def test_megatron_tp1_sampling_filters_match_fsdp(tmp_path):
     scale = max(float(g.abs().max()) for g in out["fsdp_f"]["grads"].values())
     for name, g in out["fsdp_f"]["grads"].items():
         torch.testing.assert_close(out["megatron_f"]["grads"][name], g, rtol=1e-4, atol=1e-6 * scale)
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(tmp_path_factory):
+    """``model.dtype: bfloat16`` (mixed precision) on both backends, plus the float32 FSDP2 step for scale."""
+    root = tmp_path_factory.mktemp("megatron_bf16")
+    dirs = _models(root)
+    one = dict(microbatches=ONE_RANK, dtype="bfloat16", sync=True)
+    out = _spawn(1, dirs, [{"name": "fsdp_fp32", "backend": "fsdp", "microbatches": ONE_RANK},
+                           {"name": "fsdp_bf16", "backend": "fsdp", **one},
+                           {"name": "megatron_bf16_tp1", "backend": "megatron", **one}], root)
+    out.update(_spawn(2, dirs, [{"name": "megatron_bf16_tp2", "backend": "megatron", "tp": 2,
+                                 **{**one, "microbatches": TWO_RANKS}}], root))
+    ref = out["fsdp_bf16"]["result"]["metrics"]
+    print({name: {k: f"{abs(r['result']['metrics'][k] - ref[k]) / max(abs(ref[k]), 1e-12):.1e}" for k in METRICS}
+           for name, r in out.items()})
+    for name, r in out.items():
+        scale = max(float(g.abs().max()) for g in out["fsdp_bf16"]["grads"].values())
+        gd = max(float((r["grads"][n] - g).abs().max()) for n, g in out["fsdp_bf16"]["grads"].items()) / scale
+        pd = max(float((r["params"][n] - p).abs().max()) for n, p in out["fsdp_bf16"]["params"].items())
+        frac = sum(int(((r["params"][n] - p).abs() > 1e-6).sum()) for n, p in out["fsdp_bf16"]["params"].items()) / \
+            sum(p.numel() for p in out["fsdp_bf16"]["params"].values())
+        print(name, f"grad maxdiff/scale {gd:.2e} param maxdiff {pd:.2e} frac>1e-6 {frac:.2e}",
+              {n: str(p.dtype) for n, p in list(r["params"].items())[:1]})
+    return out
+
+
+@pytest.mark.parametrize("run", ["megatron_bf16_tp1", "megatron_bf16_tp2"])
+def test_megatron_bf16_step_matches_fsdp_bf16(bf16_steps, run):
+    got, ref = bf16_steps[run], bf16_steps["fsdp_bf16"]
+    m, r = got["result"]["metrics"], ref["result"]["metrics"]
+    assert not got["result"]["skipped"]
+    for key in METRICS:
+        print(run, key, m[key], r[key], bf16_steps["fsdp_fp32"]["result"]["metrics"][key])
