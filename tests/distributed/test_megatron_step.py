@@ -14,6 +14,11 @@ relative; the clipped gradients the optimizer sees and the parameters after the 
 each by about lr = 1e-4; tests/distributed/test_fsdp_parity.py explains why a larger lr does not make this stronger).
 Measured (2026-12-02, CPU): relative differences ≤ 6e-7 on loss/KL/entropy/TIS/logprob diff and ≤ 1.8e-6 on the
 grad norm at tp=1, tp=2 and dp=2; clip fraction and ratio equal; the file takes ~75 s on 2 shared cores.
+
+bf16 (``model.dtype: bfloat16``, both backends' mixed precision: float32 master weights, bf16 compute, float32
+logprobs/loss): Megatron tp=1 and tp=2 against FSDP2 on the same batch within :data:`BF16_TOL` (bf16-sized, stated and
+measured there), and the bf16 engine-bound sync buckets byte-identical before the step and within one bf16 rounding
+after it.
 """
 
 from __future__ import annotations
@@ -204,10 +209,14 @@ def test_megatron_tp1_sampling_filters_match_fsdp(tmp_path):
 #: tolerances of bench/gpu_check_train.py's MP_TOL. metric_rel: |Δ| ≤ tol · max(1, |FSDP2's|) for the loss, KL,
 #: entropy, TIS weight and logprob diff; grad_norm_rel: relative; grad_cosine(_worst_tensor): cosine similarity of all
 #: clipped gradients (of the worst parameter); update_sign_agreement: share of elements whose first AdamW update
-#: (≈ −lr·sign(g)) has the same sign; bucket_*: bf16 engine-bound buckets after the step (assert_close on the values).
-BF16_TOL = {"metric_rel": 2e-2, "clip_fraction_abs": 0.1, "grad_norm_rel": 5e-2, "grad_cosine": 0.99,
-            "grad_cosine_worst_tensor": 0.95, "update_sign_agreement": 0.9, "bucket_atol": 2.5e-4,
-            "bucket_rtol": 2**-7}
+#: (≈ −lr·sign(g)) has the same sign; update_kept: share of the elements the fp32 step moves that move (not 1: on CPU
+#: ≈ 0.07 % of the bf16 weight-gradient elements, of both backends, come out exactly 0 — elements ~1000× below the
+#: typical one — and AdamW leaves them); bucket_*: bf16 engine-bound buckets after the step (assert_close).
+#: Measured at tp=1 (2026-12-02, CPU): metrics ≤ 9e-4, grad norm 5.4e-3 (FSDP2 bf16 vs fp32: 6.1e-3), cosine 0.99993
+#: (worst tensor 0.9996), sign agreement 0.9957, update kept 0.9994 (FSDP2 bf16: 0.9993), buckets ≤ 1 bf16 ulp apart.
+BF16_TOL = {"metric_rel": 5e-3, "clip_fraction_abs": 0.1, "grad_norm_rel": 2e-2, "grad_cosine": 0.999,
+            "grad_cosine_worst_tensor": 0.995, "update_sign_agreement": 0.98, "update_kept": 0.99,
+            "bucket_atol": 2.5e-4, "bucket_rtol": 2**-7}
 BF16_METRICS = ("actor/loss", "actor/kl", "actor/entropy", "actor/tis_weight_mean", "rollout/logprob_diff")
 
 
@@ -237,9 +246,9 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_megatron_bf16_step_matches_fsdp_bf16(bf16_steps, run):
     """Megatron's bf16 mixed precision (float32 parameters computed in bf16) against FSDP2's
     ``MixedPrecisionPolicy(bf16, fp32)`` on the same batch: metrics, gradients and the AdamW update within
-    :data:`BF16_TOL`; the parameters stay float32 and every element moved (an lr = 1e-4 update that bf16
-    parameters would round away for most weights); and the step did run in bf16 (it differs from the fp32 one by
-    far more than the fp32 parity tolerance, 1e-5)."""
+    :data:`BF16_TOL`; the parameters stay float32 and the elements the float32 step moves move too (AdamW's first
+    update, ≈ lr = 1e-4, lands on the float32 master weights); and the step did run in bf16 (it differs from the
+    fp32 one by far more than the fp32 parity tolerance, 1e-5)."""
     got, ref, fp32 = bf16_steps[run], bf16_steps["fsdp_bf16"], bf16_steps["fsdp_fp32"]
     m, r, r32 = got["result"]["metrics"], ref["result"]["metrics"], fp32["result"]["metrics"]
     assert got["result"]["policy_version"] == 1 and not got["result"]["skipped"]
@@ -257,7 +266,8 @@ def test_megatron_bf16_step_matches_fsdp_bf16(bf16_steps, run):
     start = ref["start"]
     d_got = torch.cat([(got["params"][n] - start[n]).flatten() for n in names])
     d_ref = torch.cat([(ref["params"][n] - start[n]).flatten() for n in names])
-    assert bool((d_got != 0).all()), "a float32 master weight did not move"
+    moved32 = torch.cat([(fp32["params"][n] - start[n]).flatten() for n in names]) != 0
+    assert float((d_got != 0)[moved32].double().mean()) >= BF16_TOL["update_kept"]
     assert float((torch.sign(d_got) == torch.sign(d_ref)).double().mean()) >= BF16_TOL["update_sign_agreement"]
 
 
