@@ -54,8 +54,9 @@ tensor-parallel linear layers' autograd functions use ``custom_fwd``/``custom_bw
 ("expected m1 and m2 to have the same dtype", measured); (b) ``Float16Module`` (bfloat16 parameters) with
 ``Float16OptimizerWithFloat16Params`` (float32 main parameters) allocates its found-inf and norm buffers on "cuda"
 (``optimizer/optimizer.py``, ``optimizer/clip_grads.py``) and would make the parameters that checkpoints and sync
-read bfloat16. The cast-per-forward is (b)'s arithmetic (bfloat16 weights in the matmuls, float32 master copy
-updated by AdamW) without a second copy of the optimizer's parameters, on CPU and GPU alike.
+read bfloat16. The cast-per-forward is (b)'s arithmetic (bfloat16 weights in the matmuls, a float32 master copy
+updated by AdamW), with the bfloat16 copy made at each forward and freed after its backward (as FSDP2's unsharded
+bfloat16 parameters) instead of kept, on CPU and GPU alike.
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
