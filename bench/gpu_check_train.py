@@ -39,6 +39,9 @@ SIZES = {
                   num_key_value_heads=2, head_dim=32, vocab_size=8192),
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, head_dim=64, vocab_size=151_936),
+    # the megatron section's (bench/gpu_check_megatron.py): 0.5B Llama-shaped with a 32k vocabulary, 496.0M parameters
+    "0.5b-v32k": dict(hidden_size=1024, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16,
+                      num_key_value_heads=2, head_dim=64, vocab_size=32_768),
 }
 #: H200 SXM dense bf16 tensor-core peak, FLOP/s (NVIDIA datasheet; 1979 with 2:4 sparsity).
 H200_BF16_PEAK_FLOPS = 989e12

@@ -30,6 +30,22 @@
 # `pip install --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 --target .site ...`,
 # carry `.site` and run with GPU_CHECK_SITE=.site: the script then puts that folder on PYTHONPATH as it is.
 #
+# megatron section (bench/gpu_check_megatron.py): it needs megatron-core, which the image lacks (it SKIPs saying so).
+# Carry megatron-core 0.16.1, the version the project pins: a cp312 manylinux_2_28 wheel of 2.5 MiB (2,612,103 bytes),
+# platform-specific only for megatron/core/datasets/helpers_cpp (unused here); it requires torch, numpy and packaging,
+# which the image has (einops, optional in megatron-core, is not used on this path; no pydantic, no Ray needed).
+# Here (any host; /.whl/ is in .gitignore):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+# then on the device (about 1 minute of check after the machine starts):
+#   run(command="bash scripts/gpu_check.sh --only env megatron --json-out $OUT/gpu_check.json", carry=[".whl"],
+#       timeout_s=300)
+# The whole check with it (the megatron section adds about a minute to the default 330 s budget):
+#   run(command="bash scripts/gpu_check.sh --budget-s 480 --json-out $OUT/gpu_check.json", carry=[".whl"],
+#       timeout_s=560)
+# Remove .whl afterwards (or set GPU_CHECK_WHEELS to
+# an empty folder) before a --dry-run on this Python 3.11 machine: pip refuses a cp312 wheel here.
+#
 # Environment: PYTHON (default python3), GPU_CHECK_WHEELS, GPU_CHECK_SITE. Per-section logs go to a temporary folder
 # (--log-dir to choose; a failing section's log tail is printed anyway); --json-out FILE keeps every number.
 # On the lent device (scripts run from the repository root there):

@@ -5,6 +5,7 @@ gloo groups of two processes."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "cuda_ipc",
-                "fsdp_two_ranks", "async_overlap"]
+#: ``megatron`` runs where megatron-core is installed (CI: the test extra) and SKIPs otherwise.
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput",
+                *(["megatron"] if HAVE_MEGATRON else []), "cuda_ipc", "fsdp_two_ranks", "async_overlap"]
+ALL_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "megatron",
+                "cuda_ipc", "fsdp_two_ranks", "async_overlap", "gpu_tests"]
 
 
 def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
@@ -22,11 +27,11 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
     env.pop("OUT", None)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry-run", "--json-out", str(out),
                            "--log-dir", str(tmp_path / "logs")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
-    assert list(sections) == CPU_SECTIONS + ["gpu_tests"]
+    assert list(sections) == ALL_SECTIONS
     assert {name: sections[name]["status"] for name in CPU_SECTIONS} == dict.fromkeys(CPU_SECTIONS, "PASS"), \
         {name: sections[name]["reason"] for name in CPU_SECTIONS}
     assert sections["gpu_tests"]["status"] == "SKIP", sections["gpu_tests"]
@@ -43,6 +48,13 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
     overlap = sections["async_overlap"]["numbers"]  # real generate + FSDP2 train through the rollout.mode schedules
     assert overlap["mode=one_step_off"]["staleness"] == [0, 1, 1] and overlap["weight_gap_after_sync"] == 0.0
     assert overlap["overlap_ratio"] > 0 and overlap["generate_plus_train_s"] >= overlap["max_generate_train_s"] > 0
+    if HAVE_MEGATRON:  # bf16 Megatron vs bf16 FSDP2 on the same weights, first step, within the section's tolerances
+        meg = sections["megatron"]["numbers"]
+        assert meg["megatron_param_and_grad_dtypes"] == ["torch.float32"]
+        assert meg["first_step"]["loss_rel"] <= 2e-2 and meg["megatron"]["tokens_per_s"] > 0
+    else:
+        assert sections["megatron"]["status"] == "SKIP" and "megatron-core" in sections["megatron"]["reason"]
     assert report["total_s"] > 0  # its wall time is printed, not asserted: a busy machine must not fail this test
-    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", "9 PASS, 0 FAIL, 1 SKIP"):
+    counts = f"{len(CPU_SECTIONS)} PASS, 0 FAIL, {2 - HAVE_MEGATRON} SKIP"
+    for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", counts):
         assert line in proc.stdout

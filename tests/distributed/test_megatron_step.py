@@ -14,6 +14,11 @@ relative; the clipped gradients the optimizer sees and the parameters after the 
 each by about lr = 1e-4; tests/distributed/test_fsdp_parity.py explains why a larger lr does not make this stronger).
 Measured (2026-12-02, CPU): relative differences ≤ 6e-7 on loss/KL/entropy/TIS/logprob diff and ≤ 1.8e-6 on the
 grad norm at tp=1, tp=2 and dp=2; clip fraction and ratio equal; the file takes ~75 s on 2 shared cores.
+
+bf16 (``model.dtype: bfloat16``, both backends' mixed precision: float32 master weights, bf16 compute, float32
+logprobs/loss): Megatron tp=1 and tp=2 against FSDP2 on the same batch within :data:`BF16_TOL` (bf16-sized, stated and
+measured there), and the bf16 engine-bound sync buckets byte-identical before the step and within one bf16 rounding
+after it.
 """
 
 from __future__ import annotations
@@ -75,6 +80,21 @@ def _snapshot(worker, backend: str, grads: bool) -> dict[str, torch.Tensor]:
     return _hf_tensors(worker, {n: (p.grad if grads else p) for n, p in named.items()})
 
 
+def _bf16_buckets(worker, rank: int) -> dict | None:
+    """Rank 0: the worker's bfloat16 engine-bound buckets (plan, CRC-32 per tensor, bytes) from its real
+    ``broadcast_weights`` into a recording sender; a collective; other ranks return None."""
+    from tests.distributed.test_lora_worker import RecordingSender
+
+    plan = worker.sync_plan("bfloat16", 64 * 1024)
+    sender = RecordingSender() if rank == 0 else None
+    worker._sync_group = sender  # what init_sync_group would set on rank 0, without engines
+    report = worker.broadcast_weights(True)
+    worker._sync_group = None
+    if rank != 0:
+        return None
+    return {"plan": [asdict(b) for b in plan], "checksums": report.checksums, "bytes": dict(sender.sent)}
+
+
 def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list[int], out_dir: str):
     from cluster.spec import AlgorithmSpec, TrainSpec
     from tests.megatron_cpu import install_cpu_shims
@@ -95,8 +115,10 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
                           num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
-                     sampling_filters=run.get("filters"))
+                     sampling_filters=run.get("filters"), dtype=run.get("dtype", "float32"))
         worker.init_distributed("127.0.0.1", port, policy_path=dirs["policy"])
+        sync_before = _bf16_buckets(worker, rank) if run.get("sync") else None
+        start = _snapshot(worker, run["backend"], grads=False) if run.get("sync") else None
         grads: dict = {}
         step = worker.optimizer.step
 
@@ -107,8 +129,10 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         worker.optimizer.step = recording_step
         result = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
         params = _snapshot(worker, run["backend"], grads=False)
+        sync = {"before": sync_before, "after": _bf16_buckets(worker, rank)} if run.get("sync") else None
         if rank == 0:
-            torch.save({"result": asdict(result), "grads": grads, "params": params}, f"{out_dir}/{run['name']}.pt")
+            torch.save({"result": asdict(result), "grads": grads, "params": params, "sync": sync, "start": start},
+                       f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 
@@ -177,3 +201,88 @@ def test_megatron_tp1_sampling_filters_match_fsdp(tmp_path):
     scale = max(float(g.abs().max()) for g in out["fsdp_f"]["grads"].values())
     for name, g in out["fsdp_f"]["grads"].items():
         torch.testing.assert_close(out["megatron_f"]["grads"][name], g, rtol=1e-4, atol=1e-6 * scale)
+
+
+#: Megatron bf16 vs FSDP2 bf16 (both fp32 master weights, bf16 compute, fp32 logprobs/loss), same weights and batch:
+#: two bf16 implementations (Megatron's unfused attention on a right-padded batch vs the packed attention; different
+#: summation orders), so bf16-sized differences (8 significant bits, ≈ 0.4 % per rounding), as the FSDP2 bf16 vs fp32
+#: tolerances of bench/gpu_check_train.py's MP_TOL. metric_rel: |Δ| ≤ tol · max(1, |FSDP2's|) for the loss, KL,
+#: entropy, TIS weight and logprob diff; grad_norm_rel: relative; grad_cosine(_worst_tensor): cosine similarity of all
+#: clipped gradients (of the worst parameter); update_sign_agreement: share of elements whose first AdamW update
+#: (≈ −lr·sign(g)) has the same sign; update_kept: share of the elements the fp32 step moves that move (not 1: on CPU
+#: ≈ 0.07 % of the bf16 weight-gradient elements, of both backends, come out exactly 0 — elements ~1000× below the
+#: typical one — and AdamW leaves them); bucket_*: bf16 engine-bound buckets after the step (assert_close).
+#: Measured at tp=1 (2026-12-02, CPU): metrics ≤ 9e-4, grad norm 5.4e-3 (FSDP2 bf16 vs fp32: 6.1e-3), cosine 0.99993
+#: (worst tensor 0.9996), sign agreement 0.9957, update kept 0.9994 (FSDP2 bf16: 0.9993), buckets ≤ 1 bf16 ulp apart.
+BF16_TOL = {"metric_rel": 5e-3, "clip_fraction_abs": 0.1, "grad_norm_rel": 2e-2, "grad_cosine": 0.999,
+            "grad_cosine_worst_tensor": 0.995, "update_sign_agreement": 0.98, "update_kept": 0.99,
+            "bucket_atol": 2.5e-4, "bucket_rtol": 2**-7}
+BF16_METRICS = ("actor/loss", "actor/kl", "actor/entropy", "actor/tis_weight_mean", "rollout/logprob_diff")
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(tmp_path_factory):
+    """``model.dtype: bfloat16`` on both backends (FSDP2 one rank; Megatron tp=1 one rank, tp=2 two ranks), the
+    bf16 engine-bound buckets before and after the step, and the float32 FSDP2 step (to show bf16 compute ran)."""
+    root = tmp_path_factory.mktemp("megatron_bf16")
+    dirs = _models(root)
+    one = dict(microbatches=ONE_RANK, dtype="bfloat16", sync=True)
+    out = _spawn(1, dirs, [{"name": "fsdp_fp32", "backend": "fsdp", "microbatches": ONE_RANK},
+                           {"name": "fsdp_bf16", "backend": "fsdp", **one},
+                           {"name": "megatron_bf16_tp1", "backend": "megatron", **one}], root)
+    out.update(_spawn(2, dirs, [{"name": "megatron_bf16_tp2", "backend": "megatron", "tp": 2,
+                                 **{**one, "microbatches": TWO_RANKS}}], root))
+    ref = out["fsdp_bf16"]["result"]["metrics"]
+    print({name: {k: f"{abs(r['result']['metrics'][k] - ref[k]) / max(abs(ref[k]), 1e-12):.1e}" for k in METRICS}
+          for name, r in out.items()})  # relative differences to FSDP2 bf16, shown by pytest -rA / -s
+    return out
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+@pytest.mark.parametrize("run", ["megatron_bf16_tp1", "megatron_bf16_tp2"])
+def test_megatron_bf16_step_matches_fsdp_bf16(bf16_steps, run):
+    """Megatron's bf16 mixed precision (float32 parameters computed in bf16) against FSDP2's
+    ``MixedPrecisionPolicy(bf16, fp32)`` on the same batch: metrics, gradients and the AdamW update within
+    :data:`BF16_TOL`; the parameters stay float32 and the elements the float32 step moves move too (AdamW's first
+    update, ≈ lr = 1e-4, lands on the float32 master weights); and the step did run in bf16 (it differs from the
+    fp32 one by far more than the fp32 parity tolerance, 1e-5)."""
+    got, ref, fp32 = bf16_steps[run], bf16_steps["fsdp_bf16"], bf16_steps["fsdp_fp32"]
+    m, r, r32 = got["result"]["metrics"], ref["result"]["metrics"], fp32["result"]["metrics"]
+    assert got["result"]["policy_version"] == 1 and not got["result"]["skipped"]
+    diffs = {key: abs(m[key] - r[key]) / max(1.0, abs(r[key])) for key in BF16_METRICS}
+    print(run, {k: f"{v:.1e}" for k, v in diffs.items()})
+    assert max(diffs.values()) <= BF16_TOL["metric_rel"], diffs
+    assert abs(m["actor/clip_fraction"] - r["actor/clip_fraction"]) <= BF16_TOL["clip_fraction_abs"]
+    assert abs(m["actor/grad_norm"] - r["actor/grad_norm"]) <= BF16_TOL["grad_norm_rel"] * r["actor/grad_norm"]
+    assert max(abs(m[k] - r32[k]) / max(1.0, abs(r32[k])) for k in BF16_METRICS) > 1e-4  # not an fp32 step
+    names = sorted(ref["grads"])
+    g, g_ref = (torch.cat([d[n].flatten() for n in names]) for d in (got["grads"], ref["grads"]))
+    assert _cosine(g, g_ref) >= BF16_TOL["grad_cosine"]
+    assert min(_cosine(got["grads"][n], ref["grads"][n]) for n in names) >= BF16_TOL["grad_cosine_worst_tensor"]
+    assert {p.dtype for p in got["params"].values()} == {torch.float32}
+    start = ref["start"]
+    d_got = torch.cat([(got["params"][n] - start[n]).flatten() for n in names])
+    d_ref = torch.cat([(ref["params"][n] - start[n]).flatten() for n in names])
+    moved32 = torch.cat([(fp32["params"][n] - start[n]).flatten() for n in names]) != 0
+    assert float((d_got != 0)[moved32].double().mean()) >= BF16_TOL["update_kept"]
+    assert float((torch.sign(d_got) == torch.sign(d_ref)).double().mean()) >= BF16_TOL["update_sign_agreement"]
+
+
+@pytest.mark.parametrize("run", ["megatron_bf16_tp1", "megatron_bf16_tp2"])
+def test_megatron_bf16_sync_buckets_match_fsdp_bf16(bf16_steps, run):
+    """The bf16 engine-bound buckets (the worker's real ``broadcast_weights``, engine dtype bfloat16) from the
+    bf16-trained Megatron worker: before the step byte-identical to FSDP2's (same plan, same CRC-32 per tensor: both
+    cast the same float32 master weights); after it the same plan and values within one bf16 rounding of FSDP2's
+    (the float32 weights differ by the bf16-compute differences above)."""
+    got, ref = bf16_steps[run]["sync"], bf16_steps["fsdp_bf16"]["sync"]
+    assert got["before"]["plan"] == ref["before"]["plan"] == got["after"]["plan"]
+    assert got["before"]["checksums"] == ref["before"]["checksums"]
+    assert all(torch.equal(got["before"]["bytes"][i], b) for i, b in ref["before"]["bytes"].items())
+    for i, buf in ref["after"]["bytes"].items():
+        torch.testing.assert_close(got["after"]["bytes"][i].view(torch.bfloat16).float(),
+                                   buf.view(torch.bfloat16).float(), atol=BF16_TOL["bucket_atol"],
+                                   rtol=BF16_TOL["bucket_rtol"], msg=lambda msg: f"{run}: bucket {i}: {msg}")
+    assert got["after"]["checksums"] != got["before"]["checksums"]  # the step moved the weights the engines get

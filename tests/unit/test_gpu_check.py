@@ -101,6 +101,25 @@ def test_half_billion_config_has_the_parameters_it_claims():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(llama_config("0.5b"))
     assert sum(p.numel() for p in model.parameters()) == model_flops("0.5b", [(1, 1)])["params_total"] == 494_005_120
+    with torch.device("meta"):  # the megatron section's model (bench/gpu_check_megatron.py states 496.0 M)
+        model = AutoModelForCausalLM.from_config(llama_config("0.5b-v32k"))
+    assert sum(p.numel() for p in model.parameters()) == model_flops("0.5b-v32k", [(1, 1)])["params_total"] \
+        == 496_026_624
+
+
+def test_megatron_section_skips_with_the_reason_without_megatron_core(monkeypatch, tmp_path):
+    """No megatron-core (the bare device image): the section SKIPs naming the import error and where the carry is
+    documented, before it starts a process group."""
+    import sys
+
+    from bench.gpu_check import Context
+    from bench.gpu_check_megatron import section_megatron
+
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")] + ["megatron"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import megatron...` now raises ImportError
+    result = section_megatron(Context(dry_run=True, device="cpu", backend="gloo", log_dir=str(tmp_path)))
+    assert result.status == "SKIP", result
+    assert "megatron-core does not import" in result.reason and "scripts/gpu_check.sh header" in result.reason
 
 
 def test_async_overlap_contract_flags_what_the_schedules_must_not_do():

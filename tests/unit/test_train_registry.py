@@ -53,8 +53,9 @@ def test_megatron_is_registered_and_checks_its_layout_before_anything_starts(tmp
         backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=4), tmp_path)
     with pytest.raises(ValueError, match=r"train\.pipeline_parallel_size=2: pipeline parallelism is not supported"):
         backend.check_layout(TrainSpec(strategy="megatron", world_size=2, pipeline_parallel_size=2), tmp_path)
-    with pytest.raises(ValueError, match=r"model\.dtype='bfloat16': the megatron backend trains in float32"):
-        backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="bfloat16")
+    assert backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="bfloat16").tp == 1  # mixed precision
+    with pytest.raises(ValueError, match=r"model\.dtype='float16': the megatron backend has no loss scaling"):
+        backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="float16")
 
 
 def test_duplicate_name_raises(monkeypatch):

@@ -153,26 +153,32 @@ def check_megatron_layout(hf_config: dict[str, Any], tp: int = 1, pp: int = 1,
 
 
 def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initialization: bool = True,
-                       sequence_parallel: bool = False):
+                       sequence_parallel: bool = False, compute_dtype=None):
     """Megatron-core ``TransformerConfig`` of ``layout`` (no dropout, no fused kernels: the same math on CPU and GPU).
 
     Args:
         params_dtype: torch dtype of the parameters; None is float32.
         use_cpu_initialization: build parameters on CPU (required without CUDA).
+        compute_dtype: torch dtype the forward and backward run in (None: ``params_dtype``). bfloat16/float16 set
+            ``bf16``/``fp16`` (in the local layer spec that only makes attention's softmax run in float32,
+            ``DotProductAttention``'s ``FusedScaleMaskSoftmax(input_in_bf16=config.bf16)``) and ``pipeline_dtype``
+            (the dtype of activations sent between pipeline stages); the parameters stay ``params_dtype``
+            (mixed precision: ``train_workers.megatron.worker`` module docstring).
     """
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = params_dtype or torch.float32
+    compute = compute_dtype or dtype
     return TransformerConfig(
         num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_attention_heads,
         num_query_groups=layout.num_query_groups, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn_hidden_size,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp, pipeline_dtype=dtype,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp, pipeline_dtype=compute,
         sequence_parallel=sequence_parallel, normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16, use_cpu_initialization=use_cpu_initialization, bias_activation_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=compute == torch.bfloat16,
+        fp16=compute == torch.float16, use_cpu_initialization=use_cpu_initialization, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False)
 

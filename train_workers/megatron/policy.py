@@ -115,17 +115,20 @@ class MegatronResponseLogprobs(nn.Module):
         vocab_size: V, the real vocabulary (HF ``vocab_size``); columns ≥ V are padding.
         temperature: > 0, the rollout's sampling temperature.
         top_k, top_p, min_p: the rollout's sampling filters (``grpo.logprobs.filter_logits_``), tp = 1 only.
+        compute_dtype: None runs the model in its parameters' dtype; bfloat16/float16 runs it on casts of the
+            (float32) parameters to that dtype (:meth:`run_model`). Logprobs and entropies are float32 either way.
 
     Raises:
         ValueError: a sampling filter is set with tensor parallelism (the message names the ``rollout.*`` field).
     """
 
     def __init__(self, model: nn.Module, vocab_size: int, temperature: float, *, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0):
+                 min_p: float = 0.0, compute_dtype: torch.dtype | None = None):
         super().__init__()
         from megatron.core import parallel_state as ps
 
         self.model = model
+        self.compute_dtype = compute_dtype
         self.vocab_size = int(vocab_size)
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
@@ -146,13 +149,27 @@ class MegatronResponseLogprobs(nn.Module):
         hidden = args[0]
         return (hidden[self._cols, self._rows][:, None, :],) + tuple(args[1:])
 
+    def run_model(self, **kwargs) -> torch.Tensor:
+        """``self.model(**kwargs)``; with ``compute_dtype`` set, run on casts of its parameters to that dtype
+        (``torch.func.functional_call``, names and tied weights unchanged). The casts are differentiable, so each
+        parameter's ``.grad`` is the low-precision gradient upcast to the parameter's dtype and summed over
+        micro-batches in it: the arithmetic of FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``
+        (``train_workers.sharding``). Returns the model's output (here logits [1, M, Vp/tp] in ``compute_dtype``)."""
+        if self.compute_dtype is None:
+            return self.model(**kwargs)
+        from torch.func import functional_call
+
+        cast = {name: p.to(self.compute_dtype) for name, p in self.model.named_parameters()}
+        return functional_call(self.model, cast, (), kwargs)
+
     def forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
         ids, row, col = unpack_right_padded(input_ids, position_ids)
         n, s = ids.shape
         positions = torch.arange(s, device=ids.device)[None].expand(n, s)
         self._rows, self._cols = row[logit_positions], col[logit_positions]
         try:
-            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=causal_mask(n, s, ids.device))
+            logits = self.run_model(input_ids=ids, position_ids=positions,
+                                    attention_mask=causal_mask(n, s, ids.device))
         finally:
             self._rows = self._cols = None
         picked = logits[0]  # [M, Vp/tp]: the output layer ran on the picked positions only

@@ -35,9 +35,28 @@ megatron-core's schedule, ``get_forward_backward_func``, to own the forward and 
 loss on the last stage, where this worker reuses ``FSDPStep``'s one-backward-per-micro-batch loop; on CPU the
 schedule's ``p2p_communication.py`` also allocates on ``torch.cuda.current_device()`` and, with ``batch_p2p_sync``,
 calls ``torch.cuda.synchronize()``; the weight conversion already handles pp), ``train.sequence_parallel`` (its
-RMSNorm gradients need a TP all-reduce this worker does not do yet), ``train.lora``, and ``model.dtype`` other than
-float32 (Megatron's mixed precision, ``Float16Module`` with fp32 master weights in its optimizer, is not wired here);
-sampling filters at tp > 1 (``policy.py``).
+RMSNorm gradients need a TP all-reduce this worker does not do yet), ``train.lora``, ``model.dtype`` float16 (no
+loss scaling), and sampling filters at tp > 1 (``policy.py``).
+
+Precision (``model.dtype``), as the FSDP2 worker's (``train_workers.sharding``): float32 trains in float32. bfloat16
+is mixed precision: the GPTModel's parameters, AdamW's state, the gradient clip, checkpoints and the weight-sync
+source stay float32 (master weights); each forward runs on bfloat16 casts of them
+(:meth:`~train_workers.megatron.policy.MegatronResponseLogprobs.run_model`, ``torch.func.functional_call``) with
+``TransformerConfig(bf16=True)`` (attention softmax in float32, bfloat16 activations between pipeline stages); the
+gradients arrive as bfloat16 and are accumulated in float32 on the parameters, as FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` does (``to_accumulated_grad_if_needed`` in
+``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``); the output logits are cast to float32 before the log-softmax,
+so logprobs, KL and loss are float32. The frozen reference policy is held in bfloat16. Megatron's own two modes do
+not run on CPU (megatron-core 0.16.1): (a) float32 parameters under ``torch.autocast`` (``enable_autocast``;
+``pipeline_parallel/schedules.py`` opens ``torch.autocast("cuda")``) fails in the backward on CPU because the
+tensor-parallel linear layers' autograd functions use ``custom_fwd``/``custom_bwd(device_type="cuda")``
+(``tensor_parallel/layers.py``), so the backward matmul meets a bfloat16 gradient and the float32 saved weight
+("expected m1 and m2 to have the same dtype", measured); (b) ``Float16Module`` (bfloat16 parameters) with
+``Float16OptimizerWithFloat16Params`` (float32 main parameters) allocates its found-inf and norm buffers on "cuda"
+(``optimizer/optimizer.py``, ``optimizer/clip_grads.py``) and would make the parameters that checkpoints and sync
+read bfloat16. The cast-per-forward is (b)'s arithmetic (bfloat16 weights in the matmuls, a float32 master copy
+updated by AdamW), with the bfloat16 copy made at each forward and freed after its backward (as FSDP2's unsharded
+bfloat16 parameters) instead of kept, on CPU and GPU alike.
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
@@ -88,7 +107,7 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         self._cpu_fast_paths = False  # FSDP2-only switches (FSDPStep reads it); nothing to unshard here
 
     @staticmethod
-    def refuse_unsupported(train, dtype: str = "float32") -> None:
+    def refuse_unsupported(train, dtype: str | torch.dtype = "float32") -> None:
         """Raise :class:`ValueError` naming the field for a setting this backend does not build yet (module doc)."""
         if train.pipeline_parallel_size > 1:
             raise ValueError(f"train.pipeline_parallel_size={train.pipeline_parallel_size}: pipeline parallelism is "
@@ -98,11 +117,12 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
             raise ValueError("train.sequence_parallel=true: not supported by the megatron backend yet; use false")
         if train.lora is not None:
             raise ValueError("train.lora: LoRA is not supported by the megatron backend; use strategy fsdp")
-        if dtype != "float32":
-            raise ValueError(f"model.dtype={dtype!r}: the megatron backend trains in float32 only for now")
+        if as_dtype(dtype) == torch.float16:
+            raise ValueError("model.dtype='float16': the megatron backend has no loss scaling; use bfloat16 (mixed "
+                             "precision with float32 master weights) or float32")
 
     @classmethod
-    def check_layout(cls, train, model_path: str, dtype: str = "float32"):
+    def check_layout(cls, train, model_path: str, dtype: str | torch.dtype = "float32"):
         """Check ``train``'s TP × PP layout against the model folder's ``config.json`` before anything starts.
 
         Returns:
@@ -151,7 +171,7 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
             world_size=self.world_size, timeout=timedelta(seconds=self.train.timeout_s),
         )
         torch.manual_seed(self.seed + self.rank)
-        self.layout = self.check_layout(self.train, self.model_path, "float32")
+        self.layout = self.check_layout(self.train, self.model_path, self.dtype)
         ps.initialize_model_parallel(tensor_model_parallel_size=self.layout.tp,
                                      pipeline_model_parallel_size=self.layout.pp)
         if self._use_cuda():
@@ -181,7 +201,9 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
 
     def _build(self, path: str, trainable: bool):
         """A ``GPTModel`` of this rank's shard of the HF folder ``path`` (each tensor read from the safetensors
-        files and sliced, ``convert.hf_to_megatron``), wrapped in :class:`MegatronResponseLogprobs`."""
+        files and sliced, ``convert.hf_to_megatron``), wrapped in :class:`MegatronResponseLogprobs`. Trainable:
+        float32 parameters computed in ``self.dtype``; frozen (the reference policy): parameters in ``self.dtype``
+        (module docstring, Precision)."""
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         from train_workers.megatron.config import gpt_model_kwargs, transformer_config
@@ -190,17 +212,20 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         from train_workers.megatron.policy import MegatronResponseLogprobs
 
         layout = self.layout
-        model = GPTModel(**gpt_model_kwargs(layout, transformer_config(layout), parallel_output=True))
+        config = transformer_config(layout, compute_dtype=self.dtype)
+        model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True))
         state = hf_to_megatron(SafetensorsFolder(path), layout, self.tp_rank, self.pp_rank)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"{path}: the converted state dict does not match the GPTModel: missing {missing[:3]}, "
                                f"unexpected {list(unexpected)[:3]}")
-        model.to(self.device)
+        model.to(self.device, torch.float32 if trainable else self.dtype)
         model.requires_grad_(trainable)
         model.train(trainable)
-        return MegatronResponseLogprobs(model, layout.vocab_size, self.temperature, **self.sampling_filters)
+        mixed = trainable and self.dtype != torch.float32
+        return MegatronResponseLogprobs(model, layout.vocab_size, self.temperature, **self.sampling_filters,
+                                        compute_dtype=self.dtype if mixed else None)
 
     def _count_parameters(self) -> int:
         """Parameters of the whole model (every shard once): a collective over the tensor-parallel group."""
