@@ -13,6 +13,13 @@ The CUDA assumptions bypassed (see ../shared/GUIDE.md, megatron-core paragraph):
 4. With pp > 1 and tied embeddings, ``LanguageModule.setup_embeddings_and_output_layer`` calls ``.cuda()`` on the
    last stage's copy of the embedding before an all-reduce over the embedding group: that copy-at-init is skipped
    (``_is_in_embd_group`` returns False) — the tests load the copy from the HF weights instead.
+5. The pipeline schedule (``forward_backward_pipelining_without_interleaving`` in ``megatron/core/pipeline_parallel/
+   schedules.py``) creates its token counter with ``torch.zeros([], dtype=torch.int, device="cuda")``: the schedules
+   module sees a ``torch`` whose ``zeros`` maps ``device="cuda"`` to the CPU (everything else is torch itself).
+6. With ``batch_p2p_comm`` and ``batch_p2p_sync`` (megatron's defaults) ``P2PCommunicator._communicate``
+   (``megatron/core/pipeline_parallel/p2p_communication.py``) calls ``torch.cuda.synchronize()`` after the batched
+   isend/irecv: a no-op here (gloo's requests are already waited on). Its receive buffers are allocated on
+   ``torch.cuda.current_device()``, which shim 1 makes the CPU.
 """
 
 from __future__ import annotations
@@ -28,14 +35,29 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=50000.0)
 
 
+class _TorchWithCudaZerosOnCPU:
+    """``torch`` as megatron-core's schedules module sees it under shim 5: ``zeros(..., device="cuda")`` is made on
+    the CPU; every other attribute is torch's own."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 def install_cpu_shims() -> None:
-    """Apply shims 1, 3 and 4 in this process (call before building a GPTModel)."""
+    """Apply shims 1 and 3–6 in this process (call before building a GPTModel)."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     LanguageModule._is_in_embd_group = lambda self: False
+    schedules.torch = _TorchWithCudaZerosOnCPU()
 
 
 def make_tiny_hf_model(out_dir: str | Path, model_type: str, tied: bool, seed: int = 0) -> str:

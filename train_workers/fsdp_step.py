@@ -3,7 +3,9 @@
 :class:`FSDPStep` is the training half of :class:`train_workers.fsdp_worker.FSDPTrainWorker` (a mixin: the worker
 builds ``policy``, ``reference``, ``optimizer``, ``device``; this file uses them). Seams a subclass may override
 (``tests/faults.py`` does, to inject non-finite steps): :meth:`FSDPStep._microbatch_loss` and
-:meth:`FSDPStep._clip_gradients`.
+:meth:`FSDPStep._clip_gradients`; a backend whose own schedule runs the micro-batches (Megatron's pipeline,
+``train_workers.megatron.pipeline``) overrides :meth:`FSDPStep._forward_backward` and
+:meth:`FSDPStep._behaviour_passes` and still computes each micro-batch's loss with :meth:`FSDPStep._microbatch_loss`.
 
 Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): PPO clipped surrogate per token (clip-higher, dual
 clip, truncated importance weights against the engine's logprobs) + β · KL to the reference policy (in the loss, or
@@ -79,7 +81,8 @@ PHASES = ("ref_forward", "behaviour", "policy_fwd_bwd", "optimizer")
 class Saved:
     """What the no-grad pass before the first update records for one micro-batch (``num_iterations`` > 1)."""
 
-    old: torch.Tensor             # [n, T] float32 behaviour (old) logprobs of the policy before the update
+    old: torch.Tensor | None      # [n, T] float32 behaviour (old) logprobs of the policy before the update
+    #                               (None on a pipeline stage that does not compute the loss: Megatron pp > 1)
     ref: torch.Tensor | None      # [n, T] float32 reference-policy logprobs
     forward_tokens: int
     keep: torch.Tensor | None = None  # [n, T] bool: tokens that algorithm.mis keeps in the loss (None: MIS off)
@@ -164,18 +167,15 @@ class FSDPStep:
         self._phase_s = dict.fromkeys(PHASES, 0.0)
         self._extremes = torch.full((len(EXTREMES),), -math.inf, dtype=torch.float64)
         iterations, mis = self.algorithm.num_iterations, self.algorithm.mis
-        saved = [self._behaviour_pass(mb) for mb in microbatches] if iterations > 1 or mis is not None \
+        saved = self._behaviour_passes(microbatches) if iterations > 1 or mis is not None \
             else [None] * len(microbatches)
         if mis is not None:
             num_tokens, num_sequences = self._mis_keep(microbatches, saved)
         totals = torch.zeros(len(SUMS), dtype=torch.float64)
         grad_norms, applied, skip_reason = [], 0, ""
         for iteration in range(iterations):
-            sums = torch.zeros(len(SUMS), dtype=torch.float64)
             self.optimizer.zero_grad(set_to_none=True)
-            for i, (mb, old) in enumerate(zip(microbatches, saved)):
-                self._accumulate_locally(last=i == len(microbatches) - 1)
-                sums += self._microbatch(mb, old, num_tokens, num_sequences, first=iteration == 0)
+            sums = self._forward_backward(microbatches, saved, num_tokens, num_sequences, first=iteration == 0)
             t_opt = time.perf_counter()
             grad_norm = self._clip_gradients()
             sums[SUMS["nonfinite_loss"]] = float(not math.isfinite(float(sums[SUMS["loss"]])))
@@ -268,7 +268,7 @@ class FSDPStep:
         mis = self.algorithm.mis
         counts = torch.zeros(2, dtype=torch.float64)
         for mb, s in zip(microbatches, saved):
-            if mb.num_sequences == 0:
+            if mb.num_sequences == 0 or s.old is None:  # None: a pipeline stage without the loss (Megatron pp > 1)
                 continue
             s.keep = mis_keep_mask(s.old, mb.behaviour_logprobs.to(self.device), mb.response_mask.to(self.device),
                                    mis.low, mis.high, mis.level)
@@ -347,6 +347,21 @@ class FSDPStep:
         self._phase_s["ref_forward"] += time.perf_counter() - t0
         return out
 
+    def _forward_backward(self, microbatches: list[PackedMicroBatch], saved: list[Saved | None], num_tokens: int,
+                          num_sequences: int, first: bool) -> torch.Tensor:
+        """Forward + backward of every micro-batch of one iteration (gradients accumulate in ``.grad``); returns the
+        local metric sums, float64 [len(SUMS)]. A backend whose schedule owns the micro-batch loop (Megatron's
+        pipeline) overrides this and calls :meth:`_microbatch_loss` for each micro-batch's loss."""
+        sums = torch.zeros(len(SUMS), dtype=torch.float64)
+        for i, (mb, old) in enumerate(zip(microbatches, saved)):
+            self._accumulate_locally(last=i == len(microbatches) - 1)
+            sums += self._microbatch(mb, old, num_tokens, num_sequences, first=first)
+        return sums
+
+    def _behaviour_passes(self, microbatches: list[PackedMicroBatch]) -> list[Saved]:
+        """:meth:`_behaviour_pass` of every micro-batch, in order."""
+        return [self._behaviour_pass(mb) for mb in microbatches]
+
     def _behaviour_pass(self, mb: PackedMicroBatch) -> Saved:
         """No-grad forward before any update: the policy's (old) and the reference policy's logprobs [n, T]."""
         args = self._inputs(mb)
@@ -370,13 +385,15 @@ class FSDPStep:
 
     def _microbatch_loss(self, mb: PackedMicroBatch, args: tuple, saved: Saved | None,
                          ref_lp: torch.Tensor | None, num_tokens: int, num_sequences: int,
-                         first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         first: bool, policy_out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy forward and loss of one packed micro-batch (no backward).
 
         Args:
             args: ``mb``'s tensors on the device (:meth:`_inputs`). saved: the behaviour pass's record (several
                 iterations) or None. ref_lp: reference logprobs [n, T] float32 or None. first: the step's first
-                iteration (``rollout/logprob_diff`` is measured then).
+                iteration (``rollout/logprob_diff`` is measured then). policy_out: the policy's (logprobs [M],
+                entropy [M]) when a pipeline schedule already ran the forward (``args`` is then unused); None runs
+                ``self.policy(*args)`` here.
 
         Returns:
             (loss: scalar float32 with autograd, this rank's share of the globally normalised batch loss — 0 times
@@ -385,7 +402,7 @@ class FSDPStep:
         """
         alg = self.algorithm
         dev = self.device
-        lp_flat, ent_flat = self.policy(*args)
+        lp_flat, ent_flat = self.policy(*args) if policy_out is None else policy_out
         out = torch.zeros(len(SUMS), dtype=torch.float64)
         out[SUMS["forward_tokens"]] = mb.num_tokens + (saved.forward_tokens if saved is not None and first else 0)
         if mb.num_sequences == 0:

@@ -299,13 +299,14 @@ class TrainSpec(BaseModel):
         "stops the step naming it."))
     strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
         "Data-parallel training strategy: the train backend registered under this name in "
-        "train_workers.registry: 'fsdp' (FSDP2) or 'megatron' (Megatron-core tensor parallelism, float32, "
-        "pipeline_parallel_size 1 for now)."))
+        "train_workers.registry: 'fsdp' (FSDP2) or 'megatron' (Megatron-core tensor and pipeline parallelism, "
+        "float32)."))
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Megatron tensor-parallel ranks per model replica (strategy megatron); must divide the model's attention "
         "heads and kv heads. Data-parallel size = world_size / (tensor_parallel_size × pipeline_parallel_size)."))
     pipeline_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
-        "Megatron pipeline stages per model replica (strategy megatron); must divide the model's layers."))
+        "Megatron pipeline stages per model replica (strategy megatron; megatron-core's 1F1B schedule); must divide "
+        "the model's layers."))
     sequence_parallel: bool = Field(False, strict=True, description=(
         "Megatron sequence parallelism (strategy megatron): activations outside attention/MLP split by sequence "
         "over the tensor-parallel ranks; needs tensor_parallel_size > 1."))

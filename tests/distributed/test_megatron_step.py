@@ -2,18 +2,23 @@
 
 Both backends run the real worker classes on the same packed micro-batches (``torch.multiprocessing.spawn`` ranks over
 gloo): FSDP2 on one rank; Megatron at tp=1 (one rank), tp=2 (two ranks, one replica: the micro-batches of both ranks
-are run by both) and dp=2 (two ranks, tp=1: gradients summed over the data-parallel group). The model is
-tests/megatron_cpu.py's random Llama with SmolLM2's shape (tied embeddings, GQA, vocabulary 1100 padded to 1152/1280,
-so the padded columns must be dropped). The policy starts from a second random model (``policy_path``), so the KL to
-the reference policy is far from 0 (≈ 0.4); truncated importance sampling (``tis_cap``) against random engine logprobs
-makes the TIS weights and the logprob diff nontrivial, and the gradient norm (≈ 1.3) is clipped to 1.
+are run by both), dp=2 (two ranks, tp=1: gradients summed over the data-parallel group), pp=2 (two pipeline stages:
+megatron-core's 1F1B schedule, the loss on the last stage, the tied embedding's two copies' gradients summed) and
+tp=2 × pp=2 (four ranks); and, with two iterations and masked importance sampling (the no-grad behaviour pass before
+the first update, kept-token counts as the loss's denominators), FSDP2 on one rank against Megatron at pp=2. The model
+is tests/megatron_cpu.py's random Llama with SmolLM2's shape (tied embeddings, GQA, vocabulary 1100 padded to
+1152/1280, so the padded columns must be dropped). The policy starts from a second random model (``policy_path``), so
+the KL to the reference policy is far from 0 (≈ 0.4); truncated importance sampling (``tis_cap``) against random
+engine logprobs makes the TIS weights and the logprob diff nontrivial, and the gradient norm (≈ 1.3) is clipped to 1.
 
 Compared (fp32): the step's loss, KL, entropy, clip fraction, TIS weight, logprob diff and grad norm within 1e-5
-relative; the clipped gradients the optimizer sees and the parameters after the step, converted back to HF names
-(``sync.HFGatherer``), within rtol 1e-4 / atol 1e-6·max|g| (gradients) and 1e-5 absolute (parameters; the step moves
-each by about lr = 1e-4; tests/distributed/test_fsdp_parity.py explains why a larger lr does not make this stronger).
-Measured (2026-12-02, CPU): relative differences ≤ 6e-7 on loss/KL/entropy/TIS/logprob diff and ≤ 1.8e-6 on the
-grad norm at tp=1, tp=2 and dp=2; clip fraction and ratio equal; the file takes ~75 s on 2 shared cores.
+relative; the public ``reference_logprobs`` of one micro-batch within 1e-5; the clipped gradients the optimizer sees
+and the parameters after the step, converted back to HF names (``sync.HFGatherer``), within rtol 1e-4 /
+atol 1e-6·max|g| (gradients) and 1e-5 absolute (parameters; the step moves each by about lr = 1e-4;
+tests/distributed/test_fsdp_parity.py explains why a larger lr does not make this stronger).
+Measured (2026-12-02, CPU): relative differences ≤ 7.3e-7 on loss/KL/entropy/TIS/logprob diff and ≤ 2.0e-6 on the
+grad norm in every layout (pp=2: ≤ 4.7e-7 and 1.7e-6; tp=2 × pp=2: ≤ 5.0e-7 and 1.8e-6); clip fraction and ratio
+equal; the file takes ~95 s on 2 shared cores (the four-rank spawn included).
 
 bf16 (``model.dtype: bfloat16``, both backends' mixed precision: float32 master weights, bf16 compute, float32
 logprobs/loss): Megatron tp=1 and tp=2 against FSDP2 on the same batch within :data:`BF16_TOL` (bf16-sized, stated and
@@ -41,6 +46,13 @@ METRICS = ("actor/loss", "actor/kl", "actor/entropy", "actor/clip_fraction", "ac
 #: rank → micro-batches (sequence indices) of each run's ranks.
 ONE_RANK = [[[0, 1], [2, 3, 4, 5]]]
 TWO_RANKS = [[[0, 1], [2]], [[3, 4, 5], []]]
+FOUR_RANKS = [[[0, 1]], [[2]], [[3, 4]], [[5]]]
+#: (FSDP2 run on one rank, Megatron run) pairs compared.
+PAIRS = [("fsdp", "megatron_tp1"), ("fsdp", "megatron_tp2"), ("fsdp", "megatron_dp2"), ("fsdp", "megatron_pp2"),
+         ("fsdp", "megatron_tp2pp2"), ("fsdp_it2", "megatron_pp2_it2")]
+#: Two iterations with masked importance sampling: the no-grad behaviour pass before the first update, then kept-token
+#: counts as the loss's denominators (through the pipeline: forward-only schedules, counts from the last stage).
+IT2_MIS = {"num_iterations": 2, "mis": {"level": "token", "low": 0.05, "high": 20.0}}
 
 
 def make_batch():
@@ -61,13 +73,12 @@ def pack(indices):
 
 
 def _hf_tensors(worker, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Megatron-named local tensors (parameters or their gradients) → full HF tensors; a collective (TP group)."""
-    from train_workers.megatron.sync import HFGatherer
+    """Megatron-named local tensors (parameters or their gradients) → every full HF tensor, on every rank; a
+    collective (TP group of the stage holding each, then the pipeline-parallel group)."""
+    from train_workers.megatron.sync import hf_parameter_order, tensor_gatherer
 
-    params = dict(worker.policy.model.named_parameters())
-    split = {n: bool(getattr(p, "tensor_model_parallel", False)) for n, p in params.items()}
-    gather = HFGatherer(named, split, worker.layout, worker.pp_rank, worker.tp_group)
-    return {name: gather(name).clone() for name in sorted(gather.source)}
+    gather = tensor_gatherer(worker, named)
+    return {name: gather(name).clone() for name, _ in sorted(hf_parameter_order(worker.model_path))}
 
 
 def _snapshot(worker, backend: str, grads: bool) -> dict[str, torch.Tensor]:
@@ -107,11 +118,13 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         install_cpu_shims()
     _, responses, _ = make_batch()
     num_tokens = sum(len(r) for r in responses)
-    algorithm = AlgorithmSpec(kl_coef=0.04, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.2)
     for run, port in zip(runs, ports):
+        algorithm = AlgorithmSpec(kl_coef=0.04, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.2,
+                                  **run.get("algorithm", {}))
         strategy = "megatron" if run["backend"] == "megatron" else "fsdp"
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
                           strategy=strategy, tensor_parallel_size=run.get("tp", 1),
+                          pipeline_parallel_size=run.get("pp", 1),
                           num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
@@ -127,11 +140,13 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
             return _step(*args, **kwargs)
 
         worker.optimizer.step = recording_step
+        reference = worker.reference_logprobs(pack([0, 1, 2]))  # the public call (through the pipeline at pp > 1)
         result = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
         params = _snapshot(worker, run["backend"], grads=False)
         sync = {"before": sync_before, "after": _bf16_buckets(worker, rank)} if run.get("sync") else None
         if rank == 0:
-            torch.save({"result": asdict(result), "grads": grads, "params": params, "sync": sync, "start": start},
+            torch.save({"result": asdict(result), "grads": grads, "params": params, "sync": sync, "start": start,
+                        "reference": reference},
                        f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
@@ -152,28 +167,47 @@ def steps(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_step")
     dirs = _models(root)
     out = _spawn(1, dirs, [{"name": "fsdp", "backend": "fsdp", "microbatches": ONE_RANK},
-                           {"name": "megatron_tp1", "backend": "megatron", "microbatches": ONE_RANK}], root)
+                           {"name": "megatron_tp1", "backend": "megatron", "microbatches": ONE_RANK},
+                           {"name": "fsdp_it2", "backend": "fsdp", "microbatches": ONE_RANK, "algorithm": IT2_MIS}],
+                 root)
     out.update(_spawn(2, dirs, [{"name": "megatron_tp2", "backend": "megatron", "tp": 2, "microbatches": TWO_RANKS},
-                                {"name": "megatron_dp2", "backend": "megatron", "microbatches": TWO_RANKS}], root))
-    ref = out["fsdp"]["result"]["metrics"]
-    print({name: {k: f"{abs(r['result']['metrics'][k] - ref[k]) / max(abs(ref[k]), 1e-12):.1e}" for k in METRICS}
-           for name, r in out.items()})  # relative differences, shown by pytest -rA / -s
+                                {"name": "megatron_dp2", "backend": "megatron", "microbatches": TWO_RANKS},
+                                {"name": "megatron_pp2", "backend": "megatron", "pp": 2, "microbatches": TWO_RANKS},
+                                {"name": "megatron_pp2_it2", "backend": "megatron", "pp": 2, "microbatches": TWO_RANKS,
+                                 "algorithm": IT2_MIS}], root))
+    out.update(_spawn(4, dirs, [{"name": "megatron_tp2pp2", "backend": "megatron", "tp": 2, "pp": 2,
+                                 "microbatches": FOUR_RANKS}], root))
+    diffs = {}
+    for fsdp, run in PAIRS:
+        ref, got = out[fsdp]["result"]["metrics"], out[run]["result"]["metrics"]
+        diffs[run] = {k: f"{abs(got[k] - ref[k]) / max(abs(ref[k]), 1e-12):.1e}" for k in METRICS}
+    print(diffs)  # relative differences, shown by pytest -rA / -s
     return out
 
 
-@pytest.mark.parametrize("run", ["megatron_tp1", "megatron_tp2", "megatron_dp2"])
-def test_megatron_step_metrics_match_fsdp(steps, run):
-    ref, got = steps["fsdp"]["result"], steps[run]["result"]
+@pytest.mark.parametrize("fsdp, run", PAIRS)
+def test_megatron_step_metrics_match_fsdp(steps, fsdp, run):
+    ref, got = steps[fsdp]["result"], steps[run]["result"]
     assert got["policy_version"] == ref["policy_version"] == 1 and not got["skipped"]
     m, r = got["metrics"], ref["metrics"]
     assert r["actor/kl"] > 1e-3 and r["actor/grad_norm"] > 1.0  # the policy differs from the reference; clipped
-    for key in METRICS:
+    keys = METRICS + (("actor/mis_masked_fraction",) if fsdp == "fsdp_it2" else ())
+    for key in keys:
         assert abs(m[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (run, key, m[key], r[key])
+    if fsdp == "fsdp_it2":  # MIS drops some tokens and keeps others
+        assert 0.0 < r["actor/mis_masked_fraction"] < 1.0
 
 
-@pytest.mark.parametrize("run", ["megatron_tp1", "megatron_tp2", "megatron_dp2"])
-def test_megatron_step_grads_and_weights_match_fsdp(steps, run):
-    ref, got = steps["fsdp"], steps[run]
+@pytest.mark.parametrize("fsdp, run", PAIRS)
+def test_megatron_reference_logprobs_match_fsdp(steps, fsdp, run):
+    ref, got = steps[fsdp]["reference"], steps[run]["reference"]
+    assert got.shape == ref.shape == (3, 8) and ref.abs().max() > 1.0
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fsdp, run", PAIRS)
+def test_megatron_step_grads_and_weights_match_fsdp(steps, fsdp, run):
+    ref, got = steps[fsdp], steps[run]
     assert got["params"].keys() == ref["params"].keys() == got["grads"].keys()
     scale = max(float(g.abs().max()) for g in ref["grads"].values())
     for name in ref["params"]:

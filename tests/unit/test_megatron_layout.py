@@ -13,7 +13,7 @@ import torch
 
 from cluster.spec import SpecError, load_spec_text
 from train_workers.megatron.config import MegatronLayoutError, check_megatron_layout
-from train_workers.megatron.convert import fuse_qkv, pad_vocab, shard_fc1, split_qkv, unshard_fc1
+from train_workers.megatron.convert import fuse_qkv, hf_stage, pad_vocab, shard_fc1, split_qkv, unshard_fc1
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,6 +148,18 @@ def test_megatron_vocab_padding_zero_rows():
     layout = check_megatron_layout({**SMOLLM2_135M, "vocab_size": 1000}, tp=3)
     padded = pad_vocab(torch.ones(1000, 2, dtype=torch.bfloat16), layout)
     assert padded.shape == (1152, 2) and padded.dtype == torch.bfloat16 and padded[1000:].abs().sum() == 0
+
+
+def test_megatron_hf_stage_of_each_tensor():
+    """SmolLM2-135M (30 layers, tied) at pp=3: 10 layers a stage, the embedding on the first, the norm last."""
+    layout = check_megatron_layout(SMOLLM2_135M, 1, 3)
+    assert hf_stage("model.embed_tokens.weight", layout) == 0
+    assert [hf_stage(f"model.layers.{i}.mlp.up_proj.weight", layout) for i in (0, 9, 10, 19, 20, 29)] == [
+        0, 0, 1, 1, 2, 2]
+    assert hf_stage("model.norm.weight", layout) == hf_stage("lm_head.weight", layout) == 2
+    for name in ("model.layers.30.input_layernorm.weight", "model.rotary_emb.inv_freq"):
+        with pytest.raises(KeyError, match="not a tensor of the HF Llama/Qwen2 layout with 30 layers"):
+            hf_stage(name, layout)
 
 
 def test_megatron_layout_imports_no_megatron():

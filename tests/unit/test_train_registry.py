@@ -51,8 +51,12 @@ def test_megatron_is_registered_and_checks_its_layout_before_anything_starts(tmp
     with pytest.raises(ValueError, match=r"train\.tensor_parallel_size: tensor_parallel_size=4 must divide the "
                                          r"model's num_key_value_heads=2"):
         backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=4), tmp_path)
-    with pytest.raises(ValueError, match=r"train\.pipeline_parallel_size=2: pipeline parallelism is not supported"):
-        backend.check_layout(TrainSpec(strategy="megatron", world_size=2, pipeline_parallel_size=2), tmp_path)
+    layout = backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=2,
+                                            pipeline_parallel_size=2), tmp_path)
+    assert (layout.tp, layout.pp, layout.layers_per_stage) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"train\.pipeline_parallel_size: pipeline_parallel_size=3 must divide the "
+                                         r"model's num_hidden_layers=4"):
+        backend.check_layout(TrainSpec(strategy="megatron", world_size=3, pipeline_parallel_size=3), tmp_path)
     assert backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="bfloat16").tp == 1  # mixed precision
     with pytest.raises(ValueError, match=r"model\.dtype='float16': the megatron backend has no loss scaling"):
         backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="float16")

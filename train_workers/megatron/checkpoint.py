@@ -9,9 +9,11 @@ Layout of ``path`` (the FSDP2 backend's, ``train_workers.checkpoint_io``, with s
   parameters' shapes, so they go through the same conversion: the files do not depend on the TP layout, and a run may
   resume with another ``tensor_parallel_size``.
 
-Writing gathers one Megatron tensor at a time over the TP group (``sync.HFGatherer``) and train rank 0 writes shards
-of at most 1 GiB (``hf_io.save_hf_folder``): no rank holds the whole model or optimizer state. Every rank reads only
-its own slices back (``hf_io.SafetensorsFolder``).
+Writing gathers one Megatron tensor at a time over the TP group of the pipeline stage holding it, which broadcasts it
+over the pipeline-parallel group when pp > 1 (``sync.HFGatherer``), and train rank 0 writes shards of at most 1 GiB
+(``hf_io.save_hf_folder``): no rank holds the whole model or optimizer state. Every rank reads only its own slices back
+(``hf_io.SafetensorsFolder``; with tied embeddings and pp > 1 the last stage's copy of the embedding and its moments
+are read from ``model.embed_tokens.weight``), so a run may also resume with another ``pipeline_parallel_size``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from train_workers.checkpoint_io import restore_hyperparameters
 from train_workers.megatron.hf_io import SafetensorsFolder, save_hf_folder
-from train_workers.megatron.sync import HFGatherer, hf_parameter_order, parameter_gatherer
+from train_workers.megatron.sync import hf_parameter_order, parameter_gatherer, tensor_gatherer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -45,11 +47,10 @@ def save_checkpoint(worker, path: str) -> None:
     if any(states) and not all(states):
         raise RuntimeError("some parameters have AdamW state and others none; cannot save a partial state")
     if all(states):
-        split = {name: bool(getattr(p, "tensor_model_parallel", False)) for name, p in params.items()}
         entries, sources = [], {}
         for field in MOMENTS:
             moments = {name: worker.optimizer.state[p][field] for name, p in params.items()}
-            gather = HFGatherer(moments, split, worker.layout, worker.pp_rank, worker.tp_group)
+            gather = tensor_gatherer(worker, moments)
             entries += [(f"{name}::{field}", shape) for name, shape in order]
             sources.update({f"{name}::{field}": (gather, name) for name, _ in order})
         step = next(iter(states))["step"]

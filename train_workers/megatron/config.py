@@ -156,6 +156,10 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
                        sequence_parallel: bool = False, compute_dtype=None):
     """Megatron-core ``TransformerConfig`` of ``layout`` (no dropout, no fused kernels: the same math on CPU and GPU).
 
+    ``calculate_per_token_loss=True``: the GRPO loss a pipeline's last stage returns per micro-batch is already its
+    share of the globally normalised batch loss (``train_workers.fsdp_step``), so megatron-core's schedule must not
+    divide it by the token or micro-batch count (``forward_step_calc_loss`` in ``pipeline_parallel/schedules.py``).
+
     Args:
         params_dtype: torch dtype of the parameters; None is float32.
         use_cpu_initialization: build parameters on CPU (required without CUDA).
@@ -180,7 +184,7 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype, bf16=compute == torch.bfloat16,
         fp16=compute == torch.float16, use_cpu_initialization=use_cpu_initialization, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, calculate_per_token_loss=True)
 
 
 def gpt_model_kwargs(layout: MegatronLayout, config, pre_process: bool = True, post_process: bool = True,

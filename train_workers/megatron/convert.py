@@ -207,6 +207,25 @@ def megatron_param_to_hf(name: str, shards: list[torch.Tensor],
     raise KeyError(f"{name}: not a parameter of the Megatron Llama/Qwen2 layout")
 
 
+def hf_stage(hf_name: str, layout: MegatronLayout) -> int:
+    """The pipeline stage holding HF tensor ``hf_name``: the embedding on the first, the final norm and ``lm_head``
+    on the last, layer i on ``i // layers_per_stage`` (with tied embeddings the last stage's copy is not an HF
+    tensor: the first stage's embedding is the source of truth).
+
+    Raises:
+        KeyError: ``hf_name`` is not a tensor of the Llama/Qwen2 layout.
+    """
+    if hf_name == "model.embed_tokens.weight":
+        return 0
+    if hf_name in ("model.norm.weight", "lm_head.weight"):
+        return layout.pp - 1
+    if hf_name.startswith(_HF_LAYER):
+        index = int(hf_name[len(_HF_LAYER):].split(".", 1)[0])
+        if 0 <= index < layout.num_layers:
+            return index // layout.layers_per_stage
+    raise KeyError(f"{hf_name}: not a tensor of the HF Llama/Qwen2 layout with {layout.num_layers} layers")
+
+
 def global_layer_name(name: str, layout: MegatronLayout, pp_rank: int) -> str:
     """Stage-local Megatron name → global one (``decoder.layers.{l}`` → ``decoder.layers.{l + offset}``)."""
     if not name.startswith(_LAYER):

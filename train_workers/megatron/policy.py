@@ -11,7 +11,9 @@ right-padded [n, S] batch, each sequence starting at position 0 of its row, and 
 mask [n, 1, S, S] (True = masked, Megatron's convention). Right padding needs nothing beyond the causal mask: a real
 token never attends to a later (padding) position, and logits of padding positions are never read. This is the same
 math as the packed FSDP2 path (block-diagonal causal attention, per-sequence positions). With Transformer Engine on
-GPU the packed path (``PackedSeqParams`` with ``cu_seqlens``) can replace it later.
+GPU the packed path (``PackedSeqParams`` with ``cu_seqlens``) can replace it later. With pipeline parallelism every
+micro-batch of a step is padded further, to R rows × S columns common to the step (:meth:`StageBatch.padded`), because
+megatron-core's p2p communication receives one fixed [S, R, H] shape; padding rows are all-padding and never read.
 
 Logprobs under the rollout's sampling distribution (``grpo.logprobs`` module docstring): z = logits / temperature over
 the real vocabulary only — the Vp − V padded columns (zero rows of the output layer, ``convert.pad_vocab``) are
@@ -31,6 +33,8 @@ predict response tokens (a forward pre-hook on ``output_layer`` picks their hidd
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -105,13 +109,50 @@ def refuse_vocab_parallel_filters(tp: int, top_k: int = 0, top_p: float = 1.0, m
                              f"train.strategy megatron with tensor_parallel_size={tp} needs {field}={off}")
 
 
+@dataclass
+class StageBatch:
+    """One packed micro-batch as a Megatron stage runs it: right-padded rows (:func:`unpack_right_padded`).
+
+    ids: [R, S] int64, padded with 0 (R ≥ n rows: pipeline stages pad every micro-batch of a step to one shape, since
+    megatron-core's p2p receives a fixed [S, R, H]). rows, cols: [M] int64, the (row, column) of the position whose
+    logits predict each response token. targets: [M] int64, the response tokens.
+    """
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    targets: torch.Tensor
+
+    def padded(self, num_rows: int, seq_len: int) -> StageBatch:
+        """This batch right-padded with 0 to [num_rows, seq_len].
+
+        Raises:
+            ValueError: the batch is larger than [num_rows, seq_len].
+        """
+        n, s = self.ids.shape
+        if n > num_rows or s > seq_len:
+            raise ValueError(f"micro-batch [{n}, {s}] does not fit the step's shape [{num_rows}, {seq_len}]")
+        ids = self.ids.new_zeros(num_rows, seq_len)
+        ids[:n, :s] = self.ids
+        return StageBatch(ids, self.rows, self.cols, self.targets)
+
+
+def stage_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, logit_positions: torch.Tensor,
+                targets: torch.Tensor) -> StageBatch:
+    """A packed micro-batch's tensors (``ResponseLogprobModel``'s arguments) → :class:`StageBatch` [n, S]."""
+    ids, row, col = unpack_right_padded(input_ids, position_ids)
+    return StageBatch(ids, row[logit_positions], col[logit_positions], targets)
+
+
 class MegatronResponseLogprobs(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
     ``(logprobs [M] float32, entropy [M] float32 detached, or None)``: the signature of
     ``train_workers.policy.ResponseLogprobModel``, so ``train_workers.fsdp_step``'s loss code runs unchanged.
 
+    With pipeline parallelism the schedule calls :meth:`stage_forward` on each stage instead of ``forward``.
+
     Args:
-        model: a ``GPTModel`` holding the whole decoder (pp = 1) built with ``parallel_output=True``.
+        model: a ``GPTModel`` built with ``parallel_output=True``: the whole decoder (pp = 1) or one pipeline stage.
         vocab_size: V, the real vocabulary (HF ``vocab_size``); columns ≥ V are padding.
         temperature: > 0, the rollout's sampling temperature.
         top_k, top_p, min_p: the rollout's sampling filters (``grpo.logprobs.filter_logits_``), tp = 1 only.
@@ -133,7 +174,8 @@ class MegatronResponseLogprobs(nn.Module):
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
         self._rows = self._cols = None
-        model.output_layer.register_forward_pre_hook(self._pick_response_positions)
+        if model.post_process:  # the last pipeline stage holds the output layer
+            model.output_layer.register_forward_pre_hook(self._pick_response_positions)
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -142,7 +184,7 @@ class MegatronResponseLogprobs(nn.Module):
 
     def _pick_response_positions(self, module, args):
         """``output_layer`` forward pre-hook: keep only the hidden states of the M positions whose logits are read,
-        [S, n, H] → [M, 1, H] (set by :meth:`forward`), so the LM head never runs on prompt or padding positions
+        [S, n, H] → [M, 1, H] (set by :meth:`stage_forward`), so the LM head never runs on prompt or padding positions
         (``GPTModel._postprocess`` calls ``output_layer(hidden_states, weight=...)`` after the final norm)."""
         if self._rows is None:  # the GPTModel called on its own: all positions
             return None
@@ -163,16 +205,31 @@ class MegatronResponseLogprobs(nn.Module):
         return functional_call(self.model, cast, (), kwargs)
 
     def forward(self, input_ids, position_ids, logit_positions, targets, with_entropy: bool = True):
-        ids, row, col = unpack_right_padded(input_ids, position_ids)
+        return self.stage_forward(stage_batch(input_ids, position_ids, logit_positions, targets), with_entropy)
+
+    def stage_forward(self, batch: StageBatch, with_entropy: bool = True):
+        """Run this rank's stage of the model on ``batch`` (positions 0..S-1 of each row, causal mask).
+
+        Returns:
+            on the last pipeline stage (and at pp = 1), ``(logprobs [M] float32, entropy [M] float32 detached or
+            None)``; on other stages the hidden states [S, R, H] for the next stage (the stage's input comes from
+            ``GPTModel.set_input_tensor``, which megatron-core's schedule calls).
+        """
+        ids = batch.ids
         n, s = ids.shape
         positions = torch.arange(s, device=ids.device)[None].expand(n, s)
-        self._rows, self._cols = row[logit_positions], col[logit_positions]
+        self._rows, self._cols = batch.rows, batch.cols
         try:
-            logits = self.run_model(input_ids=ids, position_ids=positions,
-                                    attention_mask=causal_mask(n, s, ids.device))
+            out = self.run_model(input_ids=ids, position_ids=positions,
+                                 attention_mask=causal_mask(n, s, ids.device))
         finally:
             self._rows = self._cols = None
-        picked = logits[0]  # [M, Vp/tp]: the output layer ran on the picked positions only
+        if not self.model.post_process:
+            return out
+        return self._response_logprobs(out[0], batch.targets, with_entropy)  # [M, Vp/tp]: picked positions only
+
+    def _response_logprobs(self, picked: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+        """Logits [M, Vp/tp] of the picked positions → (logprobs [M], entropy [M] or None) (module docstring)."""
         if self.tp == 1:
             z = picked[:, : self.vocab_size]
             lp = logprobs_from_logits(z, targets, self.temperature, top_k=self.top_k, top_p=self.top_p,

@@ -1,4 +1,4 @@
-"""Megatron-core train worker: one rank of a TP × DP layout of the policy (and frozen reference policy).
+"""Megatron-core train worker: one rank of a TP × PP × DP layout of the policy (and frozen reference policy).
 
 ``MegatronTrainWorker`` implements :class:`train_workers.base.TrainWorker`; ``TrainPool`` finds it in
 ``train_workers.registry`` under ``train.strategy: megatron``. Layout: tp = ``train.tensor_parallel_size``, pp =
@@ -13,30 +13,43 @@ off-policy correction and metrics (``train_workers.fsdp_step.FSDPStep``: the pol
 sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Megatron's own tensor sources in
 :mod:`train_workers.megatron.sync`). Specific to Megatron:
 
-- Micro-batches. The scheduler splits the batch over ``world_size`` ranks; the tp ranks of one replica must run the
-  same sequences, so :meth:`MegatronTrainWorker.train_step` first all-gathers the micro-batches of its TP group
-  (``all_gather_object``, CPU tensors) and every rank of the group runs all of them. The loss is still each
-  sequence's share of the global batch loss (global ``num_tokens``/``num_sequences``), and the metric sums are
-  reduced over the data-parallel group only (``FSDPStep._metrics_group``), so each sequence counts once.
+- Micro-batches. The scheduler splits the batch over ``world_size`` ranks; the ranks of one model replica must run
+  the same sequences, so :meth:`MegatronTrainWorker.train_step` first all-gathers the micro-batches of its TP group
+  (pp = 1) or of its model-parallel tp × pp group (pp > 1, empty placeholders dropped) with ``all_gather_object``
+  (CPU tensors), and every rank of the replica runs all of them. The loss is still each sequence's share of the
+  global batch loss (global ``num_tokens``/``num_sequences``), and the metric sums are reduced so each sequence counts
+  once: over the data-parallel group at pp = 1 (``FSDPStep._metrics_group``), over the ranks of one tp rank across
+  every stage and replica at pp > 1 (only the last stage has loss sums).
+- Pipeline parallelism (pp > 1, :mod:`train_workers.megatron.pipeline`): megatron-core's own schedule
+  (``get_forward_backward_func()``, 1F1B) owns the forward and backward of all micro-batches; ``forward_step_func``
+  returns ``(output, loss_func)`` and the last stage's ``loss_func`` is ``FSDPStep._microbatch_loss`` (the same
+  loss, KL, TIS/MIS, NaN flags and metric sums as FSDP2). Reference-policy logprobs (and the behaviour logprobs with
+  several iterations or MIS) come from the same schedule with ``forward_only=True``. Every micro-batch of a step is
+  right-padded to one [rows, seq_len] shape, as the schedule's p2p communication needs. Transformer layers are split
+  evenly (``check_megatron_layout``); with tied embeddings the last stage holds a copy of the embedding as
+  ``output_layer.weight``, loaded from the HF embedding.
 - Gradients. Parameters are local shards (Megatron's ``ColumnParallelLinear``/``RowParallelLinear``/
   ``VocabParallelEmbedding``, ``megatron/core/tensor_parallel/layers.py``): the TP collectives of the forward and
   backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights, without sequence
   parallelism) get identical gradients on every tp rank. The gradients are then summed over the dp group
-  (``all_reduce``), the global L2 norm is taken over every parameter once (TP-duplicates counted on tp rank 0 only,
-  ``param_is_not_tensor_parallel_duplicate``) and clipped as ``torch.nn.utils.clip_grad_norm_`` does.
+  (``all_reduce``), a tied embedding's two copies (pp > 1) summed over Megatron's embedding group, the global L2 norm
+  is taken over every parameter once across tp and pp (TP-duplicates counted on tp rank 0 only,
+  ``param_is_not_tensor_parallel_duplicate``; the tied copy not at all, ``param_is_not_shared``) and clipped as
+  ``torch.nn.utils.clip_grad_norm_`` does.
 - Optimizer: ``torch.optim.AdamW`` over the local shards (dp replicas hold identical copies of the state). Megatron's
   ``DistributedDataParallel`` and ``DistributedOptimizer`` are not used: their gradient buffers are allocated on
   ``torch.cuda.current_device()`` and their overlap uses CUDA streams (``megatron/core/distributed/
   param_and_grad_buffer.py``, ``distributed_data_parallel.py``), so they cannot run on CPU, where this backend is
-  tested. On GPU they are the next step (ZeRO-1 sharded state, overlapped reduce-scatter).
+  tested. On GPU they are the next step (ZeRO-1 sharded state, overlapped reduce-scatter); so is the schedule's
+  ``finalize_model_grads_func``, which needs them (this worker reduces the gradients itself, above).
+- Weight sync and checkpoints (:mod:`train_workers.megatron.sync`, :mod:`train_workers.megatron.checkpoint`): each HF
+  tensor is gathered over the TP group of the stage holding it and, at pp > 1, broadcast from that stage over the
+  pipeline-parallel group; one tensor at a time, never the whole model on one rank.
 
-Refused for now, each with a :class:`ValueError` naming the field: ``train.pipeline_parallel_size`` > 1 (PP needs
-megatron-core's schedule, ``get_forward_backward_func``, to own the forward and backward of all micro-batches with the
-loss on the last stage, where this worker reuses ``FSDPStep``'s one-backward-per-micro-batch loop; on CPU the
-schedule's ``p2p_communication.py`` also allocates on ``torch.cuda.current_device()`` and, with ``batch_p2p_sync``,
-calls ``torch.cuda.synchronize()``; the weight conversion already handles pp), ``train.sequence_parallel`` (its
-RMSNorm gradients need a TP all-reduce this worker does not do yet), ``train.lora``, ``model.dtype`` float16 (no
-loss scaling), and sampling filters at tp > 1 (``policy.py``).
+Refused for now, each with a :class:`ValueError` naming the field: ``train.sequence_parallel`` (its RMSNorm
+gradients need a TP all-reduce this worker does not do yet), ``train.lora``, ``model.dtype`` float16 (no loss
+scaling), and sampling filters at tp > 1 (``policy.py``). Virtual pipeline stages (the interleaved schedule) are not
+built.
 
 Precision (``model.dtype``), as the FSDP2 worker's (``train_workers.sharding``): float32 trains in float32. bfloat16
 is mixed precision: the GPTModel's parameters, AdamW's state, the gradient clip, checkpoints and the weight-sync
@@ -60,7 +73,14 @@ bfloat16 parameters) instead of kept, on CPU and GPU alike.
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
-The remaining CUDA assumptions of megatron-core on CPU are bypassed in tests only (``tests/megatron_cpu.py``).
+The remaining CUDA assumptions of megatron-core on CPU are bypassed in the test process only
+(``tests/megatron_cpu.py``); on GPU the worker runs them unpatched. They are: ``RotaryEmbedding`` moving ``inv_freq``
+to ``torch.cuda.current_device()``, which is also where the pipeline's p2p receive buffers are allocated
+(``pipeline_parallel/p2p_communication.py`` ``_communicate``); attention's CUDA RNG tracker ``fork()``; the tied
+embedding's ``.cuda()`` copy at construction with pp > 1 (``LanguageModule.setup_embeddings_and_output_layer``);
+the pipeline schedule's token counter ``torch.zeros([], dtype=torch.int, device="cuda")``
+(``forward_backward_pipelining_without_interleaving``, ``pipeline_parallel/schedules.py``); and
+``torch.cuda.synchronize()`` after batched p2p (``batch_p2p_sync``, ``p2p_communication.py``).
 """
 
 from __future__ import annotations
@@ -75,12 +95,13 @@ import torch.distributed as dist
 from cluster.messages import TrainRankInfo
 from train_workers.cpu_affinity import bind_rank
 from train_workers.fsdp_step import PHASES, FSDPStep
+from train_workers.megatron.pipeline import PipelineStep
 from train_workers.megatron.sync import MegatronSync
 from train_workers.packing import PackedMicroBatch
 from train_workers.sharding import as_dtype
 
 
-class MegatronTrainWorker(FSDPStep, MegatronSync):
+class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
     """One rank of the Megatron-core train group (constructor arguments: :mod:`train_workers.base`).
 
     Raises:
@@ -109,10 +130,6 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
     @staticmethod
     def refuse_unsupported(train, dtype: str | torch.dtype = "float32") -> None:
         """Raise :class:`ValueError` naming the field for a setting this backend does not build yet (module doc)."""
-        if train.pipeline_parallel_size > 1:
-            raise ValueError(f"train.pipeline_parallel_size={train.pipeline_parallel_size}: pipeline parallelism is "
-                             "not supported by the megatron backend yet (megatron-core's pipeline schedules need "
-                             "CUDA); use 1")
         if train.sequence_parallel:
             raise ValueError("train.sequence_parallel=true: not supported by the megatron backend yet; use false")
         if train.lora is not None:
@@ -153,7 +170,7 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         return ip, free_port(ip)
 
     def init_distributed(self, master_addr: str, master_port: int, policy_path: str | None = None) -> TrainRankInfo:
-        """Join the train process group, build Megatron's parallel state (tp, dp), the policy (from ``policy_path``
+        """Join the train process group, build Megatron's parallel state (tp, pp, dp), the policy (from ``policy_path``
         or ``model_path``), the frozen reference policy (from ``model_path``, when ``kl_coef`` > 0) and AdamW.
 
         Raises:
@@ -180,7 +197,8 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
             model_parallel_cuda_manual_seed(self.seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
-        self._metrics_group = self.dp_group
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self._metrics_group = self.dp_group if self.layout.pp == 1 else self._same_tp_rank_group()
         self.policy = self._build(policy_path or self.model_path, trainable=True)
         self.reference = self._build(self.model_path, trainable=False) if self.algorithm.kl_coef > 0 else None
         self.kl_coef = float(self.algorithm.kl_coef)
@@ -200,10 +218,11 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
                              cpu_cores=sorted(os.sched_getaffinity(0)), num_threads=torch.get_num_threads())
 
     def _build(self, path: str, trainable: bool):
-        """A ``GPTModel`` of this rank's shard of the HF folder ``path`` (each tensor read from the safetensors
-        files and sliced, ``convert.hf_to_megatron``), wrapped in :class:`MegatronResponseLogprobs`. Trainable:
-        float32 parameters computed in ``self.dtype``; frozen (the reference policy): parameters in ``self.dtype``
-        (module docstring, Precision)."""
+        """A ``GPTModel`` of this rank's shard (its TP slice of its pipeline stage's layers) of the HF folder
+        ``path`` (each tensor read from the safetensors files and sliced, ``convert.hf_to_megatron``), wrapped in
+        :class:`MegatronResponseLogprobs`. Trainable: float32 parameters computed in ``self.dtype``; frozen (the
+        reference policy): parameters in ``self.dtype`` (module docstring, Precision)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         from train_workers.megatron.config import gpt_model_kwargs, transformer_config
@@ -213,7 +232,9 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
 
         layout = self.layout
         config = transformer_config(layout, compute_dtype=self.dtype)
-        model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True))
+        model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True,
+                                            pre_process=ps.is_pipeline_first_stage(),
+                                            post_process=ps.is_pipeline_last_stage()))
         state = hf_to_megatron(SafetensorsFolder(path), layout, self.tp_rank, self.pp_rank)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -227,13 +248,30 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         return MegatronResponseLogprobs(model, layout.vocab_size, self.temperature, **self.sampling_filters,
                                         compute_dtype=self.dtype if mixed else None)
 
-    def _count_parameters(self) -> int:
-        """Parameters of the whole model (every shard once): a collective over the tensor-parallel group."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    def _same_tp_rank_group(self):
+        """The process group of the ranks with this rank's tensor-parallel rank, over every pipeline stage and
+        data-parallel replica (a collective: every rank creates every such group). With pp > 1 only the last stage
+        has loss sums (the others contribute zeros), so the step's sums reduced over it count each sequence once."""
+        from megatron.core import parallel_state as ps
 
-        local = sum(p.numel() for p in self.policy.parameters() if param_is_not_tensor_parallel_duplicate(p))
+        tp_ranks = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        tp_ranks[self.rank] = ps.get_tensor_model_parallel_rank()
+        dist.all_reduce(tp_ranks)
+        mine = None
+        for t in range(self.layout.tp):
+            group = dist.new_group([r for r in range(self.world_size) if int(tp_ranks[r]) == t])
+            if t == self.tp_rank:
+                mine = group
+        return mine
+
+    def _count_parameters(self) -> int:
+        """Parameters of the whole model (every shard once, the last stage's copy of a tied embedding not counted):
+        a collective over the model-parallel (tp × pp) group."""
+        from megatron.core import parallel_state as ps
+
+        local = sum(p.numel() for p in self.policy.parameters() if _counted_once(p))
         total = torch.tensor([local], dtype=torch.int64, device=self.device)
-        dist.all_reduce(total, group=self.tp_group)
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
         return int(total)
 
     # ---- training (FSDPStep's loop; the Megatron-specific pieces) -------------------------------------------------
@@ -243,12 +281,18 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         return super().train_step(self._replica_microbatches(microbatches), num_tokens, num_sequences)
 
     def _replica_microbatches(self, microbatches: list[PackedMicroBatch]) -> list[PackedMicroBatch]:
-        """Every micro-batch of the ranks of this rank's TP group, in tp-rank order (tp = 1: ``microbatches``)."""
-        if self.layout.tp == 1:
+        """Every micro-batch of the ranks of this rank's model replica, in rank order: its TP group at pp = 1
+        (tp = 1: ``microbatches``); its model-parallel (tp × pp) group at pp > 1, without the empty placeholders
+        (every stage runs the same list, so they are not needed to keep collectives in step)."""
+        from megatron.core import parallel_state as ps
+
+        if self.layout.tp * self.layout.pp == 1:
             return list(microbatches)
-        gathered: list = [None] * self.layout.tp
-        dist.all_gather_object(gathered, [_to_cpu(mb) for mb in microbatches], group=self.tp_group)
-        return [mb for share in gathered for mb in share]
+        group = self.tp_group if self.layout.pp == 1 else ps.get_model_parallel_group()
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, [_to_cpu(mb) for mb in microbatches], group=group)
+        replica = [mb for share in gathered for mb in share]
+        return replica if self.layout.pp == 1 else [mb for mb in replica if mb.num_sequences > 0]
 
     def _accumulate_locally(self, last: bool) -> None:
         """Gradients stay local until :meth:`_clip_gradients` (nothing to unshard: parameters are Megatron shards)."""
@@ -258,16 +302,20 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         return True
 
     def _clip_gradients(self) -> float:
-        """Sum the gradients over the dp group, clip them to ``train.max_grad_norm`` by their global L2 norm and
-        return the norm before clipping (NaN/Inf when any gradient element is).
+        """Sum the gradients over the dp group (and a tied embedding's two copies over the embedding group), clip
+        them to ``train.max_grad_norm`` by their global L2 norm and return the norm before clipping (NaN/Inf when any
+        gradient element is).
 
         ``FSDPStep`` back-propagates ``loss × world_size`` (FSDP2 averages over the world); the dp sum is divided by
-        ``world_size`` so the gradient is that of the batch loss. Norm: sqrt(Σ over every parameter, each shard once,
-        of Σ g²), reduced over the model-parallel group; scale min(1, max_norm / (norm + 1e-6)) as
-        ``torch.nn.utils.clip_grad_norm_``.
+        ``world_size`` so the gradient is that of the batch loss. With pp > 1 and tied embeddings the first stage's
+        ``word_embeddings`` and the last stage's copy (``output_layer.weight``) each hold part of the gradient; they
+        are summed over ``parallel_state.get_embedding_group()`` so both copies take the same update, as megatron-core's
+        ``finalize_model_grads`` (``_allreduce_word_embedding_grads``) does after the dp reduction. Norm: sqrt(Σ over
+        every parameter once — each TP shard, TP-duplicates on tp rank 0 only, the tied copy not at all
+        (``param_is_not_shared``) — of Σ g²), reduced over the model-parallel (tp × pp) group; scale
+        min(1, max_norm / (norm + 1e-6)) as ``torch.nn.utils.clip_grad_norm_``.
         """
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         params = [p for p in self.policy.parameters() if p.requires_grad]
         for p in params:
@@ -280,9 +328,12 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         flat.div_(self.world_size)
         for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
+        model = self.policy.model
+        if self.layout.pp > 1 and self.layout.tied_embeddings and (model.pre_process or model.post_process):
+            dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
         square = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if _counted_once(p):
                 square += p.grad.double().pow(2).sum()
         dist.all_reduce(square, group=ps.get_model_parallel_group())
         norm = float(square.sqrt())
@@ -322,6 +373,16 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _counted_once(p: torch.nn.Parameter) -> bool:
+    """Whether ``p`` counts in whole-model sums (parameter count, gradient norm): not a TP duplicate on tp rank > 0
+    (``param_is_not_tensor_parallel_duplicate``) and not the last stage's copy of a tied embedding
+    (``param_is_not_shared``, megatron's ``clip_grads`` rule)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)
 
 
 def _to_cpu(mb: PackedMicroBatch) -> PackedMicroBatch:
