@@ -36,6 +36,7 @@ METRICS = ("actor/loss", "actor/kl", "actor/entropy", "actor/clip_fraction", "ac
 #: rank → micro-batches (sequence indices) of each run's ranks.
 ONE_RANK = [[[0, 1], [2, 3, 4, 5]]]
 TWO_RANKS = [[[0, 1], [2]], [[3, 4, 5], []]]
+RUNS = ["megatron_tp1", "megatron_tp2", "megatron_tp2_sp", "megatron_dp2"]
 
 
 def make_batch():
@@ -92,6 +93,7 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         strategy = "megatron" if run["backend"] == "megatron" else "fsdp"
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
                           strategy=strategy, tensor_parallel_size=run.get("tp", 1),
+                          sequence_parallel=run.get("sp", False),
                           num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
@@ -130,6 +132,8 @@ def steps(tmp_path_factory):
     out = _spawn(1, dirs, [{"name": "fsdp", "backend": "fsdp", "microbatches": ONE_RANK},
                            {"name": "megatron_tp1", "backend": "megatron", "microbatches": ONE_RANK}], root)
     out.update(_spawn(2, dirs, [{"name": "megatron_tp2", "backend": "megatron", "tp": 2, "microbatches": TWO_RANKS},
+                                {"name": "megatron_tp2_sp", "backend": "megatron", "tp": 2, "sp": True,
+                                 "microbatches": TWO_RANKS},
                                 {"name": "megatron_dp2", "backend": "megatron", "microbatches": TWO_RANKS}], root))
     ref = out["fsdp"]["result"]["metrics"]
     print({name: {k: f"{abs(r['result']['metrics'][k] - ref[k]) / max(abs(ref[k]), 1e-12):.1e}" for k in METRICS}
@@ -137,7 +141,7 @@ def steps(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("run", ["megatron_tp1", "megatron_tp2", "megatron_dp2"])
+@pytest.mark.parametrize("run", RUNS)
 def test_megatron_step_metrics_match_fsdp(steps, run):
     ref, got = steps["fsdp"]["result"], steps[run]["result"]
     assert got["policy_version"] == ref["policy_version"] == 1 and not got["skipped"]
@@ -147,7 +151,7 @@ def test_megatron_step_metrics_match_fsdp(steps, run):
         assert abs(m[key] - r[key]) <= 1e-5 * max(1.0, abs(r[key])), (run, key, m[key], r[key])
 
 
-@pytest.mark.parametrize("run", ["megatron_tp1", "megatron_tp2", "megatron_dp2"])
+@pytest.mark.parametrize("run", RUNS)
 def test_megatron_step_grads_and_weights_match_fsdp(steps, run):
     ref, got = steps["fsdp"], steps[run]
     assert got["params"].keys() == ref["params"].keys() == got["grads"].keys()

@@ -20,8 +20,10 @@ sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Mega
   reduced over the data-parallel group only (``FSDPStep._metrics_group``), so each sequence counts once.
 - Gradients. Parameters are local shards (Megatron's ``ColumnParallelLinear``/``RowParallelLinear``/
   ``VocabParallelEmbedding``, ``megatron/core/tensor_parallel/layers.py``): the TP collectives of the forward and
-  backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights, without sequence
-  parallelism) get identical gradients on every tp rank. The gradients are then summed over the dp group
+  backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights) get identical gradients
+  on every tp rank — except with ``train.sequence_parallel``, where each tp rank's norm gradients cover its share of
+  the sequence and are first summed over the TP group (megatron-core's ``_allreduce_layernorm_grads`` in
+  ``megatron/core/distributed/finalize_model_grads.py``). The gradients are then summed over the dp group
   (``all_reduce``), the global L2 norm is taken over every parameter once (TP-duplicates counted on tp rank 0 only,
   ``param_is_not_tensor_parallel_duplicate``) and clipped as ``torch.nn.utils.clip_grad_norm_`` does.
 - Optimizer: ``torch.optim.AdamW`` over the local shards (dp replicas hold identical copies of the state). Megatron's
@@ -34,10 +36,14 @@ Refused for now, each with a :class:`ValueError` naming the field: ``train.pipel
 megatron-core's schedule, ``get_forward_backward_func``, to own the forward and backward of all micro-batches with the
 loss on the last stage, where this worker reuses ``FSDPStep``'s one-backward-per-micro-batch loop; on CPU the
 schedule's ``p2p_communication.py`` also allocates on ``torch.cuda.current_device()`` and, with ``batch_p2p_sync``,
-calls ``torch.cuda.synchronize()``; the weight conversion already handles pp), ``train.sequence_parallel`` (its
-RMSNorm gradients need a TP all-reduce this worker does not do yet), ``train.lora``, and ``model.dtype`` other than
-float32 (Megatron's mixed precision, ``Float16Module`` with fp32 master weights in its optimizer, is not wired here);
-sampling filters at tp > 1 (``policy.py``).
+calls ``torch.cuda.synchronize()``; the weight conversion already handles pp), ``train.lora``, and ``model.dtype``
+other than float32 (Megatron's mixed precision, ``Float16Module`` with fp32 master weights in its optimizer, is not
+wired here); sampling filters at tp > 1 (``policy.py``).
+
+Sequence parallelism (``train.sequence_parallel``, tp > 1): megatron-core's ``TransformerConfig.sequence_parallel``
+(embedding output reduce-scattered by sequence, [S/tp, B, H] between the TP regions, all-gather before and
+reduce-scatter after each attention/MLP); the norms are :class:`~train_workers.megatron.config.SequenceParallelRMSNorm`,
+the unpacked batch is padded to a multiple of tp and the output layer's input gathered first (``policy.py``).
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
@@ -94,8 +100,6 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
             raise ValueError(f"train.pipeline_parallel_size={train.pipeline_parallel_size}: pipeline parallelism is "
                              "not supported by the megatron backend yet (megatron-core's pipeline schedules need "
                              "CUDA); use 1")
-        if train.sequence_parallel:
-            raise ValueError("train.sequence_parallel=true: not supported by the megatron backend yet; use false")
         if train.lora is not None:
             raise ValueError("train.lora: LoRA is not supported by the megatron backend; use strategy fsdp")
         if dtype != "float32":
@@ -189,7 +193,8 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         from train_workers.megatron.policy import MegatronResponseLogprobs
 
         layout = self.layout
-        model = GPTModel(**gpt_model_kwargs(layout, transformer_config(layout), parallel_output=True))
+        config = transformer_config(layout, sequence_parallel=self.train.sequence_parallel)
+        model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True))
         state = hf_to_megatron(SafetensorsFolder(path), layout, self.tp_rank, self.pp_rank)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -235,6 +240,10 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         """Sum the gradients over the dp group, clip them to ``train.max_grad_norm`` by their global L2 norm and
         return the norm before clipping (NaN/Inf when any gradient element is).
 
+        With sequence parallelism the gradients of the parameters marked ``sequence_parallel`` (the RMSNorm
+        weights, ``config.SequenceParallelRMSNorm``) hold only this tp rank's share of the sequence and are first
+        summed over the TP group, as megatron-core's ``finalize_model_grads`` (``_allreduce_layernorm_grads``) does.
+
         ``FSDPStep`` back-propagates ``loss × world_size`` (FSDP2 averages over the world); the dp sum is divided by
         ``world_size`` so the gradient is that of the batch loss. Norm: sqrt(Σ over every parameter, each shard once,
         of Σ g²), reduced over the model-parallel group; scale min(1, max_norm / (norm + 1e-6)) as
@@ -247,6 +256,7 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         for p in params:
             if p.grad is None:  # unused in this step's graph: every rank must reduce the same tensors
                 p.grad = torch.zeros_like(p)
+        _all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False)], self.tp_group)
         grads = [p.grad for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         if dist.get_world_size(self.dp_group) > 1:
@@ -296,6 +306,17 @@ class MegatronTrainWorker(FSDPStep, MegatronSync):
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` in place over ``group`` with one ``all_reduce`` of their flattened concatenation
+    (nothing to do for an empty list: every rank of the group passes the same parameters)."""
+    if not tensors:
+        return
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)
 
 
 def _to_cpu(mb: PackedMicroBatch) -> PackedMicroBatch:
