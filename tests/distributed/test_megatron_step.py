@@ -2,11 +2,13 @@
 
 Both backends run the real worker classes on the same packed micro-batches (``torch.multiprocessing.spawn`` ranks over
 gloo): FSDP2 on one rank; Megatron at tp=1 (one rank), tp=2 (two ranks, one replica: the micro-batches of both ranks
-are run by both) and dp=2 (two ranks, tp=1: gradients summed over the data-parallel group). The model is
-tests/megatron_cpu.py's random Llama with SmolLM2's shape (tied embeddings, GQA, vocabulary 1100 padded to 1152/1280,
-so the padded columns must be dropped). The policy starts from a second random model (``policy_path``), so the KL to
-the reference policy is far from 0 (≈ 0.4); truncated importance sampling (``tis_cap``) against random engine logprobs
-makes the TIS weights and the logprob diff nontrivial, and the gradient norm (≈ 1.3) is clipped to 1.
+are run by both), tp=2 with sequence parallelism (norm gradients summed over the TP group; without that sum the grad
+norm differs from tp=2's by 1.1e-4 relative and the weights by 2e-4, measured) and dp=2 (two ranks, tp=1: gradients
+summed over the data-parallel group). The model is tests/megatron_cpu.py's random Llama with SmolLM2's shape (tied
+embeddings, GQA, vocabulary 1100 padded to 1152/1280, so the padded columns must be dropped). The policy starts from a
+second random model (``policy_path``), so the KL to the reference policy is far from 0 (≈ 0.4); truncated importance
+sampling (``tis_cap``) against random engine logprobs makes the TIS weights and the logprob diff nontrivial, and the
+gradient norm (≈ 1.3) is clipped to 1.
 
 Compared (fp32): the step's loss, KL, entropy, clip fraction, TIS weight, logprob diff and grad norm within 1e-5
 relative; the clipped gradients the optimizer sees and the parameters after the step, converted back to HF names
