@@ -15,7 +15,8 @@ relative; the clipped gradients the optimizer sees and the parameters after the 
 (``sync.HFGatherer``), within rtol 1e-4 / atol 1e-6·max|g| (gradients) and 1e-5 absolute (parameters; the step moves
 each by about lr = 1e-4; tests/distributed/test_fsdp_parity.py explains why a larger lr does not make this stronger).
 Measured (2026-12-02, CPU): relative differences ≤ 6e-7 on loss/KL/entropy/TIS/logprob diff and ≤ 1.8e-6 on the
-grad norm at tp=1, tp=2 and dp=2; clip fraction and ratio equal; the file takes ~75 s on 2 shared cores.
+grad norm at tp=1, tp=2, tp=2 with sequence parallelism and dp=2; clip fraction and ratio equal; the file takes
+~75 s on 2 shared cores (tests/distributed -k megatron: 52 s with the machine otherwise idle).
 """
 
 from __future__ import annotations
