@@ -2,14 +2,16 @@
 
 Both backends run the real worker classes on the same packed micro-batches (``torch.multiprocessing.spawn`` ranks over
 gloo): FSDP2 on one rank; Megatron at tp=1 (one rank), tp=2 (two ranks, one replica: the micro-batches of both ranks
-are run by both), dp=2 (two ranks, tp=1: gradients summed over the data-parallel group), pp=2 (two pipeline stages:
-megatron-core's 1F1B schedule, the loss on the last stage, the tied embedding's two copies' gradients summed) and
-tp=2 × pp=2 (four ranks); and, with two iterations and masked importance sampling (the no-grad behaviour pass before
-the first update, kept-token counts as the loss's denominators), FSDP2 on one rank against Megatron at pp=2. The model
-is tests/megatron_cpu.py's random Llama with SmolLM2's shape (tied embeddings, GQA, vocabulary 1100 padded to
-1152/1280, so the padded columns must be dropped). The policy starts from a second random model (``policy_path``), so
-the KL to the reference policy is far from 0 (≈ 0.4); truncated importance sampling (``tis_cap``) against random
-engine logprobs makes the TIS weights and the logprob diff nontrivial, and the gradient norm (≈ 1.3) is clipped to 1.
+are run by both), tp=2 with sequence parallelism (norm gradients summed over the TP group; without that sum the grad
+norm differs from tp=2's by 1.1e-4 relative and the weights by 2e-4, measured), dp=2 (two ranks, tp=1: gradients
+summed over the data-parallel group), pp=2 (two pipeline stages: megatron-core's 1F1B schedule, the loss on the last
+stage, the tied embedding's two copies' gradients summed) and tp=2 × pp=2 (four ranks); and, with two iterations and
+masked importance sampling (the no-grad behaviour pass before the first update, kept-token counts as the loss's
+denominators), FSDP2 on one rank against Megatron at pp=2. The model is tests/megatron_cpu.py's random Llama with
+SmolLM2's shape (tied embeddings, GQA, vocabulary 1100 padded to 1152/1280, so the padded columns must be dropped).
+The policy starts from a second random model (``policy_path``), so the KL to the reference policy is far from 0 (≈
+0.4); truncated importance sampling (``tis_cap``) against random engine logprobs makes the TIS weights and the logprob
+diff nontrivial, and the gradient norm (≈ 1.3) is clipped to 1.
 
 Compared (fp32): the step's loss, KL, entropy, clip fraction, TIS weight, logprob diff and grad norm within 1e-5
 relative; the public ``reference_logprobs`` of one micro-batch within 1e-5; the clipped gradients the optimizer sees
@@ -48,8 +50,8 @@ ONE_RANK = [[[0, 1], [2, 3, 4, 5]]]
 TWO_RANKS = [[[0, 1], [2]], [[3, 4, 5], []]]
 FOUR_RANKS = [[[0, 1]], [[2]], [[3, 4]], [[5]]]
 #: (FSDP2 run on one rank, Megatron run) pairs compared.
-PAIRS = [("fsdp", "megatron_tp1"), ("fsdp", "megatron_tp2"), ("fsdp", "megatron_dp2"), ("fsdp", "megatron_pp2"),
-         ("fsdp", "megatron_tp2pp2"), ("fsdp_it2", "megatron_pp2_it2")]
+PAIRS = [("fsdp", "megatron_tp1"), ("fsdp", "megatron_tp2"), ("fsdp", "megatron_tp2_sp"), ("fsdp", "megatron_dp2"),
+         ("fsdp", "megatron_pp2"), ("fsdp", "megatron_tp2pp2"), ("fsdp_it2", "megatron_pp2_it2")]
 #: Two iterations with masked importance sampling: the no-grad behaviour pass before the first update, then kept-token
 #: counts as the loss's denominators (through the pipeline: forward-only schedules, counts from the last stage).
 IT2_MIS = {"num_iterations": 2, "mis": {"level": "token", "low": 0.05, "high": 20.0}}
@@ -125,6 +127,7 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
                           strategy=strategy, tensor_parallel_size=run.get("tp", 1),
                           pipeline_parallel_size=run.get("pp", 1),
+                          sequence_parallel=run.get("sp", False),
                           num_gpus_per_worker=1.0 if gpu else 0.0)
         cls = MegatronTrainWorker if strategy == "megatron" else FSDPTrainWorker
         worker = cls(rank, world, dirs["reference"], train, algorithm, TEMPERATURE, MAX_RESPONSE_TOKENS, seed=0,
@@ -171,6 +174,8 @@ def steps(tmp_path_factory):
                            {"name": "fsdp_it2", "backend": "fsdp", "microbatches": ONE_RANK, "algorithm": IT2_MIS}],
                  root)
     out.update(_spawn(2, dirs, [{"name": "megatron_tp2", "backend": "megatron", "tp": 2, "microbatches": TWO_RANKS},
+                                {"name": "megatron_tp2_sp", "backend": "megatron", "tp": 2, "sp": True,
+                                 "microbatches": TWO_RANKS},
                                 {"name": "megatron_dp2", "backend": "megatron", "microbatches": TWO_RANKS},
                                 {"name": "megatron_pp2", "backend": "megatron", "pp": 2, "microbatches": TWO_RANKS},
                                 {"name": "megatron_pp2_it2", "backend": "megatron", "pp": 2, "microbatches": TWO_RANKS,

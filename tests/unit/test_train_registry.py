@@ -58,6 +58,11 @@ def test_megatron_is_registered_and_checks_its_layout_before_anything_starts(tmp
                                          r"model's num_hidden_layers=4"):
         backend.check_layout(TrainSpec(strategy="megatron", world_size=3, pipeline_parallel_size=3), tmp_path)
     assert backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="bfloat16").tp == 1  # mixed precision
+    assert backend.check_layout(TrainSpec(strategy="megatron", world_size=2, tensor_parallel_size=2,
+                                          sequence_parallel=True), tmp_path).tp == 2
+    with pytest.raises(ValueError, match=r"train\.sequence_parallel=true with train\.pipeline_parallel_size > 1"):
+        backend.check_layout(TrainSpec(strategy="megatron", world_size=4, tensor_parallel_size=2,
+                                       pipeline_parallel_size=2, sequence_parallel=True), tmp_path)
     with pytest.raises(ValueError, match=r"model\.dtype='float16': the megatron backend has no loss scaling"):
         backend.check_layout(TrainSpec(strategy="megatron"), tmp_path, dtype="float16")
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 #: ``config.json`` ``architectures`` entries this backend builds.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 #: Megatron-LM's default ``--make-vocab-size-divisible-by``.
@@ -168,8 +170,11 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
             ``DotProductAttention``'s ``FusedScaleMaskSoftmax(input_in_bf16=config.bf16)``) and ``pipeline_dtype``
             (the dtype of activations sent between pipeline stages); the parameters stay ``params_dtype``
             (mixed precision: ``train_workers.megatron.worker`` module docstring).
+        sequence_parallel: ``train.sequence_parallel`` (needs ``layout.tp`` > 1): the activations outside attention
+            and MLP are split by sequence over the TP ranks ([S/tp, B, H]); the norm weights get
+            ``sequence_parallel=True`` (:class:`SequenceParallelRMSNorm`) and their gradients must be summed over
+            the TP group before the optimizer (``worker._clip_gradients``).
     """
-    import torch
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -190,15 +195,43 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
 def gpt_model_kwargs(layout: MegatronLayout, config, pre_process: bool = True, post_process: bool = True,
                      parallel_output: bool = True) -> dict[str, Any]:
     """Keyword arguments of ``megatron.core.models.gpt.GPTModel`` for ``layout`` with the local (non-Transformer-
-    Engine) layer spec ``get_gpt_layer_local_spec(normalization="RMSNorm")``, which runs without CUDA.
+    Engine) layer spec ``get_gpt_layer_local_spec(normalization="RMSNorm")``, which runs without CUDA, its norms
+    (two per layer and the final one, a ``TransformerBlockSubmodules`` of ``layout.layers_per_stage`` layers, the
+    even split ``get_num_layers_to_build`` makes) built as :class:`SequenceParallelRMSNorm`.
 
     ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer.
     ``parallel_output``: True leaves logits split by vocabulary over the TP ranks ([B, T, V_padded / tp]).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from dataclasses import replace
 
-    return dict(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules = replace(layer.submodules, input_layernorm=SequenceParallelRMSNorm,
+                               pre_mlp_layernorm=SequenceParallelRMSNorm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * layout.layers_per_stage,
+                                       layer_norm=SequenceParallelRMSNorm)
+    return dict(config=config, transformer_layer_spec=block,
                 vocab_size=layout.padded_vocab_size, max_sequence_length=layout.max_position_embeddings,
                 pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
                 share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
                 rotary_percent=1.0, rotary_base=layout.rope_theta)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm(hidden_size, eps)`` built from megatron-core's norm arguments ``(config, hidden_size, eps,
+    ...)``, with ``weight.sequence_parallel = config.sequence_parallel``.
+
+    megatron-core's local spec builds RMSNorm as ``WrappedTorchNorm`` when apex is absent (here), which asserts
+    ``not config.sequence_parallel`` (``megatron/core/transformer/torch_norm.py``) because it leaves the weight
+    unmarked; apex's ``FusedLayerNorm`` and TE's norms mark it, and megatron's ``finalize_model_grads``
+    (``_allreduce_layernorm_grads``) all-reduces the marked gradients over the TP group. The forward is the same
+    per-token math on a sequence shard [S/tp, B, H] as on the whole sequence. Same parameter (``weight`` [H],
+    float32 until a ``Float16Module`` casts it) as ``WrappedTorchNorm``, so checkpoints and the HF conversion are
+    unchanged.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)

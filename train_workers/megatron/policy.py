@@ -14,6 +14,9 @@ math as the packed FSDP2 path (block-diagonal causal attention, per-sequence pos
 GPU the packed path (``PackedSeqParams`` with ``cu_seqlens``) can replace it later. With pipeline parallelism every
 micro-batch of a step is padded further, to R rows × S columns common to the step (:meth:`StageBatch.padded`), because
 megatron-core's p2p communication receives one fixed [S, R, H] shape; padding rows are all-padding and never read.
+With sequence parallelism (``train.sequence_parallel``, pp = 1) S is padded further, to a multiple of tp (the
+embedding output is split by sequence over the tp ranks), and the output layer's input is gathered along the sequence
+before the response positions are picked (:meth:`MegatronResponseLogprobs._pick_response_positions`).
 
 Logprobs under the rollout's sampling distribution (``grpo.logprobs`` module docstring): z = logits / temperature over
 the real vocabulary only — the Vp − V padded columns (zero rows of the output layer, ``convert.pad_vocab``) are
@@ -179,17 +182,34 @@ class MegatronResponseLogprobs(nn.Module):
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
+        self.sequence_parallel = bool(model.config.sequence_parallel)
         if self.tp > 1:
             refuse_vocab_parallel_filters(self.tp, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
     def _pick_response_positions(self, module, args):
         """``output_layer`` forward pre-hook: keep only the hidden states of the M positions whose logits are read,
         [S, n, H] → [M, 1, H] (set by :meth:`stage_forward`), so the LM head never runs on prompt or padding positions
-        (``GPTModel._postprocess`` calls ``output_layer(hidden_states, weight=...)`` after the final norm)."""
+        (``GPTModel._postprocess`` calls ``output_layer(hidden_states, weight=...)`` after the final norm).
+
+        Sequence parallel: the hook receives this rank's sequence shard [S/tp, n, H] and the output layer
+        (``ColumnParallelLinear`` with ``sequence_parallel``) all-gathers its input along dim 0. So the hook
+        all-gathers the shards (``gather_from_sequence_parallel_region`` without the reduce-scatter backward: every
+        rank gets the whole gradient back from the output layer's backward), picks the M rows, pads them with zero
+        rows to Mp = tp·⌈M/tp⌉ and hands the output layer this rank's Mp/tp rows
+        (``scatter_to_sequence_parallel_region``; backward all-gather); its logits are [Mp, 1, Vp/tp], of which
+        :meth:`stage_forward` reads the first M."""
         if self._rows is None:  # the GPTModel called on its own: all positions
             return None
         hidden = args[0]
-        return (hidden[self._cols, self._rows][:, None, :],) + tuple(args[1:])
+        if not self.sequence_parallel:
+            return (hidden[self._cols, self._rows][:, None, :],) + tuple(args[1:])
+        from megatron.core.tensor_parallel import (gather_from_sequence_parallel_region,
+                                                   scatter_to_sequence_parallel_region)
+
+        full = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=self.tp_group)
+        picked = full[self._cols, self._rows][:, None, :]
+        picked = nn.functional.pad(picked, (0, 0, 0, 0, 0, -picked.shape[0] % self.tp))
+        return (scatter_to_sequence_parallel_region(picked, group=self.tp_group),) + tuple(args[1:])
 
     def run_model(self, **kwargs) -> torch.Tensor:
         """``self.model(**kwargs)``; with ``compute_dtype`` set, run on casts of its parameters to that dtype
@@ -216,6 +236,8 @@ class MegatronResponseLogprobs(nn.Module):
             ``GPTModel.set_input_tensor``, which megatron-core's schedule calls).
         """
         ids = batch.ids
+        if self.sequence_parallel:  # the embedding output is split by sequence over the tp ranks: S % tp == 0
+            ids = nn.functional.pad(ids, (0, -ids.shape[1] % self.tp))
         n, s = ids.shape
         positions = torch.arange(s, device=ids.device)[None].expand(n, s)
         self._rows, self._cols = batch.rows, batch.cols
@@ -226,7 +248,8 @@ class MegatronResponseLogprobs(nn.Module):
             self._rows = self._cols = None
         if not self.model.post_process:
             return out
-        return self._response_logprobs(out[0], batch.targets, with_entropy)  # [M, Vp/tp]: picked positions only
+        m = batch.targets.shape[0]  # with sequence parallelism the output layer ran on Mp >= M rows: keep the first M
+        return self._response_logprobs(out[0, :m], batch.targets, with_entropy)  # [M, Vp/tp]
 
     def _response_logprobs(self, picked: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
         """Logits [M, Vp/tp] of the picked positions → (logprobs [M], entropy [M] or None) (module docstring)."""

@@ -30,8 +30,10 @@ sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Mega
   ``output_layer.weight``, loaded from the HF embedding.
 - Gradients. Parameters are local shards (Megatron's ``ColumnParallelLinear``/``RowParallelLinear``/
   ``VocabParallelEmbedding``, ``megatron/core/tensor_parallel/layers.py``): the TP collectives of the forward and
-  backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights, without sequence
-  parallelism) get identical gradients on every tp rank. The gradients are then summed over the dp group
+  backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights) get identical gradients
+  on every tp rank — except with ``train.sequence_parallel``, where each tp rank's norm gradients cover its share of
+  the sequence and are first summed over the TP group (megatron-core's ``_allreduce_layernorm_grads`` in
+  ``megatron/core/distributed/finalize_model_grads.py``). The gradients are then summed over the dp group
   (``all_reduce``), a tied embedding's two copies (pp > 1) summed over Megatron's embedding group, the global L2 norm
   is taken over every parameter once across tp and pp (TP-duplicates counted on tp rank 0 only,
   ``param_is_not_tensor_parallel_duplicate``; the tied copy not at all, ``param_is_not_shared``) and clipped as
@@ -46,8 +48,8 @@ sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Mega
   tensor is gathered over the TP group of the stage holding it and, at pp > 1, broadcast from that stage over the
   pipeline-parallel group; one tensor at a time, never the whole model on one rank.
 
-Refused for now, each with a :class:`ValueError` naming the field: ``train.sequence_parallel`` (its RMSNorm
-gradients need a TP all-reduce this worker does not do yet), ``train.lora``, ``model.dtype`` float16 (no loss
+Refused for now, each with a :class:`ValueError` naming the field: ``train.sequence_parallel`` together with
+``train.pipeline_parallel_size`` > 1, ``train.lora``, ``model.dtype`` float16 (no loss
 scaling), and sampling filters at tp > 1 (``policy.py``). Virtual pipeline stages (the interleaved schedule) are not
 built.
 
@@ -70,6 +72,11 @@ tensor-parallel linear layers' autograd functions use ``custom_fwd``/``custom_bw
 read bfloat16. The cast-per-forward is (b)'s arithmetic (bfloat16 weights in the matmuls, a float32 master copy
 updated by AdamW), with the bfloat16 copy made at each forward and freed after its backward (as FSDP2's unsharded
 bfloat16 parameters) instead of kept, on CPU and GPU alike.
+
+Sequence parallelism (``train.sequence_parallel``, tp > 1): megatron-core's ``TransformerConfig.sequence_parallel``
+(embedding output reduce-scattered by sequence, [S/tp, B, H] between the TP regions, all-gather before and
+reduce-scatter after each attention/MLP); the norms are :class:`~train_workers.megatron.config.SequenceParallelRMSNorm`,
+the unpacked batch is padded to a multiple of tp and the output layer's input gathered first (``policy.py``).
 
 CPU accommodations that are production behaviour: the causal mask is passed explicitly (``policy.py``), and on CPU
 the CUDA RNG tracker is not seeded (``model_parallel_cuda_manual_seed`` needs CUDA); dropout is 0 in these models.
@@ -130,8 +137,10 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
     @staticmethod
     def refuse_unsupported(train, dtype: str | torch.dtype = "float32") -> None:
         """Raise :class:`ValueError` naming the field for a setting this backend does not build yet (module doc)."""
-        if train.sequence_parallel:
-            raise ValueError("train.sequence_parallel=true: not supported by the megatron backend yet; use false")
+        if train.sequence_parallel and train.pipeline_parallel_size > 1:
+            raise ValueError("train.sequence_parallel=true with train.pipeline_parallel_size > 1: not built yet (the "
+                             "pipeline's p2p shape would need the sequence padded to a multiple of tp on every "
+                             "stage); use sequence_parallel with pipeline_parallel_size 1")
         if train.lora is not None:
             raise ValueError("train.lora: LoRA is not supported by the megatron backend; use strategy fsdp")
         if as_dtype(dtype) == torch.float16:
@@ -231,7 +240,7 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         from train_workers.megatron.policy import MegatronResponseLogprobs
 
         layout = self.layout
-        config = transformer_config(layout, compute_dtype=self.dtype)
+        config = transformer_config(layout, compute_dtype=self.dtype, sequence_parallel=self.train.sequence_parallel)
         model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True,
                                             pre_process=ps.is_pipeline_first_stage(),
                                             post_process=ps.is_pipeline_last_stage()))
@@ -306,6 +315,10 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         them to ``train.max_grad_norm`` by their global L2 norm and return the norm before clipping (NaN/Inf when any
         gradient element is).
 
+        With sequence parallelism the gradients of the parameters marked ``sequence_parallel`` (the RMSNorm
+        weights, ``config.SequenceParallelRMSNorm``) hold only this tp rank's share of the sequence and are first
+        summed over the TP group, as megatron-core's ``finalize_model_grads`` (``_allreduce_layernorm_grads``) does.
+
         ``FSDPStep`` back-propagates ``loss × world_size`` (FSDP2 averages over the world); the dp sum is divided by
         ``world_size`` so the gradient is that of the batch loss. With pp > 1 and tied embeddings the first stage's
         ``word_embeddings`` and the last stage's copy (``output_layer.weight``) each hold part of the gradient; they
@@ -321,6 +334,7 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         for p in params:
             if p.grad is None:  # unused in this step's graph: every rank must reduce the same tensors
                 p.grad = torch.zeros_like(p)
+        _all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False)], self.tp_group)
         grads = [p.grad for p in params]
         flat = torch._utils._flatten_dense_tensors(grads)
         if dist.get_world_size(self.dp_group) > 1:
@@ -383,6 +397,17 @@ def _counted_once(p: torch.nn.Parameter) -> bool:
     from megatron.core.transformer.module import param_is_not_shared
 
     return param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)
+
+
+def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` in place over ``group`` with one ``all_reduce`` of their flattened concatenation
+    (nothing to do for an empty list: every rank of the group passes the same parameters)."""
+    if not tensors:
+        return
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+        t.copy_(synced)
 
 
 def _to_cpu(mb: PackedMicroBatch) -> PackedMicroBatch:
