@@ -200,7 +200,7 @@ class RolloutSpec(BaseModel):
         "trained batch is at most max_staleness versions old (older ones are dropped, counted in "
         "rollout/stale_dropped, and their prompts drawn again). Weights are synced between generate calls, so a step "
         "lasts at least until the slowest generate call started during it ends, unless partial_rollout is on."))
-    partial_rollout: bool = Field(False, description=(
+    partial_rollout: bool = Field(False, strict=True, description=(
         "Partial rollouts (mode async only; AReaL's interruptible rollout, PipelineRL's in-flight weight updates): "
         "after each train step the producer's generate call is interrupted instead of awaited; unfinished "
         "completions are aborted in vLLM, the new weights are synced, and the next producer call continues them "

@@ -126,3 +126,6 @@ def test_partial_rollout_spec_refusals():
                        "algorithm: {dynamic_sampling: true}\n")
     spec = load_spec_text(base + "rollout: {mode: async, max_staleness: 1, partial_rollout: true}\n")
     assert spec.rollout.partial_rollout is True
+    for value in ("1", "'yes'", "'true'"):  # a strict bool, like train.sequence_parallel: only true/false
+        with pytest.raises(Exception, match="rollout.partial_rollout"):
+            load_spec_text(base + f"rollout: {{mode: async, max_staleness: 1, partial_rollout: {value}}}\n")
