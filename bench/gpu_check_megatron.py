@@ -37,7 +37,6 @@ SKIP (with the reason) when megatron-core does not import: the device image does
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from bench.gpu_check import Context, Result, importable, verdict
 from bench.gpu_check_train import (H200_BF16_PEAK_FLOPS, SIZES, TEMPERATURE, _free_port, build_policy, full,
                                    init_group, llama_config, loss_backward, make_batch, model_flops, old_logprobs,
-                                   packed_attention, shard)
+                                   packed_attention, shard, timed_train_steps)
 
 #: The GPU model: 0.5B Llama-shaped, vocabulary 32k (``bench.gpu_check_train.SIZES``).
 MODEL_0_5B = "0.5b-v32k"
@@ -84,22 +83,7 @@ def _timed_steps(model, mb, old, device: torch.device, n_tok: int, warmup: int, 
     ``model``; the median step's milliseconds, tokens/s, MFU (both FLOP counts) and peak CUDA memory."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    times, loss = [], float("nan")
-    for i in range(warmup + steps):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss, _ = loss_backward(model, mb, old, device, n_tok)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
+    step_s, loss = timed_train_steps(model, optimizer, mb, old, device, n_tok, warmup, steps)
     row = {"step_ms_median": round(step_s * 1e3, 1), "tokens_per_s": round(mb.num_tokens / step_s), "loss": loss}
     if cuda:
         row["mfu_6nt"] = round(6 * flops["params_total"] * flops["tokens"] / step_s / H200_BF16_PEAK_FLOPS, 4)

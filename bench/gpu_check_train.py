@@ -295,17 +295,14 @@ def model_flops(size: str, lengths: list[tuple[int, int]]) -> dict:
             "attention_flops": attention}
 
 
-def _time_steps(size: str, attention: str, lengths, device: torch.device, warmup: int, steps: int,
-                flops: float) -> dict:
-    """Build the bf16-mixed-precision FSDP2 model and time ``steps`` train steps after ``warmup``; median step."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+def timed_train_steps(model, optimizer, mb, old, device: torch.device, n_tok: int, warmup: int,
+                      steps: int) -> tuple[float, float]:
+    """``warmup`` + ``steps`` train steps of ``model`` (zero_grad, :func:`loss_backward`, clip to 1,
+    ``optimizer.step()``), CUDA-synchronised around each on a GPU, whose peak-memory counter is reset first.
 
-    model = build_policy(size, attention, device)
-    shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-    mb = make_batch(SIZES[size]["vocab_size"], lengths)
-    old = old_logprobs(model, mb, device)
-    n_tok = int(mb.response_mask.sum())
+    Returns:
+        (median seconds of the timed steps, the last step's loss).
+    """
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -322,7 +319,22 @@ def _time_steps(size: str, attention: str, lengths, device: torch.device, warmup
             torch.cuda.synchronize(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], loss
+
+
+def _time_steps(size: str, attention: str, lengths, device: torch.device, warmup: int, steps: int,
+                flops: float) -> dict:
+    """Build the bf16-mixed-precision FSDP2 model and time ``steps`` train steps after ``warmup``; median step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = build_policy(size, attention, device)
+    shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    mb = make_batch(SIZES[size]["vocab_size"], lengths)
+    old = old_logprobs(model, mb, device)
+    n_tok = int(mb.response_mask.sum())
+    cuda = device.type == "cuda"
+    step_s, loss = timed_train_steps(model, optimizer, mb, old, device, n_tok, warmup, steps)
     row = {"step_ms_median": round(step_s * 1e3, 1), "tokens_per_s": round(mb.num_tokens / step_s),
            "achieved_tflops": round(flops / step_s / 1e12, 1), "loss": loss}
     if cuda:
