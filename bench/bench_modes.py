@@ -191,7 +191,7 @@ def resume_cost(engine_cores: list[int], resume_at: int, prompts: int | None, ex
 
     from bench._common import resolve_model
     from cluster.data import chat_prompt_ids, load_jsonl_examples
-    from cluster.messages import GroupRequest
+    from contract.messages import GroupRequest
     from cluster.spec import load_spec
     from rollout_workers.engine import RolloutEngine
 

@@ -93,7 +93,7 @@ def collect_real_lengths(path: Path, prompts: int, group_size: int, max_tokens: 
 
     from bench.bench_rollout import build_prompts, shutdown_engine
     from cluster.spec import RolloutSpec
-    from cluster.messages import GroupRequest
+    from contract.messages import GroupRequest
     from rollout_workers.engine import RolloutEngine
 
     model_path = resolve_model(DEFAULT_MODEL)

@@ -106,7 +106,7 @@ def run_vllm(model_path: str, prompts: list[list[int]], group: int, max_tokens: 
              kv_cache_gib: float, max_model_len: int) -> dict:
     """RolloutEngine: start-up, one warm-up generate, prefix-cache reset, one timed generate."""
     from cluster.spec import RolloutSpec
-    from cluster.messages import GroupRequest
+    from contract.messages import GroupRequest
     from rollout_workers.engine import RolloutEngine
 
     spec = RolloutSpec(prompts_per_step=len(prompts), group_size=group, temperature=1.0, top_p=1.0,

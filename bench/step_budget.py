@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     import ray
 
     from cluster.driver import GRPOJob
-    from cluster.ops.ray_init import init_ray
+    from cluster.ray_shell.ray_init import init_ray
     from cluster.spec import load_spec
 
     out_dir = tempfile.mkdtemp(prefix="step_budget_")

@@ -37,10 +37,10 @@ def _cmd_run(args) -> int:
     job, address, source = prepared
     spec = job.spec
     from cluster.driver import run_with_restarts
-    from cluster.loop.fleet import StaleSamplesError
-    from cluster.loop.pools import InsufficientResources
+    from cluster.ray_shell.fleet import StaleSamplesError
+    from cluster.ray_shell.pools import InsufficientResources
     from cluster.loop.training import NumericsError
-    from cluster.ops.ray_init import AddressError, init_ray
+    from cluster.ray_shell.ray_init import AddressError, init_ray
 
     import ray
 
@@ -49,8 +49,8 @@ def _cmd_run(args) -> int:
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
-    from cluster.loop.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
-    from cluster.loop.sync import SyncMemberError
+    from cluster.ray_shell.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
+    from cluster.ray_shell.sync import SyncMemberError
     from weight_sync.verify import SyncVerificationError
 
     try:

@@ -39,25 +39,26 @@ from tqdm import tqdm
 
 from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
-from cluster.loop import restarts
+from cluster.ray_shell import restarts
 from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, inflight_groups, open_step_logs,
                                            restore_driver_state, resume_point, stale_dropped_total, write_checkpoint)
 from cluster.loop.evaluation import load_evaluation, restore_best
-from cluster.loop.fleet import EngineFleet, RecoveryDeferred
+from cluster.ray_shell.fleet import EngineFleet
+from contract.errors import RecoveryDeferred
 from cluster.loop.guard import build_guard, check_resume
 from cluster.loop.overlap import GenerateInterrupted, make_schedule
 from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted
-from cluster.loop.pools import RolloutPool, TrainPool, check_cluster_resources
+from cluster.ray_shell.pools import RolloutPool, TrainPool, check_cluster_resources
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, RolloutBatch, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
 from cluster.loop.setup import (SetupError, check_lora, check_train_layout, ensure_writable_dir, load_prompts,
                                 load_tokenizer, model_eos_ids)
 from cluster.loop.step_metrics import StepBatch, StepClock, async_metrics, record_trained_prompts, step_metrics
-from cluster.loop.sync import WeightSync
+from cluster.ray_shell.sync import WeightSync
 from cluster.loop.training import SkippedUpdates, load_train_state, microbatches, set_kl_coef, train_step
-from cluster.loop.versions import PolicyVersionLedger
-from cluster.messages import TrainResult
+from contract.versions import PolicyVersionLedger
+from contract.messages import TrainResult
 from cluster.ops.metrics import MetricsLogger, format_console_line
 from cluster.spec import JobSpec, spec_to_yaml
 from grpo.kl import AdaptiveKLController, FixedKLController
@@ -154,7 +155,7 @@ class GRPOJob:
         except BaseException:
             self.shutdown()
             raise
-        from cluster.ops.control import current_job_id, start_control
+        from cluster.ray_shell.control import current_job_id, start_control
 
         self.fleet = EngineFleet(self.spec, self.rollout, self.sync, self.versions, self._status)
         self.control = start_control(current_job_id(self.spec.name), len(self.rollout.engines))
@@ -495,6 +496,6 @@ def _batch_version(batch: StepBatch) -> int:
 
 def run_with_restarts(spec: JobSpec, progress: bool = True, resume: bool = False,
                       first_job: GRPOJob | None = None) -> tuple[GRPOJob, list[dict]]:
-    """:func:`cluster.loop.restarts.run_with_restarts` for :class:`GRPOJob`: run, and on a worker failure resume from
+    """:func:`cluster.ray_shell.restarts.run_with_restarts` for :class:`GRPOJob`: run, and on a worker failure resume from
     the latest checkpoint up to ``spec.restart_on_failure`` times. Returns (the last job, every step's metrics)."""
     return restarts.run_with_restarts(GRPOJob, spec, progress=progress, resume=resume, first_job=first_job)

@@ -15,7 +15,7 @@ Partial rollouts (``rollout.partial_rollout``, :mod:`rollout_workers.partial`): 
 (or resuming interrupted groups) steps the engine itself, one request per completion, and checks between engine steps
 whether :meth:`RolloutEngine.interrupt` was called for that epoch; if so it aborts the unfinished requests through
 vLLM (``LLMEngine.abort_request``) and returns them with finish reason ``"interrupted"``. The Ray actor then has two
-concurrency slots (``max_concurrency=2``, ``cluster.loop.pools``) so that ``interrupt`` runs while ``generate`` does;
+concurrency slots (``max_concurrency=2``, ``cluster.ray_shell.pools``) so that ``interrupt`` runs while ``generate`` does;
 every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate`` and the weight
 sync never run at once, whatever the caller does.
 
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from cluster.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
+from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.messages import INTERRUPTED, GroupRequest, GroupResult
+from contract.messages import INTERRUPTED, GroupRequest, GroupResult
 
 __all__ = ["CompletionJob", "CompletionState", "assemble_group", "completion_jobs", "resume_seed"]
 

@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cluster.messages import TrainResult
+from contract.messages import TrainResult
 from grpo.kl import kl_penalty, kl_reward_advantages
 from grpo.losses import policy_loss
 from grpo.off_policy import behaviour_kl_k3, importance_log_ratio, importance_weights, mis_keep_mask, sequence_log_ratio
-from train_workers.packing import PackedMicroBatch
+from contract.batches import PackedMicroBatch
 from train_workers.sharding import full_tensor
 
 #: Layout of the per-micro-batch metric sums that ``train_step`` all-reduces (token-weighted sums unless noted).
@@ -199,7 +199,7 @@ class FSDPStep:
         if self._correcting():
             metrics.update(self._off_policy_metrics(totals))
         return TrainResult(policy_version=self.policy_version, skipped=applied < iterations,
-                           skip_reason=skip_reason, metrics=metrics)
+                           skip_reason=skip_reason, metrics=metrics, kl=metrics["actor/kl"])
 
     def _step_metrics(self, totals: torch.Tensor, grad_norms: list[float], applied: int, iterations: int,
                       t0: float) -> dict[str, float]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.messages import SendReport
+from contract.messages import SendReport
 from train_workers.sharding import as_dtype, full_tensor
 
 

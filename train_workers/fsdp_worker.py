@@ -1,6 +1,6 @@
 """FSDP2 train worker: one data-parallel rank of the policy (and frozen reference policy).
 
-``FSDPTrainWorker`` is a plain class implementing :class:`train_workers.base.TrainWorker`; ``TrainPool`` finds it in
+``FSDPTrainWorker`` is a plain class implementing :class:`contract.train_worker.TrainWorker`; ``TrainPool`` finds it in
 ``train_workers.registry`` under ``train.strategy: fsdp`` and wraps it with ``ray.remote`` (resources from the spec).
 All ranks call every collective method together: FSDP collectives (all-gather, reduce-scatter) need every rank.
 
@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cluster.messages import TrainRankInfo
+from contract.messages import TrainRankInfo
 from train_workers.cpu_affinity import bind_rank
 from train_workers.fsdp_step import PHASES, FSDPStep
 from train_workers.fsdp_sync import FSDPSync

@@ -16,60 +16,12 @@ built — the CPU counterpart of flash-attention's varlen kernel.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from contract.batches import PackedMicroBatch
+
 VARLEN_SDPA = "packed_varlen_sdpa"
-
-
-@dataclass
-class PackedMicroBatch:
-    """One packed row plus the per-response bookkeeping the loss needs.
-
-    input_ids, position_ids: [1, L] int64.
-    logit_positions: [M] int64, packed positions whose logits predict each response token.
-    targets: [M] int64, the response tokens.
-    token_seq, token_pos: [M] int64, (sequence slot in 0..n−1, index in its response) of each response token.
-    response_mask: [n, T] bool, True for response tokens that count in the loss (see ``valid_lengths``).
-    advantages: [n] float32.
-    behaviour_logprobs: [n, T] float32, the engine's logprobs (0 under the mask's zeros).
-    seq_indices: [n] int64, indices of the sequences in the step's rollout batch.
-    group_ids: [n] int64, the group (prompt) of each sequence, −1 where the caller gave none. Group identity travels
-        with each sequence, so a reordering by the scheduler cannot mix up groups; advantages are computed per group
-        before packing and travel the same way.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    logit_positions: torch.Tensor
-    targets: torch.Tensor
-    token_seq: torch.Tensor
-    token_pos: torch.Tensor
-    response_mask: torch.Tensor
-    advantages: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    seq_indices: torch.Tensor
-    group_ids: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.group_ids is None:
-            self.group_ids = torch.full((self.num_sequences,), -1, dtype=torch.long)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.response_mask.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        """Packed tokens L (what the forward pass computes)."""
-        return int(self.input_ids.shape[1])
-
-    def to_padded(self, values: torch.Tensor) -> torch.Tensor:
-        """Scatter per-response-token ``values`` [M] into [n, T] (0 past each response's end); keeps autograd."""
-        out = values.new_zeros(self.response_mask.shape)
-        return out.index_put((self.token_seq, self.token_pos), values)
 
 
 def pack_microbatch(

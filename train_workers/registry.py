@@ -1,6 +1,6 @@
 """Train backends by name: the spec's ``train.strategy`` picks the class ``TrainPool`` starts on every rank.
 
-Entries are classes implementing :class:`train_workers.base.TrainWorker`, or ``"module:Class"`` strings imported on
+Entries are classes implementing :class:`contract.train_worker.TrainWorker`, or ``"module:Class"`` strings imported on
 first use, so the control plane imports no backend (nor its torch/transformers dependencies) until a pool is built.
 
     >>> train_backend("fsdp").__name__
@@ -22,7 +22,7 @@ def register_train_backend(name: str, backend: type | str) -> None:
     """Add a train backend under ``name`` (a ``train.strategy`` value).
 
     Args:
-        backend: a class implementing :class:`train_workers.base.TrainWorker`, or ``"module:Class"``.
+        backend: a class implementing :class:`contract.train_worker.TrainWorker`, or ``"module:Class"``.
 
     Raises:
         ValueError: ``name`` is registered already, or a string ``backend`` is not ``"module:Class"``.

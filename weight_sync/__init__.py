@@ -2,6 +2,6 @@
 sender's streaming and checksum verification; one sync moves a policy's weights from train rank 0 to every engine.
 
 Transport only: it knows no pools, membership or policy-version bookkeeping (the coordinator is
-``cluster.loop.sync``). May import torch, ``torch.distributed`` and Ray; never ``cluster``
+``cluster.ray_shell.sync``). May import torch, ``torch.distributed`` and Ray; never ``cluster``
 (``tests/unit/test_import_layering.py``).
 """

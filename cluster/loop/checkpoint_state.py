@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.loop.checkpoints import (TRAINER_STATE, complete_checkpoints, latest_checkpoint, set_aside,
                                      truncate_jsonl, write_atomic)
-from cluster.loop.pools import TrainPool
+from contract.protocols import Trainer
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController
 from cluster.loop.setup import SetupError
@@ -158,7 +158,7 @@ def restore_driver_state(path: Path, *, prompts: PromptQueue, kl_controller, gro
     return step, policy_version
 
 
-def write_checkpoint(root: Path, step: int, train: TrainPool, model_path: str, spec_yaml: str, state: dict,
+def write_checkpoint(root: Path, step: int, train: Trainer, model_path: str, spec_yaml: str, state: dict,
                      keep_last: int | None, protect: int | None = None) -> Path:
     """Write ``root/step_NNNNNN`` (the train ranks' policy and optimizer, the model's tokenizer files, the spec and
     the driver ``state``), then keep only the newest ``keep_last`` complete checkpoints (all when None) and the one

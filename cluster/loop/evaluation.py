@@ -1,7 +1,7 @@
 """Held-out evaluation between steps (the spec's ``eval`` section): pass@1, or mean@k, with a 95 % Wilson interval.
 
 The held-out prompts run on the rollout engines, which hold the trainer's current weights after each step's sync, as
-:class:`cluster.messages.GroupRequest` s with a :class:`cluster.messages.SamplingOverride` (greedy by default, the
+:class:`contract.messages.GroupRequest` s with a :class:`contract.messages.SamplingOverride` (greedy by default, the
 eval's own length cap) and a fixed seed per prompt (:func:`eval_seed`: the same at every evaluation, so two
 evaluations differ only by the weights). Completions are scored with the registered reward functions
 (``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``; ``eval.format_reward``, default ``format``).
@@ -41,7 +41,7 @@ from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_example
 from cluster.data.sources import load_examples, load_hf_examples
 from cluster.loop.checkpoints import TRAINER_STATE
 from cluster.loop.setup import SetupError
-from cluster.messages import GroupRequest, GroupResult, SamplingOverride
+from contract.messages import GroupRequest, GroupResult, SamplingOverride
 from grpo.rewards import REWARD_FUNCTIONS
 from grpo.stats import accuracy_estimate
 

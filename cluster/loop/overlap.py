@@ -35,7 +35,7 @@ checkpoint) never races an in-flight generation. Batches generated and not train
 resumed from a checkpoint) are dropped with :meth:`AsyncSchedule.discard`; their prompts are drawn again by whoever
 owns the data position (a checkpoint records the position of the trained batches only).
 
-A producer call that raises one of ``deferrable`` (the driver's: :class:`cluster.loop.fleet.RecoveryDeferred`, an
+A producer call that raises one of ``deferrable`` (the driver's: :class:`cluster.ray_shell.fleet.RecoveryDeferred`, an
 engine fault that cannot be repaired while the trainer's weights change) is not an error: it stops the producer for
 the step (the batches queued before it stay), the step still trains and syncs (``StepOutcome.prefetch_deferred``), and
 a step whose queue is empty generates its batch itself after the sync, like a first step. Whoever owns the data

@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from cluster.data import Example
-from cluster.loop.fleet import FleetFigures
-from cluster.loop.sampling import RolloutBatch
-from cluster.messages import INTERRUPTED, GroupRequest, GroupResult
+from contract.figures import FleetFigures
+from contract.batches import RolloutBatch
+from contract.messages import INTERRUPTED, GroupRequest, GroupResult
 
 __all__ = ["CarriedRound", "PartialRollouts", "RoundInterrupted", "older_token_fraction"]
 

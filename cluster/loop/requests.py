@@ -1,5 +1,5 @@
 """The step's group requests: prompts drawn from the sampler, each with a group id and its own sampling seed
-(:func:`cluster.loop.fleet.request_seed`).
+(:func:`request_seed`).
 
 The queue owns the data position: the sampler's state plus the prompts drawn but not yet sampled (a checkpoint keeps
 both, so a resumed job samples the same prompts in the same order).
@@ -7,13 +7,21 @@ both, so a resumed job samples the same prompts in the same order).
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 
 import torch
 
 from cluster.data import Example, PromptSampler
-from cluster.loop.fleet import request_seed
-from cluster.messages import GroupRequest
+from contract.messages import GroupRequest
+
+
+def request_seed(seed: int, step: int, group_id: int) -> int:
+    """The sampling seed of one group: a CRC-32 mix of (spec seed, step, group id), in [0, 2**31).
+
+    Each group's completions then depend only on the policy weights, its prompt and this seed — not on the engine,
+    the batch it shares, or what ran before — so re-sampled groups (engine replaced, job resumed) are identical."""
+    return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
 
 
 class PromptQueue:

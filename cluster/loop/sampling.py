@@ -16,101 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GroupSizeController", "RolloutBatch", "SamplingResult", "informative_group_ids", "sample_groups"]
+from contract.batches import RolloutBatch
 
-
-@dataclass
-class RolloutBatch:
-    """N scored sequences (one row each), grouped by ``group_ids``.
-
-    prompt_ids, response_ids: N token-id lists (response without the prompt).
-    behaviour_logprobs: N float32 tensors [R_i], the engine's logprobs of the response tokens.
-    finish_reasons: N engine finish reasons ("stop" / "length"); ``terminated`` is what counts.
-    texts, references: N completions (decoded) and reference answers.
-    versions: N policy versions that sampled each row.
-    group_ids: [N] int64, the group of each row (unique within a step).
-    valid_lengths: N ints, response tokens that count in the loss (up to the first EOS; 0 when masked).
-    terminated: N bools, True iff the response contains an EOS id (``grpo.eos``).
-    rewards: [N] float32 total reward Σ weight·reward (NaN = no valid reward).
-    per_function: name → [N] float32 unweighted rewards (NaN = none).
-    advantages: [N] float32.
-    num_failed: failed reward evaluations (completions × functions that raised with reward_on_error "none").
-    token_versions: N lists of R_i ints, the policy version that sampled each response token (partial rollouts: a
-        row may span versions; ``versions`` is then its group's oldest); None when not recorded (every token of a
-        row is ``versions[i]``'s).
-    """
-
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    behaviour_logprobs: list[torch.Tensor]
-    finish_reasons: list[str]
-    texts: list[str]
-    references: list[str]
-    versions: list[int]
-    group_ids: torch.Tensor
-    valid_lengths: list[int]
-    terminated: list[bool]
-    rewards: torch.Tensor
-    per_function: dict[str, torch.Tensor]
-    advantages: torch.Tensor
-    num_failed: int = 0
-    token_versions: list[list[int]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.response_ids)
-
-    def num_nonfinite_logprobs(self) -> int:
-        """Response tokens that count in the loss (within ``valid_lengths``) whose engine logprob is NaN or ±inf.
-        The trainer gives such a token importance weight 1 and leaves it out of ``rollout/logprob_diff``
-        (``grpo.losses.truncated_importance_weights``); the driver reports the count as
-        ``rollout/nonfinite_logprobs``."""
-        return sum(int((~torch.isfinite(lps[:n])).sum()) for lps, n in zip(self.behaviour_logprobs,
-                                                                            self.valid_lengths))
-
-    def select(self, rows: Sequence[int]) -> RolloutBatch:
-        """The batch restricted to ``rows`` (in that order); ``num_failed`` is kept."""
-        index = torch.as_tensor(list(rows), dtype=torch.long)
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                out[f.name] = value[index]
-            elif isinstance(value, dict):
-                out[f.name] = {k: v[index] for k, v in value.items()}
-            elif isinstance(value, list):
-                out[f.name] = [value[i] for i in rows]
-            else:
-                out[f.name] = value
-        return RolloutBatch(**out)
-
-    @classmethod
-    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        """Rows of every batch in order; ``num_failed`` summed; ``token_versions`` None unless every batch has them.
-        Raises ValueError for no batches or differing reward functions."""
-        if not batches:
-            raise ValueError("RolloutBatch.concat: expected at least one batch, got none")
-        names = set(batches[0].per_function)
-        if any(set(b.per_function) != names for b in batches):
-            raise ValueError("RolloutBatch.concat: reward functions differ: "
-                             f"{[sorted(b.per_function) for b in batches]}")
-        out = {}
-        for f in fields(cls):
-            values = [getattr(b, f.name) for b in batches]
-            if any(v is None for v in values):  # an optional field missing from one batch: missing from all
-                out[f.name] = None
-            elif isinstance(values[0], torch.Tensor):
-                out[f.name] = torch.cat(values)
-            elif isinstance(values[0], dict):
-                out[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
-            elif isinstance(values[0], list):
-                out[f.name] = [x for v in values for x in v]
-            else:
-                out[f.name] = sum(values)
-        return cls(**out)
+__all__ = ["GroupSizeController", "SamplingResult", "informative_group_ids", "sample_groups"]
 
 
 def informative_group_ids(advantages: torch.Tensor, group_ids: torch.Tensor) -> list[int]:

@@ -12,8 +12,8 @@ import time
 import torch
 
 from cluster.data import Example
-from cluster.loop.sampling import RolloutBatch
-from cluster.messages import GroupRequest, GroupResult
+from contract.batches import RolloutBatch
+from contract.messages import GroupRequest, GroupResult
 from grpo.advantages import compute_multi_reward_advantages
 from grpo.eos import response_valid_lengths
 from grpo.rewards import OVERLONG_PENALTY_KEY, CombinedRewards, combine_rewards, overlong_penalty

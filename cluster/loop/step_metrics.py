@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from cluster.loop.fleet import FleetFigures
+from contract.figures import FleetFigures
 from cluster.loop.sampling import SamplingResult
-from cluster.messages import TrainResult
+from contract.messages import TrainResult
 from grpo.off_policy import staleness_histogram
 from grpo.rewards import reward_metrics
 

@@ -3,17 +3,17 @@ updates skipped for NaN/Inf.
 
 The functions :func:`train_step`, :func:`set_kl_coef`, :func:`save_train_state` and :func:`load_train_state` are
 the only places the loop calls the train pool (its typed methods; a step answers a
-:class:`cluster.messages.TrainResult`).
+:class:`contract.messages.TrainResult`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from cluster.loop.pools import TrainPool
-from cluster.loop.sampling import RolloutBatch
+from contract.protocols import Trainer
+from contract.batches import RolloutBatch
 from cluster.loop.scheduler import plan_microbatches
-from cluster.messages import TrainResult
+from contract.messages import TrainResult
 from train_workers.packing import pack_rank_microbatches
 
 
@@ -36,7 +36,7 @@ def microbatches(batch: RolloutBatch, train) -> tuple[list, dict]:
     return per_rank, plan.stats(lengths)
 
 
-def train_step(train: TrainPool, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
+def train_step(train: Trainer, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
     """One train step on every rank.
 
     Args:
@@ -51,18 +51,18 @@ def train_step(train: TrainPool, per_rank: list, num_tokens: int, num_sequences:
     return train.train_step(per_rank, num_tokens, num_sequences)
 
 
-def set_kl_coef(train: TrainPool, kl_coef: float) -> None:
+def set_kl_coef(train: Trainer, kl_coef: float) -> None:
     """Set β on every rank for the following train steps (adaptive KL controller)."""
     train.set_kl_coef(kl_coef)
 
 
-def save_train_state(train: TrainPool, folder: str, checkpoint: str) -> None:
+def save_train_state(train: Trainer, folder: str, checkpoint: str) -> None:
     """Every rank writes its part of a checkpoint (HF policy folder, sharded optimizer) into ``folder``, the
     temporary folder of ``checkpoint`` (named in errors)."""
     train.save_checkpoint(folder, checkpoint)
 
 
-def load_train_state(train: TrainPool, checkpoint: str, policy_version: int) -> dict[str, tuple]:
+def load_train_state(train: Trainer, checkpoint: str, policy_version: int) -> dict[str, tuple]:
     """Every rank loads its optimizer state from ``checkpoint`` at ``policy_version``.
 
     Returns:

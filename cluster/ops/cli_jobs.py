@@ -148,7 +148,8 @@ def _cmd_stop(args) -> int:
 
 
 def _cmd_scale(args) -> int:
-    from cluster.ops import control, jobs
+    from cluster.ops import jobs
+    from cluster.ray_shell import control
 
     if (args.rollout_replicas is None) == (args.spec is None):
         return _fail("scale", "give exactly one of --rollout-replicas N or a changed SPEC.yaml")

@@ -24,7 +24,7 @@ def _cmd_validate(args) -> int:
     if isinstance(prepared, int):
         return prepared
     job, address, source = prepared
-    from cluster.loop.pools import InsufficientResources, check_cluster_resources
+    from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources
 
     have = None
     if address is None:  # the local cluster `run` starts has CPUs (checked in the spec), its GPUs, no custom resource
@@ -38,7 +38,7 @@ def _cmd_validate(args) -> int:
     else:
         import ray
 
-        from cluster.ops.ray_init import AddressError, init_ray
+        from cluster.ray_shell.ray_init import AddressError, init_ray
 
         try:
             init_ray(job.spec, address, source, log_to_driver=False)
@@ -75,7 +75,7 @@ def held_out_summary(data) -> str:
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
-    from cluster.loop.pools import resources_needed
+    from cluster.ray_shell.pools import resources_needed
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
     need = resources_needed(s)

@@ -16,7 +16,7 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
   (absolute paths on shared storage, or the same layout). The submission id is also put in the runtime env as
   ``GRPO_CLUSTER_JOB_ID`` (the control actor's name) and the validated spec in the job metadata (``scale JOB
   SPEC.yaml`` compares against it).
-- **scale** submits a tiny job, ``python -m cluster.ops.control set JOB N`` (working dir: ``cluster/ops/control.py`` alone),
+- **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir: ``cluster/ops/control.py`` alone),
   that joins the cluster with ``address=auto`` and calls the job's control actor; it waits for that job to finish and
   prints what the actor answered. This needs only the dashboard address (the GCS address cannot in general be derived
   from it) and costs a few seconds per request.
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TextIO
 from urllib.parse import urlparse
 
-from cluster.ops import control
+from cluster.ray_shell import control
 
 __all__ = [
     "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "default_python",
@@ -402,13 +402,14 @@ def request_scale(client, job_id: str, rollout_replicas: int, *, python: str = "
 
 
 def _control_call(client, args: Iterable[str], *, python: str, timeout_s: float) -> dict:
-    """Run ``python -m cluster.ops.control ARGS`` as a Ray job whose working dir holds only cluster/ops/control.py (and
-    the two package markers); returns the parsed RESULT line, raises JobsError with the ERROR line (or the log tail) otherwise."""
+    """Run ``python -m cluster.ray_shell.control ARGS`` as a Ray job whose working dir holds only
+    cluster/ray_shell/control.py (and the two package markers); returns the parsed RESULT line, raises JobsError with
+    the ERROR line (or the log tail) otherwise."""
     args = list(args)
-    here = Path(__file__).resolve().parent
-    entrypoint = " ".join([shlex.quote(python), "-m", "cluster.ops.control", *map(shlex.quote, args)])
+    here = Path(control.__file__).resolve().parent
+    entrypoint = " ".join([shlex.quote(python), "-m", "cluster.ray_shell.control", *map(shlex.quote, args)])
     with tempfile.TemporaryDirectory(prefix="grpo-control-") as tmp:
-        pkg = Path(tmp) / "cluster" / "ops"
+        pkg = Path(tmp) / "cluster" / "ray_shell"
         pkg.mkdir(parents=True)
         (pkg.parent / "__init__.py").write_text("")
         (pkg / "__init__.py").write_text("")

@@ -25,7 +25,7 @@ def missing_dependency() -> str | None:
     missing = [m for m in DRIVER_MODULES if importlib.util.find_spec(m) is None]
     if not missing:
         return None
-    from cluster.ops.control import JOB_ID_ENV
+    from cluster.ray_shell.control import JOB_ID_ENV
 
     if os.environ.get(JOB_ID_ENV):  # a job sent by `grpo-cluster submit`
         fix = ("submit with --python PATH (an interpreter on the cluster that has the project's dependencies) or "
@@ -91,7 +91,7 @@ def prepare_job(args, dry_run: bool = False):
     from cluster.driver import GRPOJob
     from cluster.loop.setup import SetupError
     from cluster.ops.metrics import MetricsError
-    from cluster.ops.ray_init import AddressError, job_address
+    from cluster.ray_shell.ray_init import AddressError, job_address
 
     try:  # the cluster address is checked before anything heavy is loaded
         address, source = job_address(args.address, spec)

@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from cluster.messages import GroupRequest
+        from contract.messages import GroupRequest
         from cluster.spec import load_spec
         from rollout_workers.engine import RolloutEngine
 

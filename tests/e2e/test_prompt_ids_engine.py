@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
 
         from cluster.data import chat_prompt_ids, load_jsonl_examples
         from cluster.spec import load_spec
-        from cluster.messages import GroupRequest
+        from contract.messages import GroupRequest
         from rollout_workers.engine import RolloutEngine
 
         spec = load_spec(spec_path)

@@ -26,7 +26,7 @@ def _hf_logprobs(model, prompt, response, temperature):
 def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from cluster.messages import GroupRequest
+    from contract.messages import GroupRequest
     from rollout_workers.engine import RolloutEngine
     from weight_sync.buckets import bucket_checksums, pack_bucket, plan_buckets
     from weight_sync.group import SyncGroup, free_port

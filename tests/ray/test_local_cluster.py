@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import json, sys
 import psutil, ray
-from cluster.ops.ray_init import init_ray
+from cluster.ray_shell.ray_init import init_ray
 from cluster.spec import load_spec
 
 if sys.argv[1] == "plain":  # what `run` and bench/step_budget did before

@@ -226,7 +226,7 @@ def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make
     pool get ``rollout.timeout_s=45``, the wait under test (long enough for Ray's health checks, ≈ 15 s, to mark the
     node dead, short enough not to spend minutes waiting)."""
     from cluster.driver import GRPOJob
-    from cluster.loop.pools import EngineFailure
+    from cluster.ray_shell.pools import EngineFailure
 
     if two_nodes.rollout_node is None:
         two_nodes.add_rollout_node()

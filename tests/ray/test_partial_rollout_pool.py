@@ -20,8 +20,8 @@ MAX_TOKENS = 1024  # long enough that the call is still running when the interru
 def test_partial_rollout_interrupt_reaches_the_engine_actor(tiny_model_dir, local_ray, tmp_path):
     from transformers import AutoTokenizer
 
-    from cluster.loop.pools import RolloutPool
-    from cluster.messages import GroupRequest
+    from cluster.ray_shell.pools import RolloutPool
+    from contract.messages import GroupRequest
     from cluster.spec import load_spec
 
     spec = load_spec(EXAMPLE, [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "rollout.mode=async",

@@ -89,7 +89,7 @@ def _kill_train_ranks_at(job_step, plan: dict[int, int], monkeypatch, killed: li
     restarted job training that step again is left alone); ``job_step()`` is the current job's step."""
     import ray
 
-    from cluster.loop.pools import TrainPool
+    from cluster.ray_shell.pools import TrainPool
 
     original = TrainPool.train_step
 
@@ -110,7 +110,7 @@ def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec,
     it. The run matches the reference step by step. (Formerly test_restart_on_failure_resumes_exactly and
     test_train_failure_names_rank_then_resume, each with a job of its own: one engine start fewer.)"""
     from cluster import driver
-    from cluster.loop.pools import TrainWorkerFailure
+    from cluster.ray_shell.pools import TrainWorkerFailure
 
     spec = make_spec("restart", "restart_on_failure=1")
     messages, killed, current = [], [], {}
@@ -167,7 +167,7 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
     import ray
 
     from cluster.driver import GRPOJob
-    from cluster.loop.pools import EngineFailure
+    from cluster.ray_shell.pools import EngineFailure
 
     spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
     with stopped_after(GRPOJob(spec, progress=False)) as job:

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.loop.pools import RolloutPool, WorkerTimeout
+from cluster.ray_shell.pools import RolloutPool, WorkerTimeout
 from cluster.loop.scheduler import assign_groups
-from cluster.messages import EngineLoad, GenerateStats, GroupRequest, GroupResult
+from contract.messages import EngineLoad, GenerateStats, GroupRequest, GroupResult
 
 MAX_RESPONSE_TOKENS = 10
 

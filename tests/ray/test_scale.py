@@ -26,7 +26,7 @@ FAKE_DRIVER = textwrap.dedent("""
 
     import ray
 
-    from cluster.ops.control import current_job_id, start_control
+    from cluster.ray_shell.control import current_job_id, start_control
 
     ray.init(address="auto")
     control = start_control(current_job_id("fake"), 1)  # the Ray Jobs submission id (RAY_JOB_CONFIG_JSON_ENV_VAR)

@@ -61,9 +61,9 @@ def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray
     import ray
 
     from cluster.loop import sync as sync_module
-    from cluster.loop.sync import SyncMemberError, WeightSync
-    from cluster.loop.versions import PolicyVersionLedger
-    from cluster.messages import GroupRequest
+    from cluster.ray_shell.sync import SyncMemberError, WeightSync
+    from contract.versions import PolicyVersionLedger
+    from contract.messages import GroupRequest
 
     spec = make_spec(tiny_model_dir, tmp_path)
     train = Train(ray, spec, tiny_model_dir)

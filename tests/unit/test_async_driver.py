@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoints import TRAINER_STATE
-from cluster.loop.versions import PolicyVersionLedger
-from cluster.messages import TrainResult
+from contract.versions import PolicyVersionLedger
+from contract.messages import TrainResult
 from cluster.spec import load_spec_text
 from tests.unit.test_one_step_off_driver import StandInFleet
 

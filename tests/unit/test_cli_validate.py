@@ -92,7 +92,7 @@ def test_input_errors_name_the_spec_file_and_line_of_the_field(tmp_path, tiny_mo
 
 
 def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    """Without --address, `run` starts a local cluster with no custom resources (cluster/ops/ray_init.py), where pools
+    """Without --address, `run` starts a local cluster with no custom resources (cluster/ray_shell/ray_init.py), where pools
     reserving ``rollout.resources`` could never be placed; validate said "valid" and run stopped after starting Ray."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     spec = _spec_file(tmp_path, tiny_model_dir)

@@ -14,7 +14,7 @@ import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoint_state import prune_checkpoints
 from cluster.loop.checkpoints import TRAINER_STATE
-from cluster.messages import GroupResult
+from contract.messages import GroupResult
 from cluster.spec import load_spec_text
 
 WORKED = "Tom has 3 apples and buys 5 more, so 3 + 5 = 8 apples in all.\n#### {}"

@@ -11,7 +11,7 @@ from cluster.loop.scoring import OVERLONG, Scoring
 from cluster.loop.setup import model_eos_ids
 from cluster.spec import load_spec_text
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-from cluster.messages import GroupResult
+from contract.messages import GroupResult
 from train_workers.packing import pack_microbatch
 from train_workers.policy import ResponseLogprobModel
 
@@ -156,7 +156,7 @@ def test_round_scorer_joins_groups_scored_as_engines_finish():
     order, then joined in request order, give the batch of scoring the round at once."""
     from cluster.data import Example
     from cluster.loop.scoring import RoundScorer
-    from cluster.messages import GroupRequest
+    from contract.messages import GroupRequest
 
     j = job("algorithm.rewards={accuracy: 1.0, format: 0.5}")
     requests = [GroupRequest(g.group_id, g.prompt_ids, len(g.texts), seed=0) for g in GROUPS]

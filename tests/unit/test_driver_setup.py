@@ -13,8 +13,8 @@ from cluster.data import DataError
 from cluster.driver import GRPOJob
 from cluster.data.models import ModelError, resolve_model_path
 from cluster.loop.setup import SetupError
-from cluster.loop.pools import InsufficientResources, check_cluster_resources
-from cluster.ops.ray_init import reachable as _reachable
+from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources
+from cluster.ray_shell.ray_init import reachable as _reachable
 from cluster.spec import load_spec_text
 
 

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.loop.fleet import EngineFleet, StaleSamplesError, request_seed
+from cluster.loop.requests import request_seed
+from cluster.ray_shell.fleet import EngineFleet, StaleSamplesError
 from cluster.loop.requests import PromptQueue
-from cluster.loop.versions import PolicyVersionError, PolicyVersionLedger
+from contract.versions import PolicyVersionError, PolicyVersionLedger
 from cluster.spec import load_spec_text
-from cluster.messages import EngineInfo, GroupRequest, GroupResult, PoolGenerateStats
+from contract.messages import EngineInfo, GroupRequest, GroupResult, PoolGenerateStats
 
 SPEC = """\
 output_dir: runs/test

@@ -31,7 +31,7 @@ def test_prompt_eos_does_not_count_in_the_driver():
 
     from cluster.loop.scoring import Scoring
     from cluster.spec import load_spec_text
-    from cluster.messages import GroupResult
+    from contract.messages import GroupResult
 
     spec = load_spec_text("output_dir: o\ntotal_steps: 1\ndata: {train_path: t.jsonl}\n"
                           "algorithm: {mask_truncated: false}\n")

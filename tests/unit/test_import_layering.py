@@ -5,12 +5,16 @@ level, inside a function (lazy imports), under ``if TYPE_CHECKING:``; relative i
 file's package, and ``importlib.import_module("literal.name")`` counts as an import of that name. The rules:
 
 1. ``grpo/`` (the pure algorithm core) imports no other project package, nor Ray, nor ``torch.distributed``.
-2. ``rollout_workers/`` and ``train_workers/`` do not import each other, and from ``cluster/`` they import only
-   ``cluster.messages`` (the typed messages that cross actor boundaries).
-3. ``weight_sync/`` (transport only) does not import ``cluster/``.
-4. The loop (``cluster/driver.py`` and ``cluster/loop/**``) does not import a concrete train backend module
-   (``train_workers.fsdp_*``, ``train_workers.megatron*``); it reaches a backend through the registry/protocol.
-5. ``cluster/loop/overlap.py`` (the ``rollout.mode`` schedules) and the package files imported with it
+2. ``contract/`` (the ground floor every role shares: messages, batches, figures, the version ledger, the role
+   protocols) imports no other project package, nor Ray, pydantic or vLLM.
+3. ``rollout_workers/`` and ``train_workers/`` do not import each other, and import nothing from ``cluster/``: what
+   they share with the control plane is ``contract/``.
+4. ``weight_sync/`` (transport only) imports neither ``cluster/`` nor the workers.
+5. The loop (``cluster/driver.py`` and ``cluster/loop/**``) imports neither Ray nor the runtimes (the Ray shell
+   ``cluster.ray_shell``, the in-process runtime ``cluster.in_process``), nor vLLM, nor a concrete train backend
+   module (``train_workers.fsdp_*``, ``train_workers.megatron*``): it speaks the ``contract`` protocols to the
+   collaborators it is given.
+6. ``cluster/loop/overlap.py`` (the ``rollout.mode`` schedules) and the package files imported with it
    (``cluster/__init__.py``, ``cluster/loop/__init__.py``) import no project package, nor Ray, pydantic or vLLM: the
    device check's ``async_overlap`` section (``bench/gpu_check_async.py``) runs the schedules with torch alone.
 
@@ -29,7 +33,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Packages whose files are checked (the installable ones, pyproject's ``packages.find``).
-CHECKED_PACKAGES = ("grpo", "cluster", "rollout_workers", "train_workers", "weight_sync")
+CHECKED_PACKAGES = ("contract", "grpo", "cluster", "rollout_workers", "train_workers", "weight_sync")
 #: Every top-level package/folder of this repository that a module could import.
 PROJECT_PACKAGES = (*CHECKED_PACKAGES, "deploy", "bench", "tests", "scripts", "examples")
 #: Train-backend implementation modules the loop must not name (it uses train_workers' registry and protocol); a
@@ -39,7 +43,7 @@ CONCRETE_TRAIN_BACKENDS = ("train_workers.fsdp*", "train_workers.megatron*")
 
 @dataclass(frozen=True)
 class Import:
-    """One import found in a file: ``name`` is the absolute module (``cluster.loop.pools``; for ``from a import b, c``
+    """One import found in a file: ``name`` is the absolute module (``cluster.ray_shell.pools``; for ``from a import b, c``
     it is ``a`` and ``members`` is ``("b", "c")``, each possibly a submodule); ``statement`` is the source text of the
     statement; ``line`` is 1-based."""
 
@@ -85,24 +89,26 @@ _WORKERS_APART = "rollout_workers/ and train_workers/ do not import each other"
 RULES = (
     Rule("grpo_is_pure", ("grpo/",), (*(p for p in PROJECT_PACKAGES if p != "grpo"), "ray", "torch.distributed"),
          "grpo/ is the pure algorithm core: it imports no other project package, nor Ray, nor torch.distributed"),
+    Rule("contract_is_ground_floor", ("contract/",),
+         (*(p for p in PROJECT_PACKAGES if p != "contract"), "ray", "pydantic", "vllm"),
+         "contract/ is the ground floor every role imports: it imports no other project package, nor Ray, "
+         "pydantic or vLLM"),
     Rule("rollout_workers_not_train", ("rollout_workers/",), ("train_workers",), _WORKERS_APART),
     Rule("train_workers_not_rollout", ("train_workers/",), ("rollout_workers",), _WORKERS_APART),
-    Rule("workers_use_only_messages", ("rollout_workers/", "train_workers/"), ("cluster",),
-         "workers import from cluster/ only cluster.messages (the typed messages)", allowed=("cluster.messages",)),
+    Rule("workers_not_cluster", ("rollout_workers/", "train_workers/"), ("cluster",),
+         "the workers import nothing from cluster/: what they share with the control plane is contract/"),
     Rule("weight_sync_not_cluster", ("weight_sync/",), ("cluster",),
          "weight_sync/ is transport only: it does not import cluster/"),
     Rule("weight_sync_not_workers", ("weight_sync/",), ("rollout_workers", "train_workers"),
          "weight_sync/ is transport only: the workers use it, it does not import them"),
-    Rule("messages_import_no_project", ("cluster/messages.py", "cluster/__init__.py"), PROJECT_PACKAGES,
-         "workers import cluster.messages (and so cluster/__init__.py): they must bring in nothing else of the "
-         "project, or the control plane would ride into every worker"),
     Rule("overlap_is_pure", ("cluster/loop/overlap.py", "cluster/loop/__init__.py", "cluster/__init__.py"),
-         (*PROJECT_PACKAGES, "ray", "pydantic", "vllm"),
+         (*PROJECT_PACKAGES, "contract", "ray", "pydantic", "vllm"),
          "cluster.loop.overlap orders three callables and nothing else: the device check imports it where only torch "
          "and transformers are installed (bench/gpu_check_async.py)"),
-    Rule("loop_not_concrete_backend", ("cluster/driver.py", "cluster/loop/"), CONCRETE_TRAIN_BACKENDS,
-         "the loop (cluster/driver.py, cluster/loop/) reaches train backends through train_workers' registry and "
-         "protocol, never a concrete backend module"),
+    Rule("loop_is_pure", ("cluster/driver.py", "cluster/loop/"),
+         ("ray", "vllm", "cluster.ray_shell", "cluster.in_process", "rollout_workers", *CONCRETE_TRAIN_BACKENDS),
+         "the loop (cluster/driver.py, cluster/loop/) is given its collaborators: it imports neither Ray, vLLM, the "
+         "runtimes (cluster.ray_shell, cluster.in_process), the engines nor a concrete train backend"),
 )
 
 
@@ -184,24 +190,36 @@ def test_import_layering(rule: Rule):
     ("grpo/losses.py", "import ray\n", "ray"),
     ("grpo/losses.py", "import torch.distributed as dist\n", "torch.distributed"),
     ("grpo/losses.py", "from torch import distributed\n", "torch.distributed"),
+    ("grpo/losses.py", "from contract.messages import GroupResult\n", "contract.messages"),
     ("grpo/x.py", "import importlib\nm = importlib.import_module('bench._common')\n", "bench._common"),
+    ("contract/messages.py", "from cluster.spec import JobSpec\n", "cluster.spec"),
+    ("contract/batches.py", "def f():\n    from weight_sync.buckets import Bucket\n", "weight_sync.buckets"),
+    ("contract/protocols.py", "from grpo.kl import kl\n", "grpo.kl"),
+    ("contract/protocols.py", "import ray\n", "ray"),
+    ("contract/figures.py", "from pydantic import BaseModel\n", "pydantic"),
     ("rollout_workers/engine.py", "from train_workers.packing import pack\n", "train_workers.packing"),
     ("train_workers/fsdp_worker.py", "def f():\n    import rollout_workers.engine\n", "rollout_workers.engine"),
-    ("rollout_workers/engine.py", "from cluster.loop.pools import RolloutPool\n", "cluster.loop.pools"),
+    ("rollout_workers/engine.py", "from cluster.ray_shell.pools import RolloutPool\n", "cluster.ray_shell.pools"),
     ("train_workers/fsdp_step.py", "from cluster import messages, spec\n", "cluster"),
     ("train_workers/fsdp_step.py", "import cluster.spec\n", "cluster.spec"),
-    ("weight_sync/sender.py", "def f():\n    from cluster.loop.pools import get\n", "cluster.loop.pools"),
+    ("train_workers/fsdp_step.py", "from cluster.loop.sampling import RolloutBatch\n", "cluster.loop.sampling"),
+    ("weight_sync/sender.py", "def f():\n    from cluster.ray_shell.pools import get\n", "cluster.ray_shell.pools"),
     ("weight_sync/sender.py", "from cluster import messages\n", "cluster"),
     ("cluster/driver.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n", "train_workers.fsdp_worker"),
-    ("cluster/loop/pools.py", "from train_workers import fsdp_step\n", "train_workers.fsdp_step"),
-    ("cluster/loop/pools.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    from train_workers.fsdp_sync import x\n", "train_workers.fsdp_sync"),
+    ("cluster/driver.py", "import ray\n", "ray"),
+    ("cluster/driver.py", "from cluster.ray_shell.pools import TrainPool\n", "cluster.ray_shell.pools"),
+    ("cluster/driver.py", "def f():\n    from cluster.ray_shell import control\n", "cluster.ray_shell"),
+    ("cluster/loop/guard.py", "from ray.util import placement_group\n", "ray.util"),
+    ("cluster/loop/scoring.py", "from cluster.in_process.fleet import LocalFleet\n", "cluster.in_process.fleet"),
+    ("cluster/loop/training.py", "from rollout_workers.engine import RolloutEngine\n", "rollout_workers.engine"),
+    ("cluster/loop/training.py", "from train_workers import fsdp_step\n", "train_workers.fsdp_step"),
+    ("cluster/loop/training.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                 "    from train_workers.fsdp_sync import x\n", "train_workers.fsdp_sync"),
     ("weight_sync/group.py", "from train_workers.sharding import full_tensor\n", "train_workers.sharding"),
     ("weight_sync/group.py", "def f():\n    import rollout_workers.engine\n", "rollout_workers.engine"),
-    ("cluster/messages.py", "from cluster.loop import pools\n", "cluster.loop"),
     ("cluster/__init__.py", "from cluster.spec import JobSpec\n", "cluster.spec"),
-    ("cluster/messages.py", "def f():\n    from weight_sync.buckets import Bucket\n", "weight_sync.buckets"),
     ("cluster/loop/overlap.py", "from cluster.spec import RolloutSpec\n", "cluster.spec"),
+    ("cluster/loop/overlap.py", "from contract.errors import RecoveryDeferred\n", "contract.errors"),
     ("cluster/loop/overlap.py", "def f():\n    import ray\n", "ray"),
     ("cluster/loop/__init__.py", "from pydantic import BaseModel\n", "pydantic"),
 ])
@@ -214,11 +232,13 @@ def test_checker_finds_each_kind_of_violation(rel_path, source, offending):
 
 @pytest.mark.parametrize(("rel_path", "source"), [
     ("grpo/losses.py", "import torch\nfrom grpo.kl import kl\nfrom . import rewards\n"),
-    ("rollout_workers/engine.py", "from cluster.messages import GroupResult\nfrom weight_sync.buckets import b\n"),
-    ("train_workers/fsdp_step.py", "from cluster import messages\nimport cluster.messages as m\n"),
+    ("contract/protocols.py", "from contract.messages import GroupResult\nimport torch\n"),
+    ("rollout_workers/engine.py", "from contract.messages import GroupResult\nfrom weight_sync.buckets import b\n"),
+    ("train_workers/fsdp_step.py", "from contract import messages\nimport contract.batches as m\n"),
     ("weight_sync/sender.py", "from weight_sync.buckets import Bucket\nimport torch.distributed\n"),
-    ("cluster/loop/pools.py", "from train_workers.registry import train_backend\nfrom train_workers.base import W\n"),
+    ("cluster/driver.py", "from contract.protocols import Fleet, Trainer\nfrom cluster.loop.guard import Guard\n"),
     ("cluster/loop/training.py", "from train_workers.packing import pack_rank_microbatches\n"),
+    ("cluster/ray_shell/pools.py", "import ray\nfrom train_workers.registry import train_backend\n"),
     ("cluster/ops/cli_jobs.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n"),
     ("train_workers/registry.py", "from train_workers.fsdp_worker import FSDPTrainWorker\n"),
 ])
@@ -234,7 +254,7 @@ def test_relative_imports_resolve_against_the_files_package():
 
 
 def test_violation_names_file_line_and_statement():
-    source = "import os\n\n\ndef late():\n    from cluster.loop.pools import get  # lazy\n"
+    source = "import os\n\n\ndef late():\n    from cluster.ray_shell.pools import get  # lazy\n"
     assert violations("weight_sync/coordinator.py", source) == [
-        "weight_sync/coordinator.py:5: `from cluster.loop.pools import get` imports cluster.loop.pools: "
+        "weight_sync/coordinator.py:5: `from cluster.ray_shell.pools import get` imports cluster.ray_shell.pools: "
         "weight_sync/ is transport only: it does not import cluster/"]

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.ops import control, jobs
+from cluster.ops import jobs
+from cluster.ray_shell import control
 from cluster.spec import RolloutSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,10 +64,10 @@ def test_control_entrypoint_rejects_bad_arguments_before_joining_a_cluster(capsy
 
 
 def test_control_module_imports_only_stdlib_and_ray():
-    """``scale`` ships cluster/ops/control.py alone as its control job's working dir."""
+    """``scale`` ships cluster/ray_shell/control.py alone as its control job's working dir."""
     import ast
 
-    tree = ast.parse((REPO / "cluster" / "ops" / "control.py").read_text())
+    tree = ast.parse((REPO / "cluster" / "ray_shell" / "control.py").read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
     assert names <= {"__future__", "json", "logging", "os", "sys", "time", "typing", "ray"}, names

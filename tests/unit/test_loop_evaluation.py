@@ -15,7 +15,7 @@ from cluster.data import DataError, Example
 from cluster.loop.checkpoint_state import prune_checkpoints
 from cluster.loop.checkpoints import TRAINER_STATE
 from cluster.loop.evaluation import EvalSet, HeldOutEval, eval_seed, load_eval_set, restore_best, score_eval
-from cluster.messages import GroupRequest, GroupResult, SamplingOverride
+from contract.messages import GroupRequest, GroupResult, SamplingOverride
 from cluster.spec import load_spec_text
 from cluster.spec.evaluation import EvalSpec
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from cluster.loop.checkpoint_state import driver_state
-from cluster.loop.fleet import EngineFleet, RecoveryDeferred
-from cluster.loop.versions import PolicyVersionLedger
-from cluster.messages import GroupRequest
+from cluster.ray_shell.fleet import EngineFleet
+from contract.errors import RecoveryDeferred
+from contract.versions import PolicyVersionLedger
+from contract.messages import GroupRequest
 from cluster.spec import SpecError, load_spec_text, spec_to_yaml
 from tests.unit.test_driver_staleness import SPEC, FakeRollout, FakeSync
 

@@ -19,8 +19,8 @@ import torch
 import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoints import TRAINER_STATE
-from cluster.loop.fleet import FleetFigures
-from cluster.messages import GroupResult, TrainResult
+from contract.figures import FleetFigures
+from contract.messages import GroupResult, TrainResult
 from cluster.spec import load_spec_text
 from tests.unit.test_async_driver import _prompts, _write_checkpoint
 

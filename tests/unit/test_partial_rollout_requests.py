@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.loop.fleet import FleetFigures
+from contract.figures import FleetFigures
 from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted, older_token_fraction
-from cluster.messages import GroupRequest, GroupResult
+from contract.messages import GroupRequest, GroupResult
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs, resume_seed
 
 PROMPT = [11, 12, 13]

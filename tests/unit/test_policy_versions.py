@@ -1,4 +1,4 @@
-"""The policy-version ledger (``cluster.loop.versions``): the trainer's version advances by one per applied update
+"""The policy-version ledger (``contract.versions``): the trainer's version advances by one per applied update
 and never goes back; engines keep their version across a rebuilt group, are unknown when new or after a failed sync,
 and are stale until a sync brings them to the trainer's version."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.loop.versions import PolicyVersionError, PolicyVersionLedger
+from contract.versions import PolicyVersionError, PolicyVersionLedger
 
 
 def test_trained_advances_by_one_and_skipped_steps_do_not():

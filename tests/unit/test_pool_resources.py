@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.loop.pools import InsufficientResources, check_cluster_resources
+from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources
 from cluster.spec import SpecError, load_spec_text, spec_to_yaml
 from weight_sync.transport import choose_transport
 
@@ -100,8 +100,8 @@ def test_ipc_across_nodes_is_refused_naming_the_engine():
 
 
 def test_where_names_each_engine_node_and_its_state(monkeypatch):
-    from cluster.loop.pools import RolloutPool, _fmt_resources
-    from cluster.messages import EngineInfo
+    from cluster.ray_shell.pools import RolloutPool, _fmt_resources
+    from contract.messages import EngineInfo
 
     pool = RolloutPool.__new__(RolloutPool)  # only ``infos`` is read: no engines are started
     pool.infos = [EngineInfo(policy_version=0, pid=1, node_id=node) for node in ("a" * 56, "b" * 56, "c" * 56, None)]

@@ -19,7 +19,7 @@ from cluster.data import chat_prompt_ids, load_jsonl_examples
 from cluster.driver import GRPOJob
 from cluster.data.evaluate import evaluate_gsm8k
 from cluster.spec import DEFAULT_SYSTEM_PROMPT, load_spec_text
-from cluster.messages import GroupRequest
+from contract.messages import GroupRequest
 from rollout_workers.engine import RolloutEngine
 from tests.double_bos import BOS, make_double_bos_model
 

@@ -1,4 +1,4 @@
-"""Which cluster a job runs on (cluster/ops/ray_init.py) and the driver's dependency check (cluster/ops/prepare.py),
+"""Which cluster a job runs on (cluster/ray_shell/ray_init.py) and the driver's dependency check (cluster/ops/prepare.py),
 without starting Ray."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cluster.ops import prepare
-from cluster.ops.control import JOB_ID_ENV
-from cluster.ops.ray_init import AddressError, job_address
+from cluster.ray_shell.control import JOB_ID_ENV
+from cluster.ray_shell.ray_init import AddressError, job_address
 from cluster.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,8 @@ adaptive rise, and RolloutBatch select/concat."""
 import pytest
 import torch
 
-from cluster.loop.sampling import GroupSizeController, RolloutBatch, informative_group_ids, sample_groups
+from cluster.loop.sampling import GroupSizeController, informative_group_ids, sample_groups
+from contract.batches import RolloutBatch
 
 G = 2  # completions per group in the fake rounds
 

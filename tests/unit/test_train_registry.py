@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from train_workers.base import TrainWorker
+from contract.train_worker import TrainWorker
 from train_workers.registry import TRAIN_BACKENDS, register_train_backend, train_backend
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_string_entry_is_imported_on_first_use(monkeypatch, tmp_path):
 
 def test_the_train_pool_imports_no_backend():
     """Importing the loop's pools leaves the FSDP2 worker unimported (it comes in through the registry)."""
-    code = "import sys, cluster.loop.pools; print('train_workers.fsdp_worker' in sys.modules)"
+    code = "import sys, cluster.ray_shell.pools; print('train_workers.fsdp_worker' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False", out.stderr

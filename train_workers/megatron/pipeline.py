@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from train_workers.fsdp_step import SUMS, Saved
-from train_workers.packing import PackedMicroBatch
+from contract.batches import PackedMicroBatch
 
 
 class PipelineStep:

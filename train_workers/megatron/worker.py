@@ -1,6 +1,6 @@
 """Megatron-core train worker: one rank of a TP × PP × DP layout of the policy (and frozen reference policy).
 
-``MegatronTrainWorker`` implements :class:`train_workers.base.TrainWorker`; ``TrainPool`` finds it in
+``MegatronTrainWorker`` implements :class:`contract.train_worker.TrainWorker`; ``TrainPool`` finds it in
 ``train_workers.registry`` under ``train.strategy: megatron``. Layout: tp = ``train.tensor_parallel_size``, pp =
 ``train.pipeline_parallel_size``, dp = ``world_size / (tp · pp)`` (derived), built by megatron-core's
 ``parallel_state.initialize_model_parallel`` over the train process group (gloo on CPU, NCCL on GPU, as FSDP2).
@@ -99,17 +99,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cluster.messages import TrainRankInfo
+from contract.messages import TrainRankInfo
 from train_workers.cpu_affinity import bind_rank
 from train_workers.fsdp_step import PHASES, FSDPStep
 from train_workers.megatron.pipeline import PipelineStep
 from train_workers.megatron.sync import MegatronSync
-from train_workers.packing import PackedMicroBatch
+from contract.batches import PackedMicroBatch
 from train_workers.sharding import as_dtype
 
 
 class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
-    """One rank of the Megatron-core train group (constructor arguments: :mod:`train_workers.base`).
+    """One rank of the Megatron-core train group (constructor arguments: :mod:`contract.train_worker`).
 
     Raises:
         ValueError: at construction, a setting this backend refuses for now (module docstring), naming the field.

@@ -9,8 +9,8 @@ resize the rollout pool, and the driver publishes where it is.
     control.close()                                # at the end
 
     # on the cluster (what `grpo-cluster scale` submits as a tiny Ray job; see cluster/ops/jobs.py):
-    python -m cluster.ops.control set JOB_ID N         # prints "GRPO_CONTROL_RESULT {json}", exit 0
-    python -m cluster.ops.control get JOB_ID           # same line, without changing anything
+    python -m cluster.ray_shell.control set JOB_ID N         # prints "GRPO_CONTROL_RESULT {json}", exit 0
+    python -m cluster.ray_shell.control get JOB_ID           # same line, without changing anything
 
 The actor is ``JobControl`` named ``grpo-cluster-control:<job id>`` in the Ray namespace ``grpo-cluster``; it is
 owned by the driver and dies with it (not detached), so a finished job has no control actor. The job id is the Ray
@@ -210,7 +210,7 @@ def _lookup(job_id: str):
 def _main(argv: list[str]) -> int:
     """``set JOB N`` / ``get JOB``: connect to the cluster (address auto), talk to the actor, print one marker line
     (``GRPO_CONTROL_RESULT {json}`` or ``GRPO_CONTROL_ERROR message``). Exit 0 on success, 2 on any error."""
-    usage = "usage: python -m cluster.ops.control set JOB_ID N | get JOB_ID"
+    usage = "usage: python -m cluster.ray_shell.control set JOB_ID N | get JOB_ID"
     if not argv or argv[0] not in ("set", "get") or len(argv) != (3 if argv[0] == "set" else 2):
         print(f"{ERROR_MARKER} {usage}", flush=True)
         return 2

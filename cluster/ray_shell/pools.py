@@ -2,7 +2,7 @@
 
 The pools own actor creation (resources from the spec), the calls that must reach every member together, and
 timeouts (every ``ray.get`` names the operation and its limit). The weight-sync group joining train rank 0 with every
-engine worker is :class:`cluster.loop.sync.WeightSync`.
+engine worker is :class:`cluster.ray_shell.sync.WeightSync`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.loop.scheduler import assign_groups
-from cluster.messages import (EngineInfo, EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, TrainRankInfo,
+from contract.messages import (EngineInfo, EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, TrainRankInfo,
                               TrainResult)
 from rollout_workers.engine import RolloutEngine
 from train_workers.registry import train_backend

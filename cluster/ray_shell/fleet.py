@@ -1,29 +1,29 @@
 """The rollout engines as the loop sees them: generate and sync with engine-fault replacement, re-sampling of stale
 groups, resizing, and the per-engine figures of a step.
 
-Membership lives in the rollout pool (:class:`cluster.loop.pools.RolloutPool`) and the weight-sync group
-(:class:`cluster.loop.sync.WeightSync`); the fleet keeps the two in step: an engine that dies is replaced, the sync
+Membership lives in the rollout pool (:class:`cluster.ray_shell.pools.RolloutPool`) and the weight-sync group
+(:class:`cluster.ray_shell.sync.WeightSync`); the fleet keeps the two in step: an engine that dies is replaced, the sync
 group rebuilt over the new members, and every engine brought to the trainer's policy version before it samples again.
 Every policy version is read from, and every engine's report checked against, the ledger
-(:class:`cluster.loop.versions.PolicyVersionLedger`).
+(:class:`contract.versions.PolicyVersionLedger`).
 
-Reliability: groups carry their own seeds (:func:`request_seed`), so re-sampling after a replacement or a resync
+Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a replacement or a resync
 gives the same groups.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import ray
 
-from cluster.loop.pools import RolloutPool, WorkerTimeout
-from cluster.loop.sync import SyncMemberError, WeightSync
-from cluster.loop.versions import PolicyVersionLedger
-from cluster.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, SyncReport
+from cluster.ray_shell.pools import RolloutPool, WorkerTimeout
+from cluster.ray_shell.sync import SyncMemberError, WeightSync
+from contract.errors import RecoveryDeferred
+from contract.figures import FleetFigures
+from contract.messages import EngineLoad, GroupRequest, GroupResult, SyncReport
+from contract.versions import PolicyVersionLedger
 
 if TYPE_CHECKING:
     from cluster.ops.metrics import MetricsLogger
@@ -36,56 +36,10 @@ class StaleSamplesError(RuntimeError):
     """Engines kept returning samples older than ``rollout.max_staleness`` after being synced again."""
 
 
-class RecoveryDeferred(RuntimeError):
-    """A generate call that may not sync engines (``recover=False``: it overlaps a train step, whose weights are
-    changing, ``rollout.mode`` one_step_off or async) met an engine fault or stale groups. Nothing was recovered; the
-    caller drops the call's groups and samples them again once the train step has ended and the weights are synced."""
-
-
-def request_seed(seed: int, step: int, group_id: int) -> int:
-    """The sampling seed of one group: a CRC-32 mix of (spec seed, step, group id), in [0, 2**31).
-
-    Each group's completions then depend only on the policy weights, its prompt and this seed — not on the engine,
-    the batch it shares, or what ran before — so re-sampled groups (engine replaced, job resumed) are identical."""
-    return zlib.crc32(f"{seed}:{step}:{group_id}".encode()) & 0x7FFFFFFF
-
-
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-@dataclass
-class FleetFigures:
-    """The fleet's figures of one step, over its sampling rounds (accepted generate calls only).
-
-    Attributes:
-        tokens: response tokens sampled. idle_fractions: each call's engine idle fraction, in [0, 1].
-        per_engine: engine index → the step's :class:`EngineLoad`: ``groups`` dispatched, response ``tokens``, busy
-            ``seconds`` and the estimated peak ``kv_cache_usage`` (fraction) over the step's calls.
-        stale_refused: groups refused for being older than ``rollout.max_staleness``.
-    """
-
-    tokens: int = 0
-    idle_fractions: list[float] = field(default_factory=list)
-    per_engine: dict[int, EngineLoad] = field(default_factory=dict)
-    stale_refused: int = 0
-
-    def add(self, stats: PoolGenerateStats) -> None:
-        """Add one generate call's stats (:meth:`RolloutPool.generate`'s)."""
-        self.idle_fractions.append(stats.engine_idle_fraction)
-        for k, e in enumerate(stats.per_engine):
-            acc = self.per_engine.get(k, EngineLoad(groups=0))
-            self.per_engine[k] = EngineLoad(groups=acc.groups + e.groups, tokens=acc.tokens + e.tokens,
-                                            seconds=acc.seconds + e.seconds,
-                                            kv_cache_usage=max(acc.kv_cache_usage or 0.0, e.kv_cache_usage or 0.0))
-        self.tokens += stats.tokens
-
-    @property
-    def idle_fraction(self) -> float:
-        """Mean engine idle fraction over the step's generate calls (0.0 when none)."""
-        return sum(self.idle_fractions) / len(self.idle_fractions) if self.idle_fractions else 0.0
 
 
 class EngineFleet:

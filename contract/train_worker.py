@@ -1,6 +1,6 @@
 """What the control plane calls on one train rank: the :class:`TrainWorker` protocol every train backend implements.
 
-A backend (``train_workers.fsdp_worker.FSDPTrainWorker`` today) is a plain class; ``cluster.loop.pools.TrainPool``
+A backend (``train_workers.fsdp_worker.FSDPTrainWorker`` today) is a plain class; ``cluster.ray_shell.pools.TrainPool``
 picks it from ``train_workers.registry`` by the spec's ``train.strategy``, wraps it in ``ray.remote`` and starts
 ``train.world_size`` of them. Collective methods (marked below) must be called on every rank together, with the same
 arguments where noted, or the ranks deadlock until ``train.timeout_s``.
@@ -26,8 +26,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from cluster.messages import SendReport, TrainRankInfo, TrainResult
-from train_workers.packing import PackedMicroBatch
+from contract.messages import SendReport, TrainRankInfo, TrainResult
+from contract.batches import PackedMicroBatch
 
 
 @runtime_checkable
@@ -54,7 +54,7 @@ class TrainWorker(Protocol):
                 policy with its adapters off (no second copy).
 
         Returns:
-            where this rank runs and what it built (:class:`cluster.messages.TrainRankInfo`).
+            where this rank runs and what it built (:class:`contract.messages.TrainRankInfo`).
 
         Raises:
             RuntimeError: the process group did not form within ``train.timeout_s`` (torch.distributed's error).
@@ -80,7 +80,7 @@ class TrainWorker(Protocol):
             num_sequences: sequences with at least one loss token over the whole batch, all ranks.
 
         Returns:
-            the step's :class:`cluster.messages.TrainResult`, identical on every rank: the policy version after the
+            the step's :class:`contract.messages.TrainResult`, identical on every rank: the policy version after the
             step, whether and why an update was skipped (NaN/Inf loss or gradient norm on any rank; the weights
             and optimizer state are then unchanged), and the numeric ``actor/*``, ``rollout/logprob_diff``,
             ``perf/train_tokens``, ``timing/*``, ``memory/*`` metrics.
@@ -139,7 +139,7 @@ class TrainWorker(Protocol):
             verify: True to CRC-32 every tensor, False none, or the tensor names to check.
 
         Returns:
-            the rank's :class:`cluster.messages.SendReport` (bytes, checksums and memory are rank 0's).
+            the rank's :class:`contract.messages.SendReport` (bytes, checksums and memory are rank 0's).
 
         Raises:
             RuntimeError: called before :meth:`sync_plan`/:meth:`init_sync_group`, or the transport failed (the

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ray
 
-from cluster.loop.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
-from cluster.loop.sync import SyncMemberError
+from cluster.ray_shell.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
+from cluster.ray_shell.sync import SyncMemberError
 
 #: Failures a restart from the latest checkpoint can get past (a worker, an engine, a timeout, a sync member).
 RESTARTABLE = (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError)

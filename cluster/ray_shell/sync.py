@@ -30,9 +30,9 @@ import time
 
 import ray
 
-from cluster.loop.pools import get
-from cluster.loop.versions import PolicyVersionLedger
-from cluster.messages import EngineInfo, ReceiveReport, SendReport, SyncReport
+from cluster.ray_shell.pools import get
+from contract.versions import PolicyVersionLedger
+from contract.messages import EngineInfo, ReceiveReport, SendReport, SyncReport
 from weight_sync.transport import choose_transport
 from weight_sync.verify import checked_names, compare_checksums
 

@@ -1,9 +1,10 @@
-"""Typed messages that cross a Ray actor boundary, in one module every side imports.
+"""Typed messages that cross a process boundary (a Ray actor's, or a runtime's), in one module every side imports.
 
 The control plane (``cluster/``) and its workers (``rollout_workers/``, ``train_workers/``) speak only these types:
 a request goes out, a typed result comes back, and a metrics dict carries nothing but metrics (numbers the driver
-logs). Control data — a policy version, why an update was skipped, where a worker runs, what a sync checked — has
-its own field. Workers may import this module and nothing else from ``cluster/`` (``tests/unit/test_import_layering.py``).
+logs). Control data — a policy version, why an update was skipped, the KL the controller steers by, where a worker
+runs, what a sync checked — has its own field. Part of the ground-floor ``contract`` package, which imports no other
+project package (``tests/unit/test_import_layering.py``).
 
 Plain dataclasses (pickled by Ray as they are): no Ray, no torch.distributed here; ``GroupResult`` holds CPU tensors.
 
@@ -49,7 +50,7 @@ class GroupRequest:
             (adaptive group size sets it).
         seed: seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
             and the seed — not on the engine or the rest of the batch. The driver derives it from (spec seed, step,
-            group id) (``cluster.loop.fleet.request_seed``), which makes re-sampled groups and resumed runs
+            group id) (``cluster.ray_shell.fleet.request_seed``), which makes re-sampled groups and resumed runs
             reproducible.
         sampling: None samples with the spec's ``rollout`` settings (training); a :class:`SamplingOverride` replaces
             them for this request (held-out evaluation).
@@ -215,13 +216,18 @@ class TrainResult:
         skipped: at least one iteration's update was skipped for a NaN/Inf loss or gradient norm.
         skip_reason: ``""``, or the first non-finite metric: ``"actor/loss"`` or ``"actor/grad_norm"``.
         metrics: ``actor/*``, ``rollout/logprob_diff``, ``perf/train_tokens``, ``timing/*``, ``memory/*`` — numbers
-            only (float), averaged over ranks and iterations as each metric documents.
+            only (float), averaged over ranks and iterations as each metric documents. Reported, never read back to
+            steer the job.
+        kl: the step's mean KL(policy ‖ reference) estimate per loss token (nats, the ``algorithm.kl_estimator``;
+            the value ``actor/kl`` reports), which the adaptive KL controller reads; None when the step computed no
+            KL (no reference policy).
     """
 
     policy_version: int
     skipped: bool
     skip_reason: str
     metrics: dict[str, float]
+    kl: float | None = None
 
 
 # ---- weight sync: train rank 0 and engines → coordinator → driver --------------------------------------------------
@@ -264,7 +270,7 @@ class ReceiveReport:
 
 @dataclass(frozen=True)
 class SyncReport:
-    """One verified sync of the policy to every engine (``cluster.loop.sync.WeightSync.sync``).
+    """One verified sync of the policy to every engine (``cluster.ray_shell.sync.WeightSync.sync``).
 
     Attributes:
         policy_version: the version every engine of the group now holds.

@@ -1,0 +1,212 @@
+"""The role protocols the loop is written against: the rollout side (:class:`Fleet`), the train side
+(:class:`Trainer`), the job's control channel (:class:`ControlChannel`) and a metrics sink (:class:`MetricSink`).
+
+:class:`cluster.driver.GRPOJob` receives one of each (the control channel is optional) and calls nothing else: the
+Ray shell (``cluster.ray_shell``: vLLM engine actors, FSDP2/Megatron train ranks, streamed weight sync) and the
+in-process runtime (``cluster.in_process``: transformers generation and one train rank in the calling process)
+implement them. One train rank's own protocol is :class:`contract.train_worker.TrainWorker`.
+
+Lifecycle: a job builds its collaborators unstarted, then :meth:`Trainer.start` builds the train side from the model
+(or a checkpoint) and :meth:`Fleet.start` starts the engines and joins them to the trainer's weight sync. A guard
+rollback or a resume shuts both down and starts them again from a checkpoint.
+
+Notation: B prompts, G completions per prompt, W train ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from contract.batches import PackedMicroBatch
+from contract.figures import FleetFigures
+from contract.messages import GroupRequest, GroupResult, SyncReport, TrainResult
+from contract.train_worker import TrainWorker
+from contract.versions import PolicyVersionLedger
+
+__all__ = ["ControlChannel", "Fleet", "MetricSink", "Trainer", "TrainWorker"]
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The train side: W ranks holding the policy, the frozen reference policy and the optimizer.
+
+    Attributes:
+        world_size: W, the ranks the scheduler balances a batch over (``train_step`` takes one list per rank).
+        num_parameters: of the policy (valid after :meth:`start`).
+    """
+
+    world_size: int
+    num_parameters: int
+
+    def start(self, model_path: str, policy_path: str | None = None) -> None:
+        """Build the ranks: the policy from ``policy_path`` (a checkpoint's policy folder, on resume) or
+        ``model_path``; the reference policy always from ``model_path``.
+
+        Raises:
+            RuntimeError (or a runtime's failure type): a rank could not be built; nothing stays running.
+        """
+        ...
+
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β for the following train steps on every rank (adaptive KL controller)."""
+        ...
+
+    def train_step(self, per_rank: list[list[PackedMicroBatch]], num_tokens: int, num_sequences: int
+                   ) -> TrainResult:
+        """One policy update: rank r trains ``per_rank[r]`` (W lists of micro-batches).
+
+        Args:
+            num_tokens, num_sequences: loss tokens, and sequences with at least one, over the whole batch.
+
+        Returns:
+            the step's :class:`TrainResult` (policy version after the step, skipped or not and why, ``kl``, metrics).
+        """
+        ...
+
+    def save_checkpoint(self, folder: str, checkpoint: str | None = None) -> None:
+        """Every rank writes its part (policy folder, optimizer state) into ``folder``; ``checkpoint`` names the
+        final checkpoint in errors (the loop writes into a temporary folder that is renamed)."""
+        ...
+
+    def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:
+        """Load the optimizer state of checkpoint ``path`` and continue at ``policy_version``; returns
+        ``{field: (saved, in use)}`` for optimizer fields the spec changed."""
+        ...
+
+    def describe(self) -> str:
+        """One status phrase, e.g. ``"2 train rank(s), 134.5M parameters"``."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class Fleet(Protocol):
+    """The rollout side: engines that sample groups with behaviour logprobs, receive the trainer's policy, and scale.
+
+    Attributes:
+        figures: the current step's figures (tokens, idle fraction, per-engine load); reset by :meth:`begin_step`,
+            added to by every recorded generate call. The loop may set it (a carried-over partial round's figures).
+    """
+
+    figures: FleetFigures
+
+    def start(self, weights_path: str, policy_version: int, trainer: Trainer, versions: PolicyVersionLedger,
+              status: Callable[[str], None]) -> None:
+        """Start the engines holding ``weights_path``'s weights (policy version ``policy_version``) and join them to
+        ``trainer``'s weight sync; every engine's version is reported to ``versions`` (the ledger the loop owns).
+        A fleet works with its own runtime's trainer.
+
+        Raises:
+            TypeError: ``trainer`` is not of this fleet's runtime. The runtime's start-up failures.
+        """
+        ...
+
+    @property
+    def num_engines(self) -> int:
+        """Engines serving now."""
+        ...
+
+    @property
+    def restarts(self) -> int:
+        """Engines replaced after a failure so far."""
+        ...
+
+    def begin_step(self) -> None:
+        """Start a step's :attr:`figures` afresh."""
+        ...
+
+    def generate(self, requests: list[GroupRequest], on_groups: Callable[[list[GroupResult]], None] | None = None,
+                 record: bool = True, recover: bool = True, interrupt_epoch: int | None = None
+                 ) -> list[GroupResult]:
+        """Sample one group per request (results in request order), each group at a policy version within
+        ``rollout.max_staleness`` of the trainer's (``versions.current``).
+
+        Args:
+            on_groups: called with each batch of finished groups as they arrive (scoring while others sample).
+            record: add the call's figures to :attr:`figures` (held-out evaluation passes False).
+            recover: may replace and re-sync engines after a fault. False while a train step runs (one_step_off,
+                async): a fault then raises :class:`contract.errors.RecoveryDeferred`.
+            interrupt_epoch: (partial rollouts) :meth:`interrupt` with an epoch >= it stops the call early; groups
+                with an ``"interrupted"`` completion come back as they are.
+        """
+        ...
+
+    def interrupt(self, epoch: int) -> None:
+        """Stop every generate call of ``interrupt_epoch`` <= ``epoch`` at its next engine step."""
+        ...
+
+    def sync_policy(self) -> SyncReport:
+        """Send the trainer's current policy (``versions.current``) to every engine and verify what they received
+        (``sync.verify``); returns the sync's report (``.metrics()``: the ``sync/*`` metrics)."""
+        ...
+
+    def scale(self, replicas: int) -> None:
+        """Resize to ``replicas`` engines between steps; new engines receive the current policy before they serve.
+
+        Raises:
+            ValueError: ``replicas`` < 1.
+        """
+        ...
+
+    def log_workers(self, sink: MetricSink, step: int, figures: FleetFigures | None = None) -> None:
+        """Per-engine figures of the step (``figures``: those of the batch the step trained on; None:
+        :attr:`figures`) to ``sink.log_worker`` (pool ``rollout``)."""
+        ...
+
+    def describe(self) -> str:
+        """One status phrase, e.g. ``"1 engine(s), 13 sync bucket(s)"``."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every engine (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class ControlChannel(Protocol):
+    """How an operator steers a running job (``grpo-cluster scale``, ``status``): read between steps."""
+
+    def desired_rollout_replicas(self) -> int | None:
+        """The engine count asked for (None: no request)."""
+        ...
+
+    def report(self, status: Mapping[str, Any]) -> None:
+        """Publish the job's state (step, policy version, engines, ...)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class MetricSink(Protocol):
+    """Where a job's metrics go (``metrics.jsonl`` and Prometheus: ``cluster.ops.metrics.MetricsLogger``).
+
+    Attributes:
+        url: the Prometheus endpoint's address, None without one.
+    """
+
+    url: str | None
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """The step's driver-level row."""
+        ...
+
+    def log_worker(self, step: int, pool: str, worker: str, metrics: Mapping[str, Any]) -> None:
+        """One worker's figures of the step (labelled series, ``workers.jsonl``)."""
+        ...
+
+    def remove_worker(self, pool: str, worker: str) -> int:
+        """Drop a worker's series (it left the pool)."""
+        ...
+
+    def reopen(self) -> None:
+        """Reopen the step logs after they were truncated (resume, rollback)."""
+        ...
+
+    def close(self) -> None:
+        ...
