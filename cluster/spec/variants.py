@@ -22,7 +22,7 @@ strings and imports no backend.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,5 +158,4 @@ def model_parallel_strategies() -> list[str]:
     (``train_workers.registry.MODEL_PARALLEL_BACKENDS`` among the registered ones), sorted."""
     from train_workers.registry import MODEL_PARALLEL_BACKENDS, TRAIN_BACKENDS
 
-    registered: Set[str] = TRAIN_BACKENDS.keys()
-    return sorted(MODEL_PARALLEL_BACKENDS & registered)
+    return sorted(name for name in MODEL_PARALLEL_BACKENDS if name in TRAIN_BACKENDS)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, get_args, get_origin
+from typing import Literal, get_args, get_origin
 
 import pytest
 import torch
