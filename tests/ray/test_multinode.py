@@ -140,9 +140,10 @@ def _run_bounded(job) -> dict:
         job.run()
     finally:
         seen["seconds"] = time.monotonic() - t0
-        if job.rollout is not None:
-            seen.update(infos=list(job.rollout.infos), restarts=job.rollout.restarts, transport=job.sync.transport,
-                        train_infos=list(job.train.infos))
+        rollout, sync, train = job.fleet.rollout, job.fleet.sync, job.trainer.pool
+        if rollout is not None:
+            seen.update(infos=list(rollout.infos), restarts=rollout.restarts, transport=sync.transport,
+                        train_infos=list(train.infos))
         job.close()
         job.shutdown()
     assert seen["seconds"] < JOB_WALL_S, f"job took {seen['seconds']:.0f} s"
@@ -156,52 +157,53 @@ def _check_synced_across_nodes(history: list[dict]) -> None:
     assert all(m["rollout/logprob_diff"] < 2e-5 for m in history), [m["rollout/logprob_diff"] for m in history]
 
 
-def _remove_rollout_node_at(job, step: int, two_nodes, then=None) -> dict:
-    """Before step ``step`` samples, kill the rollout node (and then call ``then``); returns what was removed.
+def lose_rollout_node(two_nodes, removed: dict, then=None):
+    """A :class:`tests.ray_faults.FaultyFleet` fault: kill the rollout node (and then call ``then(fleet)``); what
+    was removed goes into ``removed`` (``procs``, ``node``, ``killed``).
 
     A lost machine takes every process on it down at once. Killing the raylet alone does not: the engine's Ray
     worker answers direct actor calls until it notices its raylet is gone, so a short step could still sample on the
     "lost" node (seen once in CI). The engine's worker and its children (the vLLM engine core) are killed with the
     raylet, before the step samples."""
-    removed: dict = {}
-    original = job.rollout.generate
+    def fault(fleet) -> None:
+        worker = fleet.rollout.infos[0].pid
+        try:
+            removed["procs"] = [psutil.Process(worker), *_descendants(worker)]
+        except psutil.NoSuchProcess:
+            removed["procs"] = []
+        removed["node"] = two_nodes.remove_rollout_node()
+        removed["killed"] = _reap(removed["procs"])
+        if then is not None:
+            then(fleet)
 
-    def generate(requests, on_groups=None):
-        if job.step == step and not removed:
-            worker = job.rollout.infos[0].pid
-            try:
-                removed["procs"] = [psutil.Process(worker), *_descendants(worker)]
-            except psutil.NoSuchProcess:
-                removed["procs"] = []
-            removed["node"] = two_nodes.remove_rollout_node()
-            removed["killed"] = _reap(removed["procs"])
-            if then is not None:
-                then()
-        return original(requests, on_groups)
-
-    job.rollout.generate = generate
-    return removed
+    return fault
 
 
-def test_pools_on_two_nodes_sync_by_broadcast_and_a_lost_rollout_node_is_replaced(two_nodes, make_spec):
+def _job(spec, faults):
+    """The job over a :class:`tests.ray_faults.FaultyFleet` with ``faults`` and the Ray trainer."""
+    from cluster.driver import GRPOJob
+    from cluster.ray_shell.train_pool import RayTrainer
+    from tests.ray_faults import FaultyFleet
+
+    return GRPOJob(spec, fleet=FaultyFleet(spec, faults), trainer=RayTrainer(spec), progress=False)
+
+
+def test_pools_on_two_nodes_sync_by_broadcast_and_a_lost_rollout_node_is_replaced(two_nodes, make_spec, capsys):
     """Step 1 runs with the pools on their two nodes (engine on the rollout node, both train ranks on the train node,
     ``auto`` choosing broadcast); the rollout node is lost before step 2 and a new one joins: the engine is replaced
     there and steps 2-3 run. Every step's sync is verified and its engine logprobs match the trainer's."""
-    from cluster.ray_shell.runtime import build_job
-
     spec = make_spec("node_replaced", "total_steps=3")
-    job = build_job(spec, progress=False)
-    messages = []
-    job._status = messages.append
+    removed: dict = {}
+    job = _job(spec, {2: lose_rollout_node(two_nodes, removed, then=lambda fleet: two_nodes.add_rollout_node())})
     job.start()
-    engine_node, train_nodes, first_transport = (job.rollout.infos[0].node_id, [i.node_id for i in job.train.infos],
-                                                 job.sync.transport)
+    engine_node, train_nodes, first_transport = (job.fleet.rollout.infos[0].node_id,
+                                                 [i.node_id for i in job.trainer.pool.infos], job.fleet.sync.transport)
     nodes = {"rollout": two_nodes.node_with("rollout_node"), "train": two_nodes.node_with("train_node")}
-    removed = _remove_rollout_node_at(job, 2, two_nodes, then=two_nodes.add_rollout_node)
     try:
         seen = _run_bounded(job)
     finally:
         leftovers = _reap(removed.get("procs", []))
+    messages = capsys.readouterr().err.splitlines()
     assert engine_node == nodes["rollout"] != nodes["train"] and train_nodes == [nodes["train"]] * 2
     assert first_transport == "broadcast"  # auto: the engine is on another node than train rank 0
     assert removed["node"], "the rollout node was never removed"
@@ -225,16 +227,19 @@ def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make
     The engine starts under the spec's 240 s (a start takes 30-60 s on 2 loaded cores); only then does the rollout
     pool get ``rollout.timeout_s=45``, the wait under test (long enough for Ray's health checks, ≈ 15 s, to mark the
     node dead, short enough not to spend minutes waiting)."""
-    from cluster.ray_shell.runtime import build_job
     from cluster.ray_shell.pools import EngineFailure
 
     if two_nodes.rollout_node is None:
         two_nodes.add_rollout_node()
     spec = make_spec("node_lost", "total_steps=2")
-    job = build_job(spec, progress=False)
+    short = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
+    removed: dict = {}
+
+    def shorten_the_wait(fleet) -> None:
+        fleet.rollout.spec = short  # the rollout pool's own copy: the engine started under the spec's 240 s
+
+    job = _job(spec, {1: shorten_the_wait, 2: lose_rollout_node(two_nodes, removed)})
     job.start()
-    job.rollout.spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
-    removed = _remove_rollout_node_at(job, 2, two_nodes)
     t0 = time.monotonic()
     try:
         with pytest.raises(EngineFailure) as info:

