@@ -65,8 +65,8 @@ def reference_run(tiny_model_dir, gsm8k_train_path, tmp_path_factory) -> dict:
     from tests.reference_job import reference_spec, six_prompts
 
     base = tmp_path_factory.mktemp("reference")
-    spec = reference_spec(tiny_model_dir, six_prompts(gsm8k_train_path, base), base / "out")
     with contextmanager(temporarily_registered)("parity", parity_reward), ray_for():
+        spec = reference_spec(tiny_model_dir, six_prompts(gsm8k_train_path, base), base / "out")
         with stopped_after(build_job(spec, progress=False)) as job:
             history = job.run()
             url, port = job.metrics.url, job.metrics.port
