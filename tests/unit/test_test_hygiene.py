@@ -4,7 +4,8 @@ injection lives in tests (``tests/faults.py``, ``tests/ray_faults.py``: subclass
 ``GRPOJob(spec, fleet=..., trainer=...)``).
 
 The scan reads every ``*.py`` file under tests/ with :mod:`ast`; the rules are checked on hand-written snippets first,
-so that a scan finding nothing means the rules work, not that they never match.
+so that a scan finding nothing means the rules work, not that they never match. Also here: every tier has a declared
+cost marker, and the tests ``tests/conftest.py`` lists as starting no vLLM engine exist.
 """
 
 from __future__ import annotations
@@ -180,3 +181,49 @@ def test_no_test_patches_the_driver_or_swaps_a_built_jobs_parts():
     assert not found, ("tests patch the driver or a built job's parts; give the job its collaborators instead "
                        "(GRPOJob(spec, fleet=..., trainer=...); fault injection in tests/faults.py):\n"
                        + "\n".join(found))
+
+
+def test_every_tier_has_a_declared_cost_marker():
+    """Each tier folder (``tests/tier_guard.discover_tiers``) gives its tests a marker that pyproject.toml declares
+    (``--strict-markers``), ``unit`` and ``engine`` among them."""
+    import tomllib
+
+    from tests.conftest import TIER_MARKERS
+    from tests.tier_guard import discover_tiers
+
+    ini = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    declared = {line.split(":")[0] for line in ini["markers"]}
+    assert {"unit", "engine", "slow", "gpu"} <= declared
+    tiers = {p.name for p in discover_tiers(TESTS)}
+    assert tiers <= set(TIER_MARKERS), f"tiers without a marker in tests/conftest.py: {tiers - set(TIER_MARKERS)}"
+    assert set(TIER_MARKERS.values()) <= declared
+
+
+def test_the_tests_listed_as_starting_no_engine_exist():
+    """A stale entry in ``tests/conftest.py`` NO_ENGINE (a renamed test) would silently put a test back under
+    ``engine``: each entry names an existing module, and its test function."""
+    from tests.conftest import NO_ENGINE
+
+    for entry in NO_ENGINE:
+        module, _, name = entry.partition("::")
+        path = TESTS / module
+        assert path.is_file(), entry
+        if name:
+            defined = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+            assert name in defined, entry
+
+
+@pytest.mark.parametrize("path, name, expected", [
+    ("unit/test_spec.py", "test_x", ["unit"]),
+    ("distributed/test_fsdp_parity.py", "test_x", ["distributed"]),
+    ("in_process/test_loop_eval.py", "test_x", ["in_process"]),
+    ("ray/test_loop_tiny.py", "test_x", ["ray", "engine"]),
+    ("ray/test_rollout_pool_dispatch.py", "test_x", ["ray"]),
+    ("ray/test_submit.py", "test_bad_spec_exits_2_and_submits_nothing", ["ray"]),
+    ("e2e/test_eval_engine.py", "test_eval_with_the_real_engine", ["e2e", "engine"]),
+    ("e2e/test_eval_engine.py", "test_answering_model_greedy_output_with_transformers", ["e2e"]),
+])
+def test_cost_markers_by_folder(path, name, expected):
+    from tests.conftest import cost_markers
+
+    assert cost_markers(TESTS / path, name) == expected
