@@ -24,10 +24,12 @@ REWARD_NAMES: tuple[str, ...] = ("accuracy", "format", "math")
 
 def reward_names() -> tuple[str, ...]:
     """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format, math, reasoning_gym), read
-    at validation time so functions registered by user code before the spec is loaded are accepted."""
+    at validation time so functions registered by user code before the spec is loaded are accepted; keys a spec named
+    by location (``file.py:function``), registered when it was loaded, are not listed."""
     from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.rewards.loading import is_location
 
-    return tuple(sorted(REWARD_FUNCTIONS))
+    return tuple(sorted(name for name in REWARD_FUNCTIONS if not is_location(name)))  # not keys a spec loaded
 
 
 def check_reward_key(key: str, info: ValidationInfo | None = None) -> str:
@@ -43,9 +45,9 @@ def check_reward_key(key: str, info: ValidationInfo | None = None) -> str:
     from grpo.rewards.calling import RewardError
     from grpo.rewards.loading import HOW_TO_NAME_A_REWARD, is_location, register_spec_reward
 
-    if key in REWARD_FUNCTIONS:
-        return key
     if not is_location(key):
+        if key in REWARD_FUNCTIONS:
+            return key
         raise ValueError(f"unknown reward {key!r}; allowed: {', '.join(reward_names())}; {HOW_TO_NAME_A_REWARD}")
     base_dir = (info.context or {}).get("base_dir") if info is not None else None
     try:
