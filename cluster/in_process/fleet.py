@@ -89,6 +89,7 @@ class LocalFleet:
         figures: the current step's :class:`FleetFigures`.
         model: the fleet's own policy copy (after :meth:`start`). tokenizer: its tokenizer.
         model_version: the policy version the model holds; None after a failed sync (it refuses to sample).
+        eos_ids: the ids that end a completion: the model's ``generation_config`` EOS ids and the tokenizer's.
     """
 
     def __init__(self, spec, max_batch_rows: int = MAX_BATCH_ROWS):
@@ -100,7 +101,7 @@ class LocalFleet:
         self._engines: list[LocalEngine] = []
         self._sync: LocalWeightSync | None = None
         self._status: Callable[[str], None] = lambda message: None
-        self._eos: frozenset[int] = frozenset()
+        self.eos_ids: frozenset[int] = frozenset()
         self._lock = threading.Lock()  # generate and the weight sync never run at once
         self._interrupted_epoch = -1
         self._unseeded = random.Random(spec.seed)  # seeds of requests that carry none
@@ -135,7 +136,7 @@ class LocalFleet:
         self.tokenizer = AutoTokenizer.from_pretrained(weights_path)
         self.model = _load_model(weights_path, self.spec, adapter_config)
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        self._eos = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
+        self.eos_ids = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
         self.model_version = policy_version
         self._engines = [LocalEngine(i) for i in range(self.spec.rollout.replicas)]
         self._sync = LocalWeightSync(self.spec, trainer.worker, sync_targets(self.model, adapter_config is not None),
@@ -153,6 +154,11 @@ class LocalFleet:
     def restarts(self) -> int:
         """Engines replaced after a failure: always 0 (nothing fails apart in one process)."""
         return 0
+
+    @property
+    def sync_names(self) -> list[str]:
+        """The tensors every sync streams, in plan order (HF names, or PEFT's adapter names); [] before start."""
+        return list(self._sync.names) if self._sync is not None else []
 
     def begin_step(self) -> None:
         """Start a step's :attr:`figures` afresh."""
@@ -215,6 +221,10 @@ class LocalFleet:
         step (an integer assignment: safe from any thread while a call runs)."""
         self._interrupted_epoch = max(self._interrupted_epoch, int(epoch))
 
+    def interrupted(self, interrupt_epoch: int | None) -> bool:
+        """Whether a call of ``interrupt_epoch`` must stop now (None: never); checked before every token step."""
+        return interrupt_epoch is not None and self._interrupted_epoch >= interrupt_epoch
+
     def _generate_once(self, requests: list[GroupRequest], on_groups, interrupt_epoch: int | None
                        ) -> tuple[list[GroupResult], PoolGenerateStats]:
         """One dispatch of ``requests`` over the logical engines (``assign_groups``), each engine's share sampled in
@@ -262,11 +272,8 @@ class LocalFleet:
                     seed = job.seed if job.seed is not None else self._unseeded.getrandbits(63)
                     planned.append((k, job))
                     rows.append(RowJob(job.prompt_ids, job.max_tokens, seed, sampling))
-
-            def stop() -> bool:
-                return interrupt_epoch is not None and self._interrupted_epoch >= interrupt_epoch
-
-            states = sample_rows(self.model, rows, self._eos, stop, self.max_batch_rows)
+            states = sample_rows(self.model, rows, self.eos_ids, lambda: self.interrupted(interrupt_epoch),
+                                 self.max_batch_rows)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         per_group: list[dict] = [{} for _ in requests]
         for (k, job), state in zip(planned, states):
