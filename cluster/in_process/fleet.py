@@ -187,12 +187,15 @@ class LocalFleet:
         sampled again (same seeds: the same groups on the new weights). See :class:`contract.protocols.Fleet`.
 
         Raises:
+            RuntimeError: before :meth:`start`.
             RecoveryDeferred: with ``recover=False``, the groups came back stale or the model holds no complete
                 policy (a failed sync).
             StaleSamplesError: groups still stale after a resync.
             PolicyVersionError: a group sampled at a version ahead of the trainer's.
             ValueError: a request's ``resume_from`` does not fit it (``rollout_workers.partial.completion_jobs``).
         """
+        if self._sync is None:
+            raise RuntimeError("LocalFleet.generate: the fleet is not started (call start first)")
         max_staleness = self.spec.rollout.max_staleness
         for _ in range(3):
             if self.model_version is None:  # a failed sync left a partial load

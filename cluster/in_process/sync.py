@@ -154,6 +154,10 @@ class LocalWeightSync:
         receiver's seconds, the receiver's checksums). On a failure both sides' group is closed."""
         t0 = time.perf_counter()
         sending = self._sender_thread.submit(self.worker.broadcast_weights, verify)
+        # a sender that fails closes its side (the rank's broadcast_weights does), so that this thread's wait for
+        # the next bucket fails at once (gloo: peer closed) rather than after sync.timeout_s; closed again here in
+        # case it did not
+        sending.add_done_callback(lambda f: f.exception() is not None and self.worker.close_sync_group())
         got: dict[str, int] = {}
         try:
             self._receiver.begin()

@@ -1,8 +1,10 @@
-"""LocalFleet and LocalTrainer as the loop sees them: the role protocols, logical engines (scale 1 → 2 → 1, dispatch,
-per-engine figures and worker rows), staleness refusal and recovery, and the train rank's life cycle in one process
-(start after start, thread count restored, checkpoint round trip)."""
+"""LocalFleet and LocalTrainer as the loop sees them: the role protocols, logical engines (scale 1 → 2 → 1,
+dispatch, per-engine figures and worker rows), staleness refusal and recovery, a failed sync and the next one, and
+the train rank's life cycle in one process (start after start, thread count restored, checkpoint round trip)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -103,3 +105,29 @@ def test_train_rank_life_cycle_in_one_process(tiny_model_dir, tmp_path):
         resumed.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_failed_sync_is_recovered_by_the_next(tiny_model_dir, tmp_path, monkeypatch):
+    """The rank's sender fails before streaming: the sync fails within seconds (not ``sync.timeout_s``), names the
+    rank, leaves every engine's version unknown and the model refusing to sample; the next generate syncs again
+    (a new group) first, or defers without recovery."""
+    spec = local_spec(tiny_model_dir, str(tmp_path), sync={"timeout_s": 120})
+    with running(spec, tiny_model_dir) as (trainer, fleet, versions):
+        requests = requests_for(fleet.tokenizer, PROMPTS[:1])
+        train_on(trainer, versions, fleet.generate(requests))
+        real = trainer.worker.broadcast_weights
+
+        def failing(verify):
+            monkeypatch.setattr(trainer.worker, "broadcast_weights", real)  # fails once
+            raise RuntimeError("injected sender fault")
+
+        monkeypatch.setattr(trainer.worker, "broadcast_weights", failing)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="train rank 0: RuntimeError: injected sender fault"):
+            fleet.sync_policy()
+        assert time.perf_counter() - t0 < 30
+        assert versions.engine_versions == [None] and fleet.model_version is None
+        with pytest.raises(RecoveryDeferred, match="no complete policy"):
+            fleet.generate(requests, recover=False)
+        groups = fleet.generate(requests)
+        assert groups[0].policy_version == 1 and versions.engine_versions == [1]
