@@ -36,7 +36,7 @@ def _cmd_run(args) -> int:
         return prepared
     job, address, source = prepared
     spec = job.spec
-    from cluster.driver import run_with_restarts
+    from cluster.ray_shell.restarts import run_with_restarts
     from cluster.ray_shell.fleet import StaleSamplesError
     from cluster.ray_shell.pools import InsufficientResources
     from cluster.loop.training import NumericsError
