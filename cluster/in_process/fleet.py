@@ -112,9 +112,9 @@ class LocalFleet:
               status: Callable[[str], None]) -> None:
         """Load the fleet's own copy of the policy from ``weights_path`` (``model.dtype``; with ``train.lora.sync:
         adapter`` wrapped with PEFT adapters from the trainer's adapter config, ``B = 0``: the base), form the weight
-        sync with ``trainer``'s rank and record ``rollout.replicas`` engines in ``versions``. With ``train.lora`` and
-        ``policy_version`` > 0 (a resumed LoRA job: ``weights_path`` is the base model) the trainer's policy is
-        synced at once.
+        sync with ``trainer``'s rank and record ``rollout.replicas`` engines in ``versions`` (their versions unknown
+        until the first sync, as the Ray shell's). A resumed LoRA job's fleet holds the base model until the loop
+        syncs the checkpoint's policy.
 
         Raises:
             TypeError: ``trainer`` is not a :class:`LocalTrainer`.
@@ -142,8 +142,20 @@ class LocalFleet:
         self._sync = LocalWeightSync(self.spec, trainer.worker, sync_targets(self.model, adapter_config is not None),
                                      versions)
         versions.set_engines(self._engines)
-        if self.spec.train.lora is not None and policy_version > 0:
-            self.sync_policy()
+
+    def check(self, model_path: str) -> None:
+        """Pre-start check (starts nothing): the train rank must be on the CPU, since the in-process weight sync is a
+        gloo group of two members in one process (two NCCL ranks cannot share a GPU).
+
+        Raises:
+            ModelError: ``train.num_gpus_per_worker`` > 0 while a GPU is visible.
+        """
+        from cluster.data.models import ModelError
+
+        if self.spec.train.num_gpus_per_worker > 0 and torch.cuda.is_available():
+            raise ModelError(f"train.num_gpus_per_worker: the in-process runtime syncs weights over gloo within one "
+                             f"process, so the train rank must run on the CPU: expected 0, got "
+                             f"{self.spec.train.num_gpus_per_worker}")
 
     @property
     def num_engines(self) -> int:

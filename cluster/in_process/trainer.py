@@ -37,25 +37,39 @@ class LocalTrainer:
         worker: the rank (a ``TrainWorker``), None before :meth:`start` and after :meth:`shutdown`; the in-process
             fleet calls its weight-sync methods.
         info: the rank's :class:`TrainRankInfo` after :meth:`start`.
-
-    Raises:
-        ValueError: ``train.tensor_parallel_size`` or ``train.pipeline_parallel_size`` above 1 (a model split over
-            several ranks cannot run as one rank).
     """
 
     world_size = 1
 
     def __init__(self, spec):
-        t = spec.train
-        for field in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(t, field) != 1:
-                raise ValueError(f"train.{field}: the in-process runtime runs one train rank, expected 1, got "
-                                 f"{getattr(t, field)}")
         self.spec = spec
         self.num_parameters = 0
         self.worker = None
         self.info: TrainRankInfo | None = None
         self._threads: int | None = None  # torch's thread count before the rank was built
+
+    def _train_spec(self):
+        """``train`` as the one rank gets it: ``world_size`` 1, ``cpu_affinity`` cleared."""
+        return self.spec.train.model_copy(update={"world_size": 1, "cpu_affinity": None})
+
+    def check(self, model_path: str) -> None:
+        """Pre-start checks against the model (starts nothing): ``train.lora`` targets and rank
+        (``cluster.ops.model_checks.check_lora``; no engine to check), the backend's layout for one rank
+        (``check_train_layout``).
+
+        Raises:
+            ModelError: naming the spec field; ``train.tensor_parallel_size`` or ``train.pipeline_parallel_size``
+                above 1 (a model split over several ranks cannot run as one rank).
+        """
+        from cluster.data.models import ModelError
+        from cluster.ops.model_checks import check_lora, check_train_layout
+
+        for field in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self.spec.train, field) != 1:
+                raise ModelError(f"train.{field}: the in-process runtime runs one train rank, expected 1, got "
+                                 f"{getattr(self.spec.train, field)}")
+        check_lora(self.spec.train.lora, model_path, engine=False)
+        check_train_layout(self._train_spec(), model_path, self.spec.model.dtype)
 
     @property
     def policy_version(self) -> int:
@@ -88,7 +102,7 @@ class LocalTrainer:
                                "this process already (another LocalTrainer running?); the in-process train rank "
                                "needs it: shut the other one down first")
         s = self.spec
-        train = s.train.model_copy(update={"world_size": 1, "cpu_affinity": None})
+        train = self._train_spec()
         filters = {"top_k": s.rollout.top_k, "top_p": s.rollout.top_p, "min_p": s.rollout.min_p}
         self._threads = torch.get_num_threads()
         try:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cluster.data.models import ModelError
 from cluster.in_process import LocalFleet, LocalTrainer
 from contract.errors import RecoveryDeferred
 from contract.protocols import Fleet, Trainer
@@ -27,6 +28,19 @@ def test_the_runtime_implements_the_role_protocols(tiny_model_dir, tmp_path):
     assert LocalTrainer(spec).world_size == 1
     with pytest.raises(TypeError, match="LocalTrainer"):
         LocalFleet(spec).start(tiny_model_dir, 0, object(), PolicyVersionLedger(), print)
+
+
+def test_pre_start_checks_name_the_field(tiny_model_dir, tmp_path):
+    """``check`` (run by the job before anything starts): LoRA targets against the model, one rank's layout."""
+    LocalTrainer(local_spec(tiny_model_dir, str(tmp_path))).check(tiny_model_dir)
+    LocalFleet(local_spec(tiny_model_dir, str(tmp_path))).check(tiny_model_dir)
+    bad_target = local_spec(tiny_model_dir, str(tmp_path), train={"lora": {"rank": 4, "target_modules": ["qkv"]}})
+    with pytest.raises(ModelError, match="train.lora.target_modules"):
+        LocalTrainer(bad_target).check(tiny_model_dir)
+    split = local_spec(tiny_model_dir, str(tmp_path), train={"strategy": "megatron", "world_size": 2,
+                                                             "tensor_parallel_size": 2})
+    with pytest.raises(ModelError, match="train.tensor_parallel_size: the in-process runtime runs one train rank"):
+        LocalTrainer(split).check(tiny_model_dir)
 
 
 def test_scale_dispatches_groups_over_logical_engines(tiny_model_dir, tmp_path):
