@@ -120,6 +120,7 @@ class LocalFleet:
             TypeError: ``trainer`` is not a :class:`LocalTrainer`.
             RuntimeError: the trainer is not started, or its rank is on a GPU (the in-process sync is gloo).
             ValueError: the trainer's sync plan does not fit the model (:class:`LocalWeightSync`).
+            PolicyVersionError: ``policy_version`` is ahead of the trainer's (``versions.check_engine``).
         """
         if not isinstance(trainer, LocalTrainer):
             raise TypeError(f"LocalFleet works with a cluster.in_process.LocalTrainer, got {type(trainer).__name__}")
@@ -130,6 +131,7 @@ class LocalFleet:
                                f"the CPU (train.num_gpus_per_worker 0), got device {trainer.info.device}")
         from transformers import AutoTokenizer
 
+        versions.check_engine(policy_version, f"the in-process fleet starting from {weights_path}")
         self.shutdown()
         self.versions, self._status = versions, status
         adapter_config = trainer.worker.sync_adapter_config()

@@ -5,13 +5,15 @@ checksums; full fine-tuning, LoRA ``merged`` and LoRA ``adapter``.
 Each case: the fleet samples on policy version 0 and the rank trains on it (its ``rollout/logprob_diff`` vs the fleet
 < 2e-5); the fleet, not synced, samples again and the rank's next step sees a gap (its weights moved: > 1e-4); after
 a sync the fleet's tensors equal the rank's (bit for bit; LoRA merged: W + s·B·A within float32 rounding), every
-tensor's checksum was verified, and the gap is back below 2e-5.
+tensor's checksum was verified, and the gap is back below 2e-5 (measured: ≈ 2e-7 in sync, ≈ 5e-2 one version
+behind). Also: which tensors ``sync.verify`` checks, and the two gloo groups in one process the sync rests on.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from contract.messages import SyncReport
 from tests.local_runtime import PROMPTS, local_spec, requests_for, running, train_on
@@ -85,15 +87,59 @@ def test_sync_streams_the_trained_policy_into_the_fleet(case, tiny_model_dir, tm
         assert train_on(trainer, versions, after).metrics["rollout/logprob_diff"] < 2e-5
 
 
-def test_sampled_verification_rotates(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("verify", ["sample", False])
+def test_which_tensors_a_sync_verifies(verify, tiny_model_dir, tmp_path):
     """``sync.verify: sample`` with ``verify_full_every`` K = 2: policy version 1 checks the tensors of odd plan
-    index, version 2 every tensor (``weight_sync.verify.checked_names``)."""
-    spec = local_spec(tiny_model_dir, str(tmp_path), sync={"verify": "sample", "verify_full_every": 2})
+    index, version 2 every tensor (``weight_sync.verify.checked_names``); ``false``: none, the weights still
+    arrive."""
+    spec = local_spec(tiny_model_dir, str(tmp_path), sync={"verify": verify, "verify_full_every": 2})
     with running(spec, tiny_model_dir) as (trainer, fleet, versions):
         names = fleet.sync_names
         reports = []
         for step in range(2):
             train_on(trainer, versions, fleet.generate(requests_for(fleet.tokenizer, PROMPTS[:1], seed=step)))
             reports.append(fleet.sync_policy())
-        assert [(r.policy_version, r.verified_tensors) for r in reports] == [(1, len(names[1::2])), (2, len(names))]
-        assert all(r.verified for r in reports)
+        checked = [(r.policy_version, r.verified_tensors, r.verified) for r in reports]
+        if verify == "sample":
+            assert checked == [(1, len(names[1::2]), True), (2, len(names), True)]
+        else:
+            assert checked == [(1, 0, False), (2, 0, False)]
+        after = fleet.generate(requests_for(fleet.tokenizer, PROMPTS[:1], seed=5))
+        assert train_on(trainer, versions, after).metrics["rollout/logprob_diff"] < 2e-5
+
+
+def test_two_gloo_groups_in_one_process():
+    """What the in-process sync rests on: a default gloo group and a two-member ``SyncGroup`` in one process, the
+    sender's side in a worker thread (which also runs collectives of the default group, as the rank's gathers do)
+    and the receiver's in this thread; broadcasts arrive intact, and the process can form a default group again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weight_sync.group import SyncGroup, free_port
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        port = free_port()
+        with ThreadPoolExecutor(1) as thread:
+            hosting = thread.submit(SyncGroup, "127.0.0.1", port, 0, 2, 30.0, "gloo")
+            receiver = SyncGroup("127.0.0.1", port, 1, 2, 30.0, "gloo")
+            sender = hosting.result(timeout=30)
+
+            def send(x: torch.Tensor) -> None:
+                total = torch.ones(1)
+                dist.all_reduce(total)  # the default group, from the sender's thread
+                sender.broadcast(x)
+
+            for i in range(3):
+                x = torch.arange(1000, dtype=torch.float32) * (i + 1)
+                sending = thread.submit(send, x)
+                y = torch.empty(1000)
+                receiver.broadcast(y)
+                sending.result(timeout=30)
+                assert torch.equal(x, y)
+        sender.close()
+        receiver.close()
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.destroy_process_group()
