@@ -14,9 +14,9 @@ It implements :class:`contract.protocols.Fleet` with the semantics of the Ray sh
   seeded from (request seed, sample index) as vLLM seeds ``n=G`` requests, behaviour logprobs under the rollout's
   filtered distribution. A completion's request jobs and its group's assembly (partial rollouts: continued
   completions, per-token policy versions) are ``rollout_workers.partial``'s, the engine's own bookkeeping.
-- Versions: every engine's version is recorded in the loop's ledger (``set_engines`` when the engine list changes,
-  ``synced`` after a verified sync, ``sync_failed`` after a failed one); groups staler than ``rollout.max_staleness``
-  are refused and sampled again after a resync (or, with ``recover=False``, raise
+- Versions: every engine's version is recorded in the loop's ledger (``check_engine`` at start, ``set_engines`` when
+  the engine list changes, ``synced`` after a verified sync, ``sync_failed`` after a failed one); groups staler than
+  ``rollout.max_staleness`` are refused and sampled again after a resync (or, with ``recover=False``, raise
   :class:`contract.errors.RecoveryDeferred`).
 
 Not modelled: engine faults (nothing dies in process: ``restarts`` stays 0) and the KV cache's capacity
@@ -134,6 +134,7 @@ class LocalFleet:
         versions.check_engine(policy_version, f"the in-process fleet starting from {weights_path}")
         self.shutdown()
         self.versions, self._status = versions, status
+        self._interrupted_epoch = -1  # as a freshly started engine
         adapter_config = trainer.worker.sync_adapter_config()
         self.tokenizer = AutoTokenizer.from_pretrained(weights_path)
         self.model = _load_model(weights_path, self.spec, adapter_config)
