@@ -18,8 +18,8 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
   SPEC.yaml`` compares against it).
 - **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir:
   ``cluster/ray_shell/control.py`` alone), that joins the cluster with ``address=auto`` and calls the job's control
-  actor; it waits for that job to finish and prints what the actor answered. This needs only the dashboard address (the GCS address cannot in general be derived
-  from it) and costs a few seconds per request.
+  actor; it waits for that job to finish and prints what the actor answered. This needs only the dashboard address
+  (the GCS address cannot in general be derived from it) and costs a few seconds per request.
 
 Errors meant for the user (unreachable address, unknown job id, a spec change that cannot be applied live) are
 raised as :class:`JobsError`; the CLI prints them and exits 2.
