@@ -4,11 +4,13 @@ cap, enforce the wall-clock limit, notice the bootstrap's "started" byte, and ki
 One thread per program, no extra threads: a ``selectors`` loop over the pipes, the "started" pipe, bwrap's info pipe
 and a pidfd of the process (readable when it exits). Linux only (``os.pidfd_open``, Linux 5.3, Python 3.9).
 
-Killing (bwrap mode). bwrap's info pipe names the PID namespace's init (bwrap's reaper, pid 1 inside). Killing it
-makes the kernel kill every process of the namespace (pid_namespaces(7)), daemons included; bwrap then reaps it and
-exits, so once ``proc.wait()`` returns nothing of the program is left. The init is signalled through a pidfd opened
-while it is still a child of our bwrap (checked), so a recycled pid is never signalled. Before the info arrives the
-whole process group of bwrap is killed instead (bwrap ``--die-with-parent`` takes the sandbox down with it).
+Ending (bwrap mode). bwrap's info pipe names the PID namespace's init (bwrap's reaper, pid 1 inside). When the
+init exits, by itself once the program's main process ended or because we killed it, the kernel kills every process
+of the namespace (pid_namespaces(7)), daemons included, and the init's exit completes only when they are gone. bwrap
+itself may exit before that (measured: its init outlived it, reparented to the host's pid 1), so :func:`supervise`
+returns only after a pidfd of the init reports its exit. The pidfd is opened as soon as the info arrives and checked
+to be in bwrap's new PID namespace, so a recycled pid is never signalled. Before the info arrives the whole process
+group of bwrap is killed instead (bwrap ``--die-with-parent`` takes the sandbox down with it).
 In rlimits mode the caller's ``kill_rest`` does the job (see ``grpo.rewards.sandbox``).
 """
 
@@ -48,26 +50,31 @@ class Outcome:
     seconds: float
 
 
-def _open_init_pidfd(info: bytes, bwrap_pid: int) -> int | None:
-    """A pidfd of the namespace's init named in bwrap's info JSON, if it is still bwrap's child (else None)."""
+def _open_init_pidfd(info: bytes) -> int | None:
+    """A pidfd of the namespace's init named in bwrap's info JSON, or None when the JSON is not complete yet or the
+    init is already gone. The pid is checked to still be that init (its PID namespace is the one bwrap made), so a
+    recycled pid is never taken for it."""
     try:
-        child = int(json.loads(info)["child-pid"])
-        fd = os.pidfd_open(child)
-    except (ValueError, KeyError, OSError):
+        parsed = json.loads(info)
+        child, namespace = int(parsed["child-pid"]), int(parsed["pid-namespace"])
+    except (ValueError, KeyError, TypeError):
         return None
     try:
-        with open(f"/proc/{child}/stat", "rb") as f:
-            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        ppid = -1
-    if ppid != bwrap_pid:
+        fd = os.pidfd_open(child)
+    except OSError:
+        return None
+    try:
+        same = os.readlink(f"/proc/{child}/ns/pid") == f"pid:[{namespace}]"
+    except OSError:
+        same = False
+    if not same:
         os.close(fd)
         return None
     return fd
 
 
 def _kill(proc: subprocess.Popen, init_fd: int | None) -> None:
-    """Kill the sandbox: its init through the pidfd (bwrap then reaps it and exits), else bwrap's process group."""
+    """Kill the sandbox: its init through the pidfd (bwrap then exits), else bwrap's process group."""
     if init_fd is not None:
         try:
             signal.pidfd_send_signal(init_fd, signal.SIGKILL)
@@ -82,6 +89,23 @@ def _kill(proc: subprocess.Popen, init_fd: int | None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _await_init(init_fd: int | None) -> None:
+    """Return once the namespace's init has exited, which the kernel lets happen only after every other process of
+    the namespace is gone (bwrap may exit first: it reads its program's status from the init, not the init's end).
+    Killed if it takes longer than _REAP_S."""
+    if init_fd is None:
+        return
+    with selectors.DefaultSelector() as sel:
+        sel.register(init_fd, selectors.EVENT_READ)
+        if sel.select(_REAP_S):
+            return
+        try:
+            signal.pidfd_send_signal(init_fd, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        sel.select(_REAP_S)
 
 
 def _read_ready(fd: int) -> bytes | None:
@@ -159,7 +183,7 @@ class _Loop:
         if data:
             self.info += data
             if self.init_fd is None:
-                self.init_fd = _open_init_pidfd(bytes(self.info), self.proc.pid)
+                self.init_fd = _open_init_pidfd(bytes(self.info))
         if data == b"" or self.init_fd is not None:
             self.sel.unregister(self.info_r)
 
@@ -231,6 +255,7 @@ def supervise(proc: subprocess.Popen, *, marker_r: int, info_r: int | None, stdi
                 kill_rest()
         returncode = proc.wait()
         seconds = time.monotonic() - started_at
+        _await_init(loop.init_fd)
         if not loop.started:
             loop.started = bool(_read_ready(marker_r))
     finally:
