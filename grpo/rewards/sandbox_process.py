@@ -246,6 +246,7 @@ def supervise(proc: subprocess.Popen, *, marker_r: int, info_r: int | None, stdi
                     killed_for = "output"
                     break
                 if loop.exited and not was_exited:
+                    proc.wait()  # reaped first: kill_rest's kill(-1) would count its zombie
                     if kill_rest is not None:
                         kill_rest()
                     deadline = min(deadline, time.monotonic() + _DRAIN_S)
