@@ -58,6 +58,7 @@ from grpo.rewards.sandbox_launch import (
     interpreter_argv,
     resolve_interpreter,
     sandbox_env,
+    uids_with_processes,
 )
 from grpo.rewards.sandbox_process import Outcome, supervise
 from grpo.rewards.sandbox_seccomp import userns_filter
@@ -239,10 +240,11 @@ def _run_bwrap(program: Program, config: SandboxConfig, interpreter: Interpreter
 
 
 def _kill_uid(interpreter: Interpreter, uid: int) -> None:
-    """SIGKILL every process of ``uid`` (rlimits mode as root): a helper running as that uid calls kill(-1) until
-    none is left or 1 s passed (kill(2): -1 reaches every process the caller may signal, except itself)."""
-    code = ("import os,time\nend=time.monotonic()+1\nwhile time.monotonic()<end:\n try:os.kill(-1,9)\n"
-            " except ProcessLookupError:break")
+    """SIGKILL every process of ``uid`` (rlimits mode as root): a helper running as that uid calls kill(-1), which
+    reaches every process the caller may signal except itself (kill(2)). One sweep suffices: it runs under the
+    kernel's task-list lock, which fork needs too, and a process with SIGKILL pending cannot fork; a second sweep is
+    kept for safety."""
+    code = "import os\nfor _ in range(2):\n try: os.kill(-1, 9)\n except ProcessLookupError: pass"
     subprocess.run([interpreter.executable, "-I", "-S", "-c", code], user=uid, group=uid, extra_groups=[],
                    env=sandbox_env(), cwd="/", timeout=10, check=False, capture_output=True)
 
@@ -253,7 +255,10 @@ def _run_rlimits(program: Program, config: SandboxConfig, interpreter: Interpret
     work = tempfile.mkdtemp(prefix="grpo-sandbox-")
     fds: list[int] = []
     try:
-        slot = acquire_uid_slot(config.uid_base, config.uid_count) if privileged else None
+        # Without a PID namespace, killed processes of an earlier program may linger as zombies until the machine's
+        # init reaps them, counting toward RLIMIT_NPROC of their uid: take a uid that has no process at all.
+        slot = (acquire_uid_slot(config.uid_base, config.uid_count, skip=uids_with_processes())
+                if privileged else None)
         path = os.path.join(work, "main.py")
         with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
             f.write(program.source)

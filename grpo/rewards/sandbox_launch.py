@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["BOOTSTRAP", "PROGRAM_PATH", "WORK_DIR", "Interpreter", "UidSlot", "acquire_uid_slot", "bwrap_argv",
-           "interpreter_argv", "resolve_interpreter", "sandbox_env"]
+           "interpreter_argv", "resolve_interpreter", "sandbox_env", "uids_with_processes"]
 
 #: Where the program lies inside the bwrap sandbox; the working folder (tmpfs) and HOME.
 PROGRAM_PATH = "/sandbox/main.py"
@@ -220,14 +220,29 @@ class UidSlot:
             self.fd = -1
 
 
-def acquire_uid_slot(uid_base: int, count: int) -> UidSlot:
-    """The first free uid of ``[uid_base, uid_base + count)``.
+def uids_with_processes() -> set[int]:
+    """Owners of the host's processes, zombies included (from /proc; a zombie still counts toward its uid's
+    RLIMIT_NPROC until the machine's init reaps it)."""
+    uids = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                uids.add(os.stat(f"/proc/{name}").st_uid)
+            except OSError:
+                continue
+    return uids
+
+
+def acquire_uid_slot(uid_base: int, count: int, skip: set[int] | frozenset[int] = frozenset()) -> UidSlot:
+    """The first free uid of ``[uid_base, uid_base + count)`` not in ``skip``.
 
     Raises:
         RuntimeError: every uid of the range is held (more programs at once than ``count``).
     """
     os.makedirs(UID_LOCK_DIR, mode=0o700, exist_ok=True)
     for uid in range(uid_base, uid_base + count):
+        if uid in skip:
+            continue
         fd = os.open(os.path.join(UID_LOCK_DIR, str(uid)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
