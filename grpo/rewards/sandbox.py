@@ -240,13 +240,18 @@ def _run_bwrap(program: Program, config: SandboxConfig, interpreter: Interpreter
 
 
 def _kill_uid(interpreter: Interpreter, uid: int) -> None:
-    """SIGKILL every process of ``uid`` (rlimits mode as root): a helper running as that uid calls kill(-1), which
-    reaches every process the caller may signal except itself (kill(2)). One sweep suffices: it runs under the
-    kernel's task-list lock, which fork needs too, and a process with SIGKILL pending cannot fork; a second sweep is
-    kept for safety."""
+    """SIGKILL every process of ``uid`` (rlimits mode as root) and wait until none runs (up to 5 s).
+
+    A helper running as that uid calls kill(-1), which reaches every process the caller may signal except itself
+    (kill(2)). One sweep suffices: it runs under the kernel's task-list lock, which fork needs too, and a process
+    with SIGKILL pending cannot fork; a second sweep is kept for safety. The killed processes end a moment later.
+    """
     code = "import os\nfor _ in range(2):\n try: os.kill(-1, 9)\n except ProcessLookupError: pass"
     subprocess.run([interpreter.executable, "-I", "-S", "-c", code], user=uid, group=uid, extra_groups=[],
                    env=sandbox_env(), cwd="/", timeout=10, check=False, capture_output=True)
+    deadline = time.monotonic() + 5.0
+    while uid in uids_with_processes(live_only=True) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _run_rlimits(program: Program, config: SandboxConfig, interpreter: Interpreter) -> Outcome:

@@ -220,16 +220,22 @@ class UidSlot:
             self.fd = -1
 
 
-def uids_with_processes() -> set[int]:
-    """Owners of the host's processes, zombies included (from /proc; a zombie still counts toward its uid's
-    RLIMIT_NPROC until the machine's init reaps it)."""
+def uids_with_processes(live_only: bool = False) -> set[int]:
+    """Owners of the host's processes (from /proc). Zombies count unless ``live_only``: a zombie still counts toward
+    its uid's RLIMIT_NPROC until the machine's init reaps it, but it runs nothing."""
     uids = set()
     for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                uids.add(os.stat(f"/proc/{name}").st_uid)
-            except OSError:
-                continue
+        if not name.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{name}").st_uid
+            if live_only and uid not in uids:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                        continue
+        except (OSError, IndexError):
+            continue
+        uids.add(uid)
     return uids
 
 
