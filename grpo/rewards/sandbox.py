@@ -42,135 +42,17 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Literal, get_args
 
-from grpo.rewards.sandbox_launch import (
-    PROGRAM_PATH,
-    Interpreter,
-    UidSlot,
-    acquire_uid_slot,
-    bwrap_argv,
-    interpreter_argv,
-    resolve_interpreter,
-    sandbox_env,
-    uids_with_processes,
-)
-from grpo.rewards.sandbox_process import Outcome, supervise
-from grpo.rewards.sandbox_seccomp import userns_filter
+from grpo.rewards.sandbox_config import Program, SandboxConfig, SandboxMode, SandboxResult, SandboxStatus
+from grpo.rewards.sandbox_launch import resolve_interpreter
+from grpo.rewards.sandbox_modes import run_bwrap, run_rlimits
+from grpo.rewards.sandbox_process import Outcome
 
 __all__ = ["Program", "SandboxConfig", "SandboxMode", "SandboxResult", "SandboxStatus", "check_sandbox",
            "run_program", "run_programs"]
-
-SandboxMode = Literal["bwrap", "rlimits"]
-SandboxStatus = Literal["passed", "failed", "timeout", "cpu_limit", "memory", "output_limit", "infra_error"]
-_MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    """Where and under which limits programs run; checked when built (ValueError naming the field, expected vs got).
-
-    Attributes:
-        mode: ``bwrap`` (isolated) or ``rlimits`` (weaker, see the module doc).
-        cpu_time_s: CPU seconds per process (RLIMIT_CPU), >= 1.
-        wall_time_s: wall-clock seconds for the whole program, from the sandbox's start (> 0).
-        memory_mib: address space per process (RLIMIT_AS), MiB; >= 64 (the interpreter alone maps ~20 MiB).
-        max_processes: processes and threads of the program's uid (RLIMIT_NPROC), >= 1.
-        max_output_bytes: stdout + stderr bytes kept; more kills the program (status ``output_limit``).
-        max_file_mib: largest file the program may write (RLIMIT_FSIZE), MiB.
-        tmpfs_mib: size of /tmp and of /dev/shm (bwrap mode), MiB each.
-        max_open_files: file descriptors per process (RLIMIT_NOFILE), >= 16.
-        parallel: programs run at once by :func:`run_programs` (default: the machine's CPU count).
-        python: interpreter for the programs; "" = the running Python's base installation (``sys.base_prefix``).
-        import_site: let the program import site-packages of that installation (off: ``python -S``, standard
-            library only, 4x faster start here).
-        bwrap_path: the bwrap executable (name on PATH or a path).
-        uid_base: first uid of the per-program uids when the harness runs as root (``uid_base + slot``); pick a
-            range no real user has.
-        uid_count: how many such uids (programs at once on this machine, over all processes).
-    """
-
-    mode: SandboxMode = "bwrap"
-    cpu_time_s: int = 10
-    wall_time_s: float = 20.0
-    memory_mib: int = 1024
-    max_processes: int = 32
-    max_output_bytes: int = _MIB
-    max_file_mib: int = 16
-    tmpfs_mib: int = 64
-    max_open_files: int = 256
-    parallel: int = field(default_factory=lambda: os.cpu_count() or 1)
-    python: str = ""
-    import_site: bool = False
-    bwrap_path: str = "bwrap"
-    uid_base: int = 60000
-    uid_count: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.mode not in get_args(SandboxMode):
-            raise ValueError(f"SandboxConfig.mode must be one of {get_args(SandboxMode)}, got {self.mode!r}")
-        minimum = {"cpu_time_s": 1, "memory_mib": 64, "max_processes": 1, "max_output_bytes": 1, "max_file_mib": 1,
-                   "tmpfs_mib": 1, "max_open_files": 16, "parallel": 1, "uid_base": 1, "uid_count": 1}
-        for name, low in minimum.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"SandboxConfig.{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(self.wall_time_s, (int, float)) or not 0 < self.wall_time_s < float("inf"):
-            raise ValueError(f"SandboxConfig.wall_time_s must be a finite number > 0, got {self.wall_time_s!r}")
-        if self.uid_base + self.uid_count > 65534:
-            raise ValueError(f"SandboxConfig.uid_base + uid_count must stay below 65534 (nobody), got "
-                             f"{self.uid_base} + {self.uid_count}")
-
-
-@dataclass(frozen=True)
-class Program:
-    """One program to run: Python ``source`` and the text fed to its stdin (None: stdin is /dev/null)."""
-
-    source: str
-    stdin: str | None = None
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    """What one program did.
-
-    Attributes:
-        status: see :data:`SandboxStatus` and the module doc.
-        exit_code: 0-255 (128 + N: killed by signal N); None when it never ran or was killed by the harness.
-        stdout, stderr: decoded as UTF-8 (invalid bytes replaced), at most ``max_output_bytes`` together.
-        seconds: wall time of the sandbox, start to end.
-        detail: why, for a status other than passed/failed (the limit, or the infrastructure error's message).
-    """
-
-    status: SandboxStatus
-    exit_code: int | None
-    stdout: str
-    stderr: str
-    seconds: float
-    detail: str = ""
-
-    @property
-    def passed(self) -> bool:
-        """Exit 0 within every limit."""
-        return self.status == "passed"
-
-    @property
-    def infra_error(self) -> bool:
-        """The sandbox failed, not the program: no score may come from this result."""
-        return self.status == "infra_error"
-
-
-def _limits(config: SandboxConfig, *, nproc: bool) -> list[str]:
-    """The bootstrap's ``NAME:SOFT:HARD`` arguments."""
-    limits = [f"CPU:{config.cpu_time_s}:{config.cpu_time_s + 1}", f"AS:{config.memory_mib * _MIB}:"
-              f"{config.memory_mib * _MIB}", f"FSIZE:{config.max_file_mib * _MIB}:{config.max_file_mib * _MIB}",
-              f"NOFILE:{config.max_open_files}:{config.max_open_files}", "CORE:0:0"]
-    return limits + ([f"NPROC:{config.max_processes}:{config.max_processes}"] if nproc else [])
 
 
 def _classify(outcome: Outcome, config: SandboxConfig) -> SandboxResult:
@@ -201,117 +83,6 @@ def _classify(outcome: Outcome, config: SandboxConfig) -> SandboxResult:
     return SandboxResult("failed", code, stdout, stderr, outcome.seconds)
 
 
-def _memfd(name: str, data: bytes) -> int:
-    """An anonymous file holding ``data``, positioned at its start (bwrap reads it from the fd)."""
-    fd = os.memfd_create(name)
-    os.write(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _run_bwrap(program: Program, config: SandboxConfig, interpreter: Interpreter) -> Outcome:
-    privileged = os.geteuid() == 0
-    slot: UidSlot | None = None
-    fds: list[int] = []
-    try:
-        slot = acquire_uid_slot(config.uid_base, config.uid_count) if privileged else None
-        program_fd = _memfd("grpo-sandbox-program", program.source.encode("utf-8", "surrogatepass"))
-        fds.append(program_fd)
-        bpf = userns_filter() if privileged else None
-        seccomp = [_memfd("grpo-sandbox-seccomp", bpf)] if bpf is not None else []
-        fds += seccomp
-        marker_r, marker_w = os.pipe()
-        fds += [marker_r, marker_w]
-        info_r, info_w = os.pipe()
-        fds += [info_r, info_w]
-        command = interpreter_argv(interpreter, import_site=config.import_site, marker_fd=marker_w,
-                                   program_path=PROGRAM_PATH, limits=_limits(config, nproc=True))
-        argv = bwrap_argv(config.bwrap_path, interpreter, privileged=privileged,
-                          uid=slot.uid if slot else None, tmpfs_bytes=config.tmpfs_mib * _MIB,
-                          program_fd=program_fd, info_fd=info_w, seccomp_fd=seccomp[0] if seccomp else None,
-                          command=command)
-        return _spawn(argv, program, config, pass_fds=(program_fd, marker_w, info_w, *seccomp),
-                      marker_r=marker_r, info_r=info_r, cwd="/", user=None, kill_rest=None)
-    finally:
-        for fd in fds:
-            _close_quietly(fd)
-        if slot is not None:
-            slot.release()
-
-
-def _kill_uid(interpreter: Interpreter, uid: int) -> None:
-    """SIGKILL every process of ``uid`` (rlimits mode as root) and wait until none runs (up to 5 s).
-
-    A helper running as that uid calls kill(-1), which reaches every process the caller may signal except itself
-    (kill(2)). One sweep suffices: it runs under the kernel's task-list lock, which fork needs too, and a process
-    with SIGKILL pending cannot fork; a second sweep is kept for safety. The killed processes end a moment later.
-    """
-    code = "import os\nfor _ in range(2):\n try: os.kill(-1, 9)\n except ProcessLookupError: pass"
-    subprocess.run([interpreter.executable, "-I", "-S", "-c", code], user=uid, group=uid, extra_groups=[],
-                   env=sandbox_env(), cwd="/", timeout=10, check=False, capture_output=True)
-    deadline = time.monotonic() + 5.0
-    while uid in uids_with_processes(live_only=True) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _run_rlimits(program: Program, config: SandboxConfig, interpreter: Interpreter) -> Outcome:
-    privileged = os.geteuid() == 0
-    slot: UidSlot | None = None
-    work = tempfile.mkdtemp(prefix="grpo-sandbox-")
-    fds: list[int] = []
-    try:
-        # Without a PID namespace, killed processes of an earlier program may linger as zombies until the machine's
-        # init reaps them, counting toward RLIMIT_NPROC of their uid: take a uid that has no process at all.
-        slot = (acquire_uid_slot(config.uid_base, config.uid_count, skip=uids_with_processes())
-                if privileged else None)
-        path = os.path.join(work, "main.py")
-        with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(program.source)
-        os.chmod(path, 0o444)
-        if slot is not None:
-            os.chown(work, slot.uid, slot.uid)
-        marker_r, marker_w = os.pipe()
-        fds += [marker_r, marker_w]
-        argv = interpreter_argv(interpreter, import_site=config.import_site, marker_fd=marker_w, program_path=path,
-                                limits=_limits(config, nproc=privileged))
-
-        def kill_rest() -> None:
-            if slot is not None:
-                _kill_uid(interpreter, slot.uid)
-
-        env = {**sandbox_env(), "HOME": work, "TMPDIR": work}
-        return _spawn(argv, program, config, pass_fds=(marker_w,), marker_r=marker_r, info_r=None,
-                      cwd=work, user=slot.uid if slot else None, kill_rest=kill_rest, env=env)
-    finally:
-        for fd in fds:
-            _close_quietly(fd)
-        if slot is not None:
-            slot.release()
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _spawn(argv: list[str], program: Program, config: SandboxConfig, *, pass_fds: tuple[int, ...],
-           marker_r: int, info_r: int | None, cwd: str, user: int | None, kill_rest,
-           env: dict[str, str] | None = None) -> Outcome:
-    """Start ``argv`` in its own session and supervise it (``grpo.rewards.sandbox_process.supervise``); the caller
-    owns and closes every fd."""
-    stdin = None if program.stdin is None else program.stdin.encode("utf-8", "surrogatepass")
-    started_at = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or sandbox_env(), cwd=cwd,
-                            pass_fds=pass_fds, start_new_session=True, user=user, group=user,
-                            extra_groups=[] if user is not None else None)
-    return supervise(proc, marker_r=marker_r, info_r=info_r, stdin=stdin, wall_time_s=config.wall_time_s,
-                     max_output_bytes=config.max_output_bytes, kill_rest=kill_rest, started_at=started_at)
-
-
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
-
-
 def run_program(source: str | Program, stdin: str | None = None, config: SandboxConfig | None = None
                 ) -> SandboxResult:
     """Run one Python program in the sandbox and classify its end (never raises for a sandbox or program failure).
@@ -332,7 +103,7 @@ def run_program(source: str | Program, stdin: str | None = None, config: Sandbox
     started = time.monotonic()
     try:
         interpreter = resolve_interpreter(config.python)
-        run = _run_bwrap if config.mode == "bwrap" else _run_rlimits
+        run = run_bwrap if config.mode == "bwrap" else run_rlimits
         return _classify(run(program, config, interpreter), config)
     except Exception as exc:  # the harness's own failure: never the program's
         return SandboxResult("infra_error", None, "", "", time.monotonic() - started,

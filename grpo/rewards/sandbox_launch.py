@@ -164,8 +164,8 @@ def _prefix_binds(prefixes: tuple[str, ...]) -> list[str]:
     return args
 
 
-def bwrap_argv(bwrap: str, interpreter: Interpreter, *, privileged: bool, uid: int | None, tmpfs_bytes: int, program_fd: int, info_fd: int,
-               seccomp_fd: int | None, command: list[str]) -> list[str]:
+def bwrap_argv(bwrap: str, interpreter: Interpreter, *, privileged: bool, uid: int | None, tmpfs_bytes: int,
+               program_fd: int, info_fd: int, seccomp_fd: int | None, command: list[str]) -> list[str]:
     """The bwrap command line around ``command`` (the interpreter argv with PROGRAM_PATH).
 
     Args:
