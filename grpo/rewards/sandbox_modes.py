@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from grpo.rewards.sandbox_config import MIB, Program, SandboxConfig
 from grpo.rewards.sandbox_launch import (
@@ -127,9 +129,13 @@ def run_rlimits(program: Program, config: SandboxConfig, interpreter: Interprete
         argv = interpreter_argv(interpreter, import_site=config.import_site, marker_fd=marker_w, program_path=path,
                                 limits=_limits(config, nproc=privileged))
 
-        def kill_rest() -> None:
+        def kill_rest(proc: subprocess.Popen) -> None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the program's process group (it was started in a new session)
+            except ProcessLookupError:
+                pass
             if slot is not None:
-                _kill_uid(interpreter, slot.uid)
+                _kill_uid(interpreter, slot.uid)  # also what left the group (setsid)
 
         env = {**sandbox_env(), "HOME": work, "TMPDIR": work}
         return _spawn(argv, program, config, pass_fds=(marker_w,), marker_r=marker_r, info_r=None,
@@ -143,7 +149,8 @@ def run_rlimits(program: Program, config: SandboxConfig, interpreter: Interprete
 
 
 def _spawn(argv: list[str], program: Program, config: SandboxConfig, *, pass_fds: tuple[int, ...],
-           marker_r: int, info_r: int | None, cwd: str, user: int | None, kill_rest,
+           marker_r: int, info_r: int | None, cwd: str, user: int | None,
+           kill_rest: Callable[[subprocess.Popen], None] | None,
            env: dict[str, str] | None = None) -> Outcome:
     """Start ``argv`` in its own session and supervise it (``grpo.rewards.sandbox_process.supervise``); the caller
     owns and closes every fd."""

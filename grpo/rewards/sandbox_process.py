@@ -212,7 +212,7 @@ class _Loop:
 
 
 def supervise(proc: subprocess.Popen, *, marker_r: int, info_r: int | None, stdin: bytes | None,
-              wall_time_s: float, max_output_bytes: int, kill_rest: Callable[[], None] | None,
+              wall_time_s: float, max_output_bytes: int, kill_rest: Callable[[subprocess.Popen], None] | None,
               started_at: float) -> Outcome:
     """Run ``proc`` (started with stdout/stderr pipes, and a stdin pipe when ``stdin`` is given) to its end.
 
@@ -224,14 +224,20 @@ def supervise(proc: subprocess.Popen, *, marker_r: int, info_r: int | None, stdi
         wall_time_s: wall-clock limit from ``started_at``; then everything is killed (``killed_for="wall"``).
         max_output_bytes: cap on stdout + stderr together; passing it kills everything (``killed_for="output"``),
             and what was read is kept up to the cap.
-        kill_rest: kills what the process may have left behind; called after it exits or is killed (rlimits mode).
+        kill_rest: kills what the process may have left behind, given the process; called once it exited (before
+            it is reaped) or was killed (rlimits mode; bwrap's PID namespace needs none).
         started_at: ``time.monotonic()`` just before the process was created.
 
     Returns:
         The :class:`Outcome`; the process is reaped and our ends of its pipes closed (``marker_r`` and ``info_r``
         stay the caller's).
     """
-    loop = _Loop(proc, marker_r, info_r, stdin, max_output_bytes)
+    try:
+        loop = _Loop(proc, marker_r, info_r, stdin, max_output_bytes)
+    except BaseException:
+        _kill(proc, None)
+        proc.wait()
+        raise
     deadline = started_at + wall_time_s
     killed_for: Literal["wall", "output"] | None = None
     try:
@@ -246,14 +252,14 @@ def supervise(proc: subprocess.Popen, *, marker_r: int, info_r: int | None, stdi
                     killed_for = "output"
                     break
                 if loop.exited and not was_exited:
-                    proc.wait()  # reaped first: kill_rest's kill(-1) would count its zombie
                     if kill_rest is not None:
-                        kill_rest()
+                        kill_rest(proc)  # before reaping: its pid, the group's id, stays unused until then
+                    proc.wait()
                     deadline = min(deadline, time.monotonic() + _DRAIN_S)
         if killed_for is not None:
             _kill(proc, loop.init_fd)
             if kill_rest is not None:
-                kill_rest()
+                kill_rest(proc)
         returncode = proc.wait()
         seconds = time.monotonic() - started_at
         _await_init(loop.init_fd)
