@@ -115,7 +115,10 @@ def _case_program(code: str, case: str | tuple[str, str]) -> Program:
     return Program(code, stdin=case[0])
 
 
-def _case_passed(case: str | tuple[str, str], result: SandboxResult) -> bool:
+def _case_verdict(case: str | tuple[str, str], result: SandboxResult) -> bool | str:
+    """True/False for a case that ran, or the infrastructure error's detail (a str: no verdict)."""
+    if result.infra_error:
+        return result.detail or "infra_error"
     if not result.passed:
         return False
     return isinstance(case, str) or normalize_output(result.stdout) == normalize_output(case[1])
@@ -130,7 +133,7 @@ def code_reward(completions: list[str], tests: list, *, partial_credit: bool = F
         tests: N ``tests`` values, row-aligned with completions.
         partial_credit: score the fraction of cases passed instead of all-or-nothing.
         sandbox: limits and mode; None = :data:`DEFAULT_SANDBOX`. Every case of the batch runs in one
-            ``run_programs`` call, ``sandbox.parallel`` at a time.
+            ``run_programs`` call, ``sandbox.parallel`` at a time; each output is dropped once its case is judged.
         **kwargs: the other dataset columns and ``prompts`` (TRL's convention); ignored.
 
     Returns:
@@ -143,21 +146,21 @@ def code_reward(completions: list[str], tests: list, *, partial_credit: bool = F
         raise ValueError(f"code reward: got {len(completions)} completions but {len(tests)} tests values; expected "
                          f"one tests value per completion")
     rows = [parse_tests(t, row) for row, t in enumerate(tests)]
-    programs: list[Program] = []
-    for completion, cases in zip(completions, rows):
-        code = extract_program(completion)
-        programs += [_case_program(code, case) for case in cases]
-    results = run_programs(programs, sandbox or DEFAULT_SANDBOX)
+    cases = [case for row_cases in rows for case in row_cases]
+    programs = [_case_program(extract_program(completion), case)
+                for completion, row_cases in zip(completions, rows) for case in row_cases]
+    verdicts = run_programs(programs, sandbox or DEFAULT_SANDBOX,
+                            map_result=lambda index, result: _case_verdict(cases[index], result))
     scores: list[float | None] = []
     start = 0
-    for row, cases in enumerate(rows):
-        row_results = results[start:start + len(cases)]
-        start += len(cases)
-        infra = [r for r in row_results if r.infra_error]
+    for row, row_cases in enumerate(rows):
+        row_verdicts = verdicts[start:start + len(row_cases)]
+        start += len(row_cases)
+        infra = [v for v in row_verdicts if isinstance(v, str)]
         if infra:
-            logger.warning("code reward: row %d not scored, the sandbox failed: %s", row, infra[0].detail)
+            logger.warning("code reward: row %d not scored, the sandbox failed: %s", row, infra[0])
             scores.append(None)
             continue
-        passed = sum(_case_passed(case, r) for case, r in zip(cases, row_results))
-        scores.append(passed / len(cases) if partial_credit else float(passed == len(cases)))
+        passed = sum(row_verdicts)
+        scores.append(passed / len(row_cases) if partial_credit else float(passed == len(row_cases)))
     return scores

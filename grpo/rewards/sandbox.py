@@ -43,13 +43,16 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from grpo.rewards.sandbox_config import Program, SandboxConfig, SandboxMode, SandboxResult, SandboxStatus
 from grpo.rewards.sandbox_launch import resolve_interpreter
 from grpo.rewards.sandbox_modes import run_bwrap, run_rlimits
 from grpo.rewards.sandbox_process import Outcome
+
+T = TypeVar("T")
 
 __all__ = ["Program", "SandboxConfig", "SandboxMode", "SandboxResult", "SandboxStatus", "check_sandbox",
            "run_program", "run_programs"]
@@ -110,20 +113,28 @@ def run_program(source: str | Program, stdin: str | None = None, config: Sandbox
                              f"sandbox harness ({config.mode}) raised {type(exc).__name__}: {exc}")
 
 
-def run_programs(programs: Sequence[str | Program], config: SandboxConfig | None = None) -> list[SandboxResult]:
+def run_programs(programs: Sequence[str | Program], config: SandboxConfig | None = None,
+                 map_result: Callable[[int, SandboxResult], T] | None = None) -> list[SandboxResult] | list[T]:
     """Run many programs, ``config.parallel`` at a time (threads, each supervising one sandbox process).
 
+    Args:
+        programs: sources or :class:`Program` s.
+        config: None = ``SandboxConfig()``.
+        map_result: applied in the worker thread to (index, result) as soon as a program ends; its value replaces the
+            result, so a caller that needs a verdict only does not hold every program's output at once.
+
     Returns:
-        One :class:`SandboxResult` per program, in order.
+        One :class:`SandboxResult` (or ``map_result``'s value) per program, in order.
     """
     config = config or SandboxConfig()
+    mapper = map_result or (lambda index, result: result)
     if not programs:
         return []
     workers = min(config.parallel, len(programs))
     if workers == 1:
-        return [run_program(p, config=config) for p in programs]
+        return [mapper(i, run_program(p, config=config)) for i, p in enumerate(programs)]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda p: run_program(p, config=config), programs))
+        return list(pool.map(lambda item: mapper(item[0], run_program(item[1], config=config)), enumerate(programs)))
 
 
 _PROBE_SOURCE = "import sys\nprint(sys.version.split()[0])\n"

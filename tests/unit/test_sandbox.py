@@ -325,6 +325,8 @@ def test_sandbox_many_programs_in_parallel(sandbox_ok):
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(12)] + ["s\n"]
     assert all(r.status == "passed" for r in results)
     assert run_programs([], config) == []
+    lengths = run_programs(programs, config, map_result=lambda index, result: (index, len(result.stdout)))
+    assert lengths == [(i, len(f"{i * i}\n")) for i in range(12)] + [(12, 2)]
 
 
 # ---------------------------------------------------------------- the weaker rlimits mode, the unprivileged path
