@@ -62,8 +62,12 @@ class SandboxConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"SandboxConfig.{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(self.wall_time_s, (int, float)) or not 0 < self.wall_time_s < float("inf"):
+        if (not isinstance(self.wall_time_s, (int, float)) or isinstance(self.wall_time_s, bool)
+                or not 0 < self.wall_time_s < float("inf")):
             raise ValueError(f"SandboxConfig.wall_time_s must be a finite number > 0, got {self.wall_time_s!r}")
+        if self.parallel > self.uid_count:
+            raise ValueError(f"SandboxConfig.parallel ({self.parallel}) must not exceed uid_count ({self.uid_count}): "
+                             f"each program at once needs a uid of its own")
         if self.uid_base + self.uid_count > 65534:
             raise ValueError(f"SandboxConfig.uid_base + uid_count must stay below 65534 (nobody), got "
                              f"{self.uid_base} + {self.uid_count}")

@@ -101,6 +101,9 @@ def resolve_interpreter(python: str) -> Interpreter:
     if not python:
         name = f"python{sys.version_info.major}.{sys.version_info.minor}"
         executable = os.path.realpath(os.path.join(sys.base_prefix, "bin", name))
+        if not os.access(executable, os.X_OK):
+            raise FileNotFoundError(f"the running Python's base interpreter {executable} is not executable; set "
+                                    f"SandboxConfig.python")
         prefixes = [sys.base_prefix, sys.base_exec_prefix]
         version = sys.version.split()[0]
     else:
