@@ -2,7 +2,7 @@
 unharmed), the limits, the statuses, infrastructure failures, concurrency and the weaker rlimits mode.
 
 Needs bwrap (Debian package ``bubblewrap``; ``scripts/install_test_tools.sh`` installs it): without it the bwrap tests
-skip. Where bwrap is installed but cannot build a sandbox, they fail (``check_sandbox``'s reason). ~15 s here.
+skip. Where bwrap is installed but cannot build a sandbox, they fail (``check_sandbox``'s reason). ~20 s here.
 """
 
 from __future__ import annotations
