@@ -54,7 +54,8 @@ def _cmd_run(args) -> int:
     from weight_sync.verify import SyncVerificationError
 
     try:
-        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job)
+        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job,
+                                         imports=tuple(args.imports or ()))
     except InsufficientResources as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2

@@ -18,11 +18,12 @@ from typing import Literal, NamedTuple, Protocol
 import torch
 
 from grpo.registry import Registry
+from grpo.rewards.code import code_reward
 from grpo.rewards.gsm8k import accuracy_reward, extract_answer, format_reward, parse_reference
 from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.reasoning_gym import reasoning_gym_reward
 
-RewardFunctionName = Literal["accuracy", "format", "reasoning_gym"]
+RewardFunctionName = Literal["accuracy", "format", "reasoning_gym", "code"]
 OnError = Literal["raise", "none"]
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "OnError",
     "RewardFunctionName",
     "accuracy_reward",
+    "code_reward",
     "combine_rewards",
     "extract_answer",
     "format_reward",
@@ -139,6 +141,10 @@ def _reasoning_gym(completions: list[str], references: list[str]) -> list[float 
     """reasoning-gym's own scorer of the task each reference names (`grpo.rewards.reasoning_gym`): for prompts from
     ``data.source: reasoning_gym``. A reference of another kind raises `ValueError` for the whole batch."""
     return list(reasoning_gym_reward(completions, references))
+
+
+#: Keyword arguments in TRL's convention: ``code(completions=[...], tests=[...], **other_columns)`` (grpo.rewards.code).
+register_reward_function("code")(code_reward)
 
 
 class CombinedRewards(NamedTuple):
