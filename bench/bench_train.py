@@ -47,6 +47,7 @@ import statistics
 import time
 
 from bench._common import DEFAULT_MODEL, load_note, print_json, print_table, resolve_model
+from train_workers.registry import TRAIN_BACKENDS  # names only: no backend is imported
 
 
 def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab: int, seed: int) -> dict:
@@ -147,7 +148,8 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2, help="train ranks (processes)")
-    parser.add_argument("--strategy", choices=("fsdp", "megatron"), default="fsdp", help="train backend")
+    parser.add_argument("--strategy", choices=sorted(TRAIN_BACKENDS), default="fsdp", help=(
+        "train backend (train.strategy: a name in train_workers.registry.TRAIN_BACKENDS)"))
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="Megatron TP size (strategy megatron)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--sequences", "-N", type=int, default=16, help="sequences per step")

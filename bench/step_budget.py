@@ -1,6 +1,7 @@
 """Step-time budget: a real GRPO step, phase by phase, against this machine's physical floor (issue 8).
 
-What runs: the real loop, ``cluster.driver.GRPOJob`` (vLLM engine actor, FSDP2 train ranks, weight sync), built from
+What runs: the real loop, ``cluster.driver.GRPOJob`` over the Ray shell's collaborators (vLLM engine actor, FSDP2
+train ranks, weight sync; ``cluster.ray_shell.runtime.build_job``), built from
 a job spec (default ``examples/gsm8k_smollm2_cpu.yaml``, the reference setting: SmolLM2-135M-Instruct fp32, GSM8K,
 B = 4 prompts × G = 4, 128-token responses, kl_coef 0.04, one update per rollout batch) with ``--set`` overrides.
 Checkpoints and the Prometheus endpoint are off; metrics go to a temporary output folder. ``--steps`` steps run
@@ -126,10 +127,10 @@ def worker_memory(job) -> list[list]:
     import ray
 
     rows = []
-    for i, engine in enumerate(job.rollout.engines):
+    for i, engine in enumerate(job.fleet.rollout.engines):
         pid = ray.get(engine.ready.remote()).pid
         rows.append([f"engine {i}", pid, *reversed(tree_peak_rss_gib(pid))])
-    for r, worker in enumerate(job.train.workers):
+    for r, worker in enumerate(job.trainer.pool.workers):
         pid = ray.get(worker.__ray_call__.remote(lambda self: os.getpid()))
         rows.append([f"train rank {r}", pid, *reversed(tree_peak_rss_gib(pid))])
     return [[name, pid, n, gib] for name, pid, n, gib in rows]
@@ -191,8 +192,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from cluster.driver import GRPOJob
     from cluster.ray_shell.ray_init import init_ray
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     out_dir = tempfile.mkdtemp(prefix="step_budget_")
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
     if args.response_tokens is not None:
         overrides.append(f"rollout.max_response_tokens={args.response_tokens}")
     spec = load_spec(args.spec, overrides)
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False, control=False)
     init_ray(spec, None)  # always its own local cluster, also when another one runs on this machine
     try:
         t0 = time.perf_counter()
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
                   f"tokens, update_skipped {m['actor/update_skipped']:g}", flush=True)
         counted.stop()
         memory = worker_memory(job)
-        n_params = float(job.train.num_parameters)
+        n_params = float(job.trainer.num_parameters)
     finally:
         job.close()
         ray.shutdown()

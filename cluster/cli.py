@@ -37,7 +37,7 @@ def _cmd_run(args) -> int:
         return prepared
     job, address, source = prepared
     spec = job.spec
-    from cluster.driver import run_with_restarts
+    from cluster.ray_shell.restarts import run_with_restarts
     from cluster.ray_shell.fleet import StaleSamplesError
     from cluster.ray_shell.pools import InsufficientResources
     from cluster.loop.training import NumericsError
@@ -57,7 +57,8 @@ def _cmd_run(args) -> int:
     from weight_sync.verify import SyncVerificationError
 
     try:
-        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job)
+        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job,
+                                         imports=tuple(args.imports or ()))
     except InsufficientResources as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2

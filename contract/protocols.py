@@ -39,6 +39,15 @@ class Trainer(Protocol):
     world_size: int
     num_parameters: int
 
+    def check(self, model_path: str) -> None:
+        """Pre-start checks of the spec's train settings against the model (LoRA targets, model-parallel layout);
+        starts nothing, so ``grpo-cluster validate`` runs them too.
+
+        Raises:
+            ModelError (a ValueError): naming the spec field.
+        """
+        ...
+
     def start(self, model_path: str, policy_path: str | None = None) -> None:
         """Build the ranks: the policy from ``policy_path`` (a checkpoint's policy folder, on resume) or
         ``model_path``; the reference policy always from ``model_path``.
@@ -93,6 +102,15 @@ class Fleet(Protocol):
     """
 
     figures: FleetFigures
+
+    def check(self, model_path: str) -> None:
+        """Pre-start checks of the spec's rollout settings against the model (e.g. whether the engine serves LoRA
+        adapters for its architecture); starts nothing.
+
+        Raises:
+            ModelError (a ValueError): naming the spec field.
+        """
+        ...
 
     def start(self, weights_path: str, policy_version: int, trainer: Trainer, versions: PolicyVersionLedger,
               status: Callable[[str], None]) -> None:

@@ -51,6 +51,18 @@ class PolicyVersionLedger:
     def engine_versions(self) -> list[int | None]:
         return list(self._engine_versions)
 
+    def restore(self, current: int) -> None:
+        """Rewind to ``current``, the policy version of a checkpoint the job returns to (resume, guard rollback):
+        the trainer's version is reset and no engine is known to hold any version until the next sync.
+
+        Raises:
+            PolicyVersionError: ``current`` < 0.
+        """
+        if current < 0:
+            raise PolicyVersionError(f"policy version must be >= 0, got {current}")
+        self._current = int(current)
+        self._engines, self._engine_versions = [], []
+
     # ---- the trainer ------------------------------------------------------------------------------------------
     def trained(self, version: int) -> bool:
         """The trainer reports ``version`` after a train step; returns whether the policy advanced (a step whose

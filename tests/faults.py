@@ -72,3 +72,12 @@ def use_in_train_pool(monkeypatch, strategy: str = "fsdp") -> None:
     from train_workers.registry import TRAIN_BACKENDS
 
     monkeypatch.setitem(TRAIN_BACKENDS, strategy, NonFiniteStepWorker)
+
+
+class RegistryProbe:
+    """A stand-in train rank for Ray tests: answers whether its loss-aggregation registry holds a name."""
+
+    def has_loss_aggregation(self, name: str) -> bool:
+        from grpo.losses import LOSS_AGGREGATIONS
+
+        return name in LOSS_AGGREGATIONS

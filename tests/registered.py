@@ -1,6 +1,8 @@
-"""Test reward functions registered for one test module only."""
+"""Test variants (reward functions, advantage estimators, train backends, ...) registered for one test only."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 
 def temporarily_registered(name: str, reward):
@@ -14,3 +16,19 @@ def temporarily_registered(name: str, reward):
     yield name
     if added:
         REWARD_FUNCTIONS.pop(name)
+
+
+@contextmanager
+def variant_registered(registry, name: str, register):
+    """Register the variant ``name`` with ``register()`` (the project's own ``register_*`` call, so the test goes the
+    user's way), yield ``name``, and remove it from ``registry`` (the dict ``register`` adds to) afterwards; also
+    from ``train_workers.registry.MODEL_PARALLEL_BACKENDS`` (a no-op for other registries)."""
+    from train_workers.registry import MODEL_PARALLEL_BACKENDS
+
+    assert name not in registry, f"{name!r} is registered already: pick a name no test or builtin uses"
+    register()
+    try:
+        yield name
+    finally:
+        registry.pop(name, None)
+        MODEL_PARALLEL_BACKENDS.discard(name)

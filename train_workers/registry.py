@@ -2,6 +2,9 @@
 
 Entries are classes implementing :class:`contract.train_worker.TrainWorker`, or ``"module:Class"`` strings imported on
 first use, so the control plane imports no backend (nor its torch/transformers dependencies) until a pool is built.
+This module is the one owner of the backend names: the spec validates ``train.strategy`` against
+:data:`TRAIN_BACKENDS` and the model-parallel fields (``train.tensor_parallel_size``, ``pipeline_parallel_size``,
+``sequence_parallel``) against :data:`MODEL_PARALLEL_BACKENDS`, importing only this module.
 
     >>> train_backend("fsdp").__name__
     'FSDPTrainWorker'
@@ -17,12 +20,20 @@ TRAIN_BACKENDS: dict[str, type | str] = {
     "megatron": "train_workers.megatron.worker:MegatronTrainWorker",
 }
 
+#: Names in :data:`TRAIN_BACKENDS` whose backend shards a model replica by tensor and pipeline parallelism (and
+#: sequence parallelism), so the spec lets ``train.tensor_parallel_size`` etc. differ from 1 with them; every other
+#: backend shards only by data parallelism.
+MODEL_PARALLEL_BACKENDS: set[str] = {"megatron"}
 
-def register_train_backend(name: str, backend: type | str) -> None:
-    """Add a train backend under ``name`` (a ``train.strategy`` value).
+
+def register_train_backend(name: str, backend: type | str, *, model_parallel: bool = False) -> None:
+    """Add a train backend under ``name`` (a ``train.strategy`` value). Register it in a module imported before the
+    spec is validated (``grpo-cluster run --import MODULE``).
 
     Args:
         backend: a class implementing :class:`contract.train_worker.TrainWorker`, or ``"module:Class"``.
+        model_parallel: the backend honours ``train.tensor_parallel_size``, ``pipeline_parallel_size`` and
+            ``sequence_parallel`` (added to :data:`MODEL_PARALLEL_BACKENDS`); False: the spec refuses them != 1.
 
     Raises:
         ValueError: ``name`` is registered already, or a string ``backend`` is not ``"module:Class"``.
@@ -32,6 +43,10 @@ def register_train_backend(name: str, backend: type | str) -> None:
     if isinstance(backend, str) and not _split(backend):
         raise ValueError(f"train backend {name!r}: expected 'module:Class', got {backend!r}")
     TRAIN_BACKENDS[name] = backend
+    if model_parallel:
+        MODEL_PARALLEL_BACKENDS.add(name)
+    else:
+        MODEL_PARALLEL_BACKENDS.discard(name)  # a name registered again after its entry was removed
 
 
 def train_backend(name: str) -> type:

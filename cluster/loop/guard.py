@@ -16,13 +16,16 @@ Actions on a tripped step (after its row is logged and its checkpoint, when due,
   ``<checkpoint dir>/guard.json``. ``--resume`` of such a job stops with exit 2 unless ``--resume-past-trip`` (or
   ``monitor.resume_past_trip: true``) is given: it then continues from the latest checkpoint, and the guard keeps
   watching (it acts again if its detectors still fire).
-- ``rollback``: the last good checkpoint (as for stop) is restored by the resume machinery (pools rebuilt from it:
-  weights, optimizer, data position, controllers; engines start from its weights), checkpoints after it are renamed
+- ``rollback``: the last good checkpoint (as for stop) is restored by the resume machinery (the job's collaborators
+  restarted from it: weights, optimizer, data position, controllers; engines start from its weights), checkpoints
+  after it are renamed
   ``step_N.rollback<k>`` (kept, never resumed), the per-step logs are cut back to its step, the offending reward
   component's weight is multiplied by ``rollback_reward_scale``, and the run continues. The offending component is the
   watched shaping component (``monitor.shaping_rewards``, default every weighted one but ``verifiable_reward``) whose
   recent mean rose most above its baseline (same windows as the detectors). With no checkpoint at or before
   ``onset_step - 2``, or after ``max_rollbacks`` rollbacks, the guard stops as ``stop`` does.
+
+The guard acts on the job only through :class:`GuardTarget` (stop, restore a checkpoint, change a reward weight).
 
 Known limit: ``checkpoint.keep_last`` may prune the last good checkpoint before the trip; the guard then finds none
 and stops (keep at least ``baseline_steps + window_steps`` checkpoints).
@@ -33,10 +36,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-from cluster.loop.checkpoint_state import open_step_logs
 from cluster.loop.checkpoints import complete_checkpoints, write_atomic
 from cluster.loop.setup import SetupError
 from grpo.monitor import ENTROPY_KEY, EVAL_KEY, KL_KEY, LENGTH_KEY, TRIPPED_KEY, Monitor, MonitorConfig
@@ -49,6 +52,34 @@ ROLLBACKS_KEY = "monitor/rollbacks"
 WEIGHT_PREFIX = "monitor/reward_weight/"
 _DETECTOR_KEYS = {"length_drift": [LENGTH_KEY], "kl_band": [KL_KEY], "entropy_band": [ENTROPY_KEY],
                   "eval_drop": [EVAL_KEY]}
+
+
+class GuardTarget(Protocol):
+    """What the guard may do to a job (:class:`cluster.driver.GRPOJob` implements it).
+
+    Attributes:
+        step: the last finished step. metrics_path: the job's ``metrics.jsonl``.
+    """
+
+    step: int
+    metrics_path: Path
+
+    def request_stop(self, reason: str) -> None:
+        """End the job cleanly after the running step."""
+        ...
+
+    def restore(self, path: Path) -> None:
+        """Return the job to checkpoint ``path``: its collaborators restarted from it, its driver state, per-step
+        logs and finished steps cut back to its step.
+
+        Raises:
+            SetupError: the checkpoint does not fit the job.
+        """
+        ...
+
+    def set_reward_weight(self, name: str, weight: float) -> None:
+        """Use ``weight`` for reward component ``name`` from the next step on."""
+        ...
 
 
 def monitor_config(spec) -> MonitorConfig:
@@ -149,14 +180,16 @@ class Guard:
     Args:
         spec: the enabled ``monitor`` spec section.
         root: the job's checkpoint dir (``guard.json``, ``last_good``).
-        weights: the reward weights in use (the scoring part's dict; a rollback changes it in place).
+        weights: the reward weights the job starts with (``algorithm.rewards``); the guard keeps its own copy and
+            changes the job's through :meth:`GuardTarget.set_reward_weight`.
         status: prints a status line.
-        resumed: the job resumes: the record in ``guard.json`` (rollbacks, weights) is taken over.
+        resumed: the job resumes: the record in ``guard.json`` (rollbacks, weights) is taken over; call
+            :meth:`apply_weights` to give the job the weights it records.
     """
 
-    def __init__(self, spec, root: Path, weights: dict[str, float], status: Callable[[str], None],
+    def __init__(self, spec, root: Path, weights: Mapping[str, float], status: Callable[[str], None],
                  resumed: bool = False):
-        self.spec, self.root, self.weights, self.status = spec, Path(root), weights, status
+        self.spec, self.root, self.weights, self.status = spec, Path(root), dict(weights), status
         self.state = read_state(self.root) if resumed else {"trips": [], "stopped": False, "rollbacks": 0}
         self.state["stopped"] = False
         saved = self.state.get("reward_weights", {})
@@ -167,6 +200,11 @@ class Guard:
         self.weights.update(saved)
         self.monitor = Monitor(monitor_config(spec))
         self.rows: dict[int, dict] = {}
+
+    def apply_weights(self, target: GuardTarget) -> None:
+        """Give ``target`` the reward weights in use (those ``guard.json`` records after a rollback)."""
+        for name, weight in self.weights.items():
+            target.set_reward_weight(name, weight)
 
     def replay(self, rows: Iterable[dict]) -> None:
         """Feed earlier rows (``metrics.jsonl`` rows with their ``step``) to a fresh monitor without acting."""
@@ -221,15 +259,12 @@ class Guard:
                 rises[name] = sum(recent) / len(recent) - sum(base) / len(base)
         return max(rises, key=rises.get) if rises else None
 
-    def act(self, job, step: int, row: dict) -> bool:
-        """Act on the tripped step ``step`` (row already logged). Returns True when the job must stop.
-
-        ``job`` offers ``checkpoint_root()``, ``output_dir``, ``completed``, ``metrics``, ``shutdown()``, ``start()``,
-        ``_restore(path)`` and ``resume_from`` (:class:`cluster.driver.GRPOJob`).
-        """
+    def act(self, target: GuardTarget, step: int, row: dict) -> None:
+        """Act on the tripped step ``step`` (row already logged): warn, stop (:meth:`GuardTarget.request_stop`), or
+        roll back (:meth:`GuardTarget.restore`, with the offending reward's weight reduced) and go on."""
         self.status(self.describe(step, row))
         if self.spec.action == "warn":
-            return False
+            return
         trip = self.monitor.first_trip
         good = last_good_checkpoint(self.root, trip.onset_step)
         record = {"step": step, "onset_step": trip.onset_step, "detectors": list(trip.detectors),
@@ -237,18 +272,19 @@ class Guard:
         if good is not None:
             write_atomic(self.root / LAST_GOOD, good.name)
         if self.spec.action == "rollback" and good is not None and self.state["rollbacks"] < self.spec.max_rollbacks:
-            self._rollback(job, good, record)
-            return False
+            self._rollback(target, good, record)
+            return
         why = ""
         if self.spec.action == "rollback":
             why = (f"; cannot roll back: no checkpoint at or before step {trip.onset_step - 2}" if good is None
                    else f"; {self.spec.max_rollbacks} rollback(s) used")
         self._save(record | {"action": "stop"}, stopped=True)
-        self.status(f"monitor: stopping after step {step}{why}; last good checkpoint: "
-                    f"{good if good is not None else 'none before the onset'}")
-        return True
+        message = (f"monitor: stopping after step {step}{why}; last good checkpoint: "
+                   f"{good if good is not None else 'none before the onset'}")
+        self.status(message)
+        target.request_stop(message)
 
-    def _rollback(self, job, good: Path, record: dict) -> None:
+    def _rollback(self, target: GuardTarget, good: Path, record: dict) -> None:
         self.state["rollbacks"] += 1
         n = self.state["rollbacks"]
         offending = self.offending_reward()
@@ -261,8 +297,11 @@ class Guard:
         write_atomic(self.root / "latest", good.name)
         self.status(f"monitor: rollback {n}/{self.spec.max_rollbacks} to {good}; reward weights now "
                     f"{self.weights} ({offending or 'no shaping component'} reduced)")
-        restart_from(job, good)
-        self.replay(metric_rows(Path(job.output_dir) / "metrics.jsonl", job.step))
+        target.restore(good)
+        if target.step != step_of(good):
+            raise SetupError(f"monitor: checkpoint {good} holds step {target.step}, expected {step_of(good)}")
+        self.apply_weights(target)
+        self.replay(metric_rows(target.metrics_path, target.step))
 
     def _save(self, record: dict, stopped: bool) -> None:
         self.state["trips"].append(record)
@@ -270,48 +309,15 @@ class Guard:
         write_atomic(self.root / GUARD_STATE, json.dumps(self.state, indent=2))
 
 
-def wait_dead(actors: list, timeout_s: float = 60.0) -> None:
-    """Wait until the killed ``actors`` are gone (their processes, and the ports they listened on, released) before
-    new pools start on the same nodes; one still alive after ``timeout_s`` is left to Ray."""
-    import ray
-
-    for actor in actors:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - RayActorError: dead, as wanted; GetTimeoutError: left to Ray
-            pass
-
-
-def restart_from(job, path: Path) -> None:
-    """Rebuild ``job``'s pools from checkpoint ``path`` (the resume machinery, after the old actors are gone) and cut
-    its step logs and ``completed`` back to the checkpoint's step.
-
-    Raises:
-        SetupError: the checkpoint's driver state does not fit the job.
-    """
-    old = [*job.train.workers, *job.rollout.engines] if job.train is not None and job.rollout is not None else []
-    job.shutdown()
-    wait_dead(old)
-    job.resume_from = path
-    job._restore(path)
-    open_step_logs(Path(job.output_dir), job.step)
-    job.metrics.reopen()
-    for step in [s for s in job.completed if s > job.step]:
-        del job.completed[step]
-    if job.step != step_of(path):
-        raise SetupError(f"monitor: checkpoint {path} holds step {job.step}, expected {step_of(path)}")
-    job.start()
-
-
-def build_guard(job) -> Guard | None:
-    """The guard of ``job`` (:class:`cluster.driver.GRPOJob`, its step logs open), or None when its spec has no
-    enabled ``monitor`` section. A resumed job's guard takes over ``guard.json`` and replays ``metrics.jsonl`` up to
-    the resumed step, so its windows are those of the run so far."""
-    spec = job.spec.monitor
+def build_guard(spec, root: Path, weights: Mapping[str, float], status: Callable[[str], None],
+                resumed_at: int | None, metrics_path: Path) -> Guard | None:
+    """The guard of a job (its step logs open), or None when ``spec`` (the ``monitor`` section) is absent or
+    disabled. ``resumed_at``: the step a resumed job continues from (None: a fresh start); a resumed job's guard takes
+    over ``guard.json`` under ``root`` and replays ``metrics_path`` up to that step, so its windows are those of the
+    run so far (the caller then applies its recorded weights, :meth:`Guard.apply_weights`)."""
     if spec is None or not spec.enabled:
         return None
-    resumed = job.resume_from is not None
-    guard = Guard(spec, job.checkpoint_root(), job.scoring.weights, job._status, resumed=resumed)
-    if resumed:
-        guard.replay(metric_rows(Path(job.output_dir) / "metrics.jsonl", job.step))
+    guard = Guard(spec, root, weights, status, resumed=resumed_at is not None)
+    if resumed_at is not None:
+        guard.replay(metric_rows(metrics_path, resumed_at))
     return guard

@@ -1,19 +1,21 @@
-"""The train stage seen from the loop: pack the batch into per-rank micro-batches, call the train pool, and count
-updates skipped for NaN/Inf.
+"""The train stage seen from the loop: pack the batch into per-rank micro-batches, take one policy update on the
+trainer, feed the KL controller, count updates skipped for NaN/Inf, and send the new policy to the fleet.
 
-The functions :func:`train_step`, :func:`set_kl_coef`, :func:`save_train_state` and :func:`load_train_state` are
-the only places the loop calls the train pool (its typed methods; a step answers a
-:class:`contract.messages.TrainResult`).
+:class:`TrainPhase` is what the rollout schedule calls as its ``train`` and ``sync`` phases; it talks to the trainer
+and the fleet through their protocols (``contract.protocols.Trainer``/``Fleet``) and to the policy-version ledger.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from contract.protocols import Trainer
-from contract.batches import RolloutBatch
 from cluster.loop.scheduler import plan_microbatches
+from cluster.loop.step_metrics import StepBatch, StepClock
+from contract.batches import RolloutBatch
 from contract.messages import TrainResult
+from contract.protocols import Fleet, Trainer
+from contract.versions import PolicyVersionLedger
 from train_workers.packing import pack_rank_microbatches
 
 
@@ -21,39 +23,20 @@ class NumericsError(RuntimeError):
     """``train.max_skipped_updates`` updates in a row had a NaN/Inf loss or gradient."""
 
 
-def microbatches(batch: RolloutBatch, train) -> tuple[list, dict]:
-    """Balance the batch's N sequences over ``train.world_size`` ranks and pack each rank's micro-batches under
+def microbatches(batch: RolloutBatch, train, world_size: int | None = None) -> tuple[list, dict]:
+    """Balance the batch's N sequences over ``world_size`` ranks (default ``train.world_size``; the trainer's own
+    rank count, e.g. 1 in the in-process runtime) and pack each rank's micro-batches under
     ``train.max_tokens_per_microbatch`` tokens (prompt + response).
 
     Returns:
         (per rank: its packed micro-batches, the plan's ``packing/*`` metrics).
     """
     lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    plan = plan_microbatches(lengths, train.world_size, train.max_tokens_per_microbatch,
+    plan = plan_microbatches(lengths, world_size or train.world_size, train.max_tokens_per_microbatch,
                              oversize=train.oversize_sequences)
     per_rank = pack_rank_microbatches(plan.ranks, batch.prompt_ids, batch.response_ids, batch.advantages,
                                       batch.behaviour_logprobs, batch.valid_lengths, group_ids=batch.group_ids)
     return per_rank, plan.stats(lengths)
-
-
-def train_step(train: Trainer, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
-    """One train step on every rank.
-
-    Args:
-        per_rank: each rank's micro-batches (:func:`microbatches`).
-        num_tokens, num_sequences: loss tokens and sequences with at least one, over the whole batch.
-
-    Returns:
-        the step's :class:`TrainResult`: policy version after the step, whether (and why) an update was skipped,
-        and the trainer's numeric metrics (``actor/update_skipped`` among them: the fraction of iterations
-        skipped).
-    """
-    return train.train_step(per_rank, num_tokens, num_sequences)
-
-
-def set_kl_coef(train: Trainer, kl_coef: float) -> None:
-    """Set β on every rank for the following train steps (adaptive KL controller)."""
-    train.set_kl_coef(kl_coef)
 
 
 def save_train_state(train: Trainer, folder: str, checkpoint: str) -> None:
@@ -111,3 +94,71 @@ class SkippedUpdates:
         """Restore :meth:`state_dict` (absent keys: 0, for checkpoints written before the counts were kept)."""
         self.in_a_row = int(state.get("skipped_updates", 0))
         self.total = int(state.get("skipped_updates_total", 0))
+
+
+@dataclass
+class Trained:
+    """The train phase's outcome: the trainer's :class:`TrainResult`, the micro-batch plan's ``packing/*`` metrics
+    and the policy version the step trained from."""
+
+    result: TrainResult
+    packing: dict
+    version_at_train: int
+
+
+class TrainPhase:
+    """One step's train and sync phases (the rollout schedule's ``train`` and ``sync``).
+
+    Args:
+        spec: the job spec (``train`` packing settings, ``algorithm.kl_controller``).
+        kl_controller: β's controller (``grpo.kl``): fixed, or adaptive (fed each good step's ``TrainResult.kl``).
+        skips: counts updates skipped for NaN/Inf (stops the job after ``train.max_skipped_updates`` in a row).
+        versions: the policy-version ledger (the trainer reports each step's version to it).
+        status: one-line progress messages.
+
+    Attributes:
+        trainer, fleet: the job's collaborators, set when they start (None before).
+        clock: the running step's clock (its ``train`` and ``sync`` phases are measured here); the job sets a new one
+            each step.
+    """
+
+    def __init__(self, spec, kl_controller, skips: SkippedUpdates, versions: PolicyVersionLedger,
+                 status: Callable[[str], None]):
+        self.spec, self.kl_controller, self.skips, self.versions, self._status = (spec, kl_controller, skips,
+                                                                                 versions, status)
+        self.trainer: Trainer | None = None
+        self.fleet: Fleet | None = None
+        self.clock = StepClock()
+
+    def train(self, batch: StepBatch) -> Trained:
+        """One policy update on ``batch``'s trained rows (β from the KL controller). A skipped update (NaN/Inf) is
+        counted; a good one feeds the KL controller.
+
+        Raises:
+            NumericsError: ``train.max_skipped_updates`` updates in a row were skipped.
+        """
+        version_at_train = self.versions.current
+        rows = batch.sampling.batch
+        with self.clock.phase("train"):
+            per_rank, packing = microbatches(rows, self.spec.train, self.trainer.world_size)
+            num_tokens = sum(rows.valid_lengths)
+            num_sequences = sum(v > 0 for v in rows.valid_lengths)
+            if self.spec.algorithm.kl_controller == "adaptive":
+                self.trainer.set_kl_coef(self.kl_controller.value)
+            result = self.trainer.train_step(per_rank, num_tokens, num_sequences)
+            if result.skipped:
+                self.skips.note(result.skip_reason, batch.step, version_at_train, self._status)
+            else:
+                self.skips.reset()
+                if result.kl is not None:
+                    self.kl_controller.update(result.kl, len(rows))
+        return Trained(result, packing, version_at_train)
+
+    def sync(self, trained: Trained) -> dict:
+        """Report the trainer's version to the ledger (``PolicyVersionError`` if it went backwards or skipped one)
+        and send the new policy to every engine; a skipped update changes no weights, so nothing is sent. Returns
+        the ``sync/*`` metrics."""
+        with self.clock.phase("sync"):
+            if not self.versions.trained(trained.result.policy_version):
+                return {"sync/skipped": 1.0}
+            return {**self.fleet.sync_policy().metrics(), "sync/skipped": 0.0}

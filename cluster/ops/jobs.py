@@ -16,10 +16,10 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
   (absolute paths on shared storage, or the same layout). The submission id is also put in the runtime env as
   ``GRPO_CLUSTER_JOB_ID`` (the control actor's name) and the validated spec in the job metadata (``scale JOB
   SPEC.yaml`` compares against it).
-- **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir: ``cluster/ops/control.py`` alone),
-  that joins the cluster with ``address=auto`` and calls the job's control actor; it waits for that job to finish and
-  prints what the actor answered. This needs only the dashboard address (the GCS address cannot in general be derived
-  from it) and costs a few seconds per request.
+- **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir:
+  ``cluster/ray_shell/control.py`` alone), that joins the cluster with ``address=auto`` and calls the job's control
+  actor; it waits for that job to finish and prints what the actor answered. This needs only the dashboard address
+  (the GCS address cannot in general be derived from it) and costs a few seconds per request.
 
 Errors meant for the user (unreachable address, unknown job id, a spec change that cannot be applied live) are
 raised as :class:`JobsError`; the CLI prints them and exits 2.
@@ -243,8 +243,9 @@ def stage_working_dir(root: Path, dest: Path, files: Mapping[str, str] = {}) -> 
 @contextlib.contextmanager
 def _quiet_upload():
     """Ray logs every working-dir upload step at INFO on stderr; keep warnings and errors only."""
-    loggers = [logging.getLogger(n) for n in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
-                                               "ray.dashboard.modules.job.sdk")]
+    names = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
+             "ray.dashboard.modules.job.sdk")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.WARNING)

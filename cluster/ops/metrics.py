@@ -342,6 +342,46 @@ class MetricsLogger:
         self.close()
 
 
+class MetricSinks:
+    """Several metric sinks (``contract.protocols.MetricSink``) as one: every call goes to each, in order.
+
+    Attributes:
+        sinks: the sinks. url: the first sink's Prometheus address that is not None (None when none serves one).
+        port: that sink's port (None likewise).
+    """
+
+    def __init__(self, sinks: list):
+        self.sinks = list(sinks)
+
+    @property
+    def url(self) -> str | None:
+        return next((s.url for s in self.sinks if getattr(s, "url", None) is not None), None)
+
+    @property
+    def port(self) -> int | None:
+        return next((s.port for s in self.sinks if getattr(s, "port", None) is not None), None)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def log_worker(self, step: int, pool: str, worker: str, metrics: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log_worker(step, pool, worker, metrics)
+
+    def remove_worker(self, pool: str, worker: str) -> int:
+        """Returns the series removed, summed over the sinks."""
+        return sum(sink.remove_worker(pool, worker) for sink in self.sinks)
+
+    def reopen(self) -> None:
+        for sink in self.sinks:
+            sink.reopen()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
 def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file, in order; blank lines ignored; raises ValueError with file:line."""
     records = []

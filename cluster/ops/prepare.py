@@ -64,8 +64,8 @@ def local_cores_problem(spec) -> str | None:
 def prepare_job(args, dry_run: bool = False):
     """The checks ``run`` and ``validate`` share, in order, before any Ray cluster is started or joined: this
     interpreter has the dependencies, ``--import`` modules import, the spec (with ``--set``) is valid, the cluster
-    address is usable, and the job's inputs are (:class:`cluster.driver.GRPOJob`: output folders, model, tokenizer,
-    data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
+    address is usable, and the job's inputs are (:func:`cluster.ray_shell.runtime.build_job`: output folders, model,
+    tokenizer, data, prompt lengths, earlier checkpoints; with ``dry_run`` nothing is written).
 
     Returns:
         (job, address or None for a local cluster, where the address came from); or the exit code 2 after the
@@ -88,7 +88,7 @@ def prepare_job(args, dry_run: bool = False):
         return 2
     from cluster.data import DataError
     from cluster.data.models import ModelError
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.loop.setup import SetupError
     from cluster.ops.metrics import MetricsError
     from cluster.ray_shell.ray_init import AddressError, job_address
@@ -103,8 +103,9 @@ def prepare_job(args, dry_run: bool = False):
         print(f"grpo-cluster: {locate_field_error(problem, args.spec, args.set or ())}", file=sys.stderr)
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
-        job = GRPOJob(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run,
-                      resume_past_trip=getattr(args, "resume_past_trip", False))
+        job = build_job(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run,
+                        resume_past_trip=getattr(args, "resume_past_trip", False),
+                        imports=tuple(args.imports or ()))
     except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {locate_field_error(str(exc), args.spec, args.set or ())}", file=sys.stderr)
         return 2

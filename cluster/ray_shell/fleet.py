@@ -1,5 +1,5 @@
-"""The rollout engines as the loop sees them: generate and sync with engine-fault replacement, re-sampling of stale
-groups, resizing, and the per-engine figures of a step.
+"""The rollout engines on a Ray cluster as the loop sees them (``contract.protocols.Fleet``): generate and sync with
+engine-fault replacement, re-sampling of stale groups, resizing, and the per-engine figures of a step.
 
 Membership lives in the rollout pool (:class:`cluster.ray_shell.pools.RolloutPool`) and the weight-sync group
 (:class:`cluster.ray_shell.sync.WeightSync`); the fleet keeps the two in step: an engine that dies is replaced, the sync
@@ -7,8 +7,8 @@ group rebuilt over the new members, and every engine brought to the trainer's po
 Every policy version is read from, and every engine's report checked against, the ledger
 (:class:`contract.versions.PolicyVersionLedger`).
 
-Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a replacement or a resync
-gives the same groups.
+Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a
+replacement or a resync gives the same groups.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from cluster.ray_shell.pools import RolloutPool, WorkerTimeout
+from cluster.ray_shell.pools import WorkerTimeout, wait_dead
+from cluster.ray_shell.rollout_pool import RolloutPool
 from cluster.ray_shell.sync import SyncMemberError, WeightSync
 from contract.errors import RecoveryDeferred
 from contract.figures import FleetFigures
@@ -43,25 +44,80 @@ def first_line(exc: BaseException) -> str:
 
 
 class EngineFleet:
-    """Generate and sync over the rollout pool, replacing engines that fail.
+    """Generate and sync over the rollout pool, replacing engines that fail (``contract.protocols.Fleet`` on Ray).
+
+    Built unstarted from the spec; :meth:`start` starts the engines (``ray.init`` must have been called) and joins
+    them with the trainer's rank 0 in the weight-sync group. :meth:`attach` wires an already built pool and sync
+    group (tests give stand-ins).
 
     Args:
-        spec: the job spec (``rollout.max_engine_restarts``, ``rollout.max_staleness``, ``sync.verify``).
-        rollout: the rollout pool (membership, dispatch).
-        sync: the weight-sync group over the pool's engines.
-        versions: the policy-version ledger (the trainer's version; each synced engine's).
-        status: where progress messages go (one line each).
+        spec: the job spec (``rollout``: replicas, restarts, staleness; ``sync``: verification).
 
     Raises:
         PolicyVersionError: an engine reports a version ahead of the trainer's.
     """
 
-    def __init__(self, spec, rollout: RolloutPool, sync: WeightSync, versions: PolicyVersionLedger,
-                 status: Callable[[str], None]):
-        self.spec, self.rollout, self.sync, self.versions, self._status = spec, rollout, sync, versions, status
+    def __init__(self, spec):
+        self.spec = spec
+        self.rollout: RolloutPool | None = None
+        self.sync: WeightSync | None = None
+        self.versions = None
         self.figures = FleetFigures()
         self._logged_engines = 0  # engines with Prometheus series
+        self._status: Callable[[str], None] = print
+
+    def check(self, model_path: str) -> None:
+        """Nothing to check before start beyond the trainer's checks (vLLM's LoRA support is checked with
+        ``train.lora``, :meth:`cluster.ray_shell.train_pool.RayTrainer.check`)."""
+
+    def start(self, weights_path: str, policy_version: int, trainer, versions: PolicyVersionLedger,
+              status: Callable[[str], None]) -> None:
+        """Start ``rollout.replicas`` engines from ``weights_path`` (policy version ``policy_version``) and form the
+        weight-sync group with ``trainer``'s rank 0.
+
+        Raises:
+            TypeError: ``trainer`` is not a :class:`cluster.ray_shell.train_pool.RayTrainer` (started).
+            EngineFailure, WorkerTimeout, SyncMemberError: an engine or the group did not start (nothing stays up).
+        """
+        pool = getattr(trainer, "pool", None)
+        if pool is None:
+            raise TypeError(f"EngineFleet.start: expected a started RayTrainer, got {type(trainer).__name__}")
+        r = self.spec.rollout
+        max_model_len = r.max_model_len or self.spec.data.max_prompt_tokens + r.max_response_tokens
+        rollout = RolloutPool(self.spec, weights_path, max_model_len, policy_version)
+        try:
+            sync = WeightSync(self.spec, pool, rollout, versions)
+        except BaseException:
+            rollout.shutdown()
+            raise
+        self.attach(rollout, sync, versions, status)
+
+    def attach(self, rollout: RolloutPool, sync: WeightSync, versions: PolicyVersionLedger,
+               status: Callable[[str], None]) -> None:
+        """Serve over ``rollout`` and ``sync`` with the ledger ``versions`` (what :meth:`start` builds)."""
+        self.rollout, self.sync, self.versions, self._status = rollout, sync, versions, status
         self._check_infos(range(len(rollout.infos)))
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.rollout.engines) if self.rollout is not None else 0
+
+    @property
+    def restarts(self) -> int:
+        return self.rollout.restarts if self.rollout is not None else 0
+
+    def describe(self) -> str:
+        buckets = f", {self.sync.num_buckets} sync bucket(s)" if self.sync is not None else ""
+        return f"{self.num_engines} engine(s){buckets}"
+
+    def shutdown(self) -> None:
+        """Close the sync group, kill the engines and wait until they are gone (idempotent)."""
+        if self.rollout is None:
+            return
+        rollout, self.rollout, self.sync = self.rollout, None, None
+        engines = list(rollout.engines)
+        rollout.shutdown()
+        wait_dead(engines)
 
     def begin_step(self) -> None:
         """Start a step's figures afresh."""

@@ -1,9 +1,5 @@
 """Restart on failure: run a job and, when a worker fails, resume it from its latest checkpoint, up to
-``spec.restart_on_failure`` times.
-
-The job class is passed in (:func:`cluster.driver.run_with_restarts` passes :class:`cluster.driver.GRPOJob`); a job
-is built as ``job_class(spec, progress=..., resume=...)`` and offers ``run()``, ``completed`` (step → metrics of the
-steps it ran), ``close()``, ``shutdown()`` and ``_status(message)``.
+``spec.restart_on_failure`` times. Each attempt's job is built by :func:`cluster.ray_shell.runtime.build_job`.
 """
 
 from __future__ import annotations
@@ -11,13 +7,15 @@ from __future__ import annotations
 import ray
 
 from cluster.ray_shell.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
+from cluster.ray_shell.runtime import build_job
 from cluster.ray_shell.sync import SyncMemberError
 
 #: Failures a restart from the latest checkpoint can get past (a worker, an engine, a timeout, a sync member).
 RESTARTABLE = (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError)
 
 
-def run_with_restarts(job_class, spec, progress: bool = True, resume: bool = False, first_job=None):
+def run_with_restarts(spec, progress: bool = True, resume: bool = False, first_job=None,
+                      imports: tuple[str, ...] = ()):
     """Run a job; when a worker fails, resume from the latest checkpoint up to ``spec.restart_on_failure`` times.
 
     ``first_job`` is an already constructed (not started) job for the first attempt (the CLI builds one before Ray
@@ -32,8 +30,8 @@ def run_with_restarts(job_class, spec, progress: bool = True, resume: bool = Fal
     history: dict[int, dict] = {}
     attempt = 0
     while True:
-        job = first_job if attempt == 0 and first_job is not None else job_class(
-            spec, progress=progress, resume=resume or attempt > 0)
+        job = first_job if attempt == 0 and first_job is not None else build_job(
+            spec, progress=progress, resume=resume or attempt > 0, imports=imports)
         try:
             job.run()
             history.update(job.completed)
@@ -43,7 +41,7 @@ def run_with_restarts(job_class, spec, progress: bool = True, resume: bool = Fal
             if attempt >= spec.restart_on_failure:
                 raise
             attempt += 1
-            job._status(f"failure: {type(exc).__name__}: {exc}; restarting from the latest checkpoint "
+            job.status(f"failure: {type(exc).__name__}: {exc}; restarting from the latest checkpoint "
                         f"({attempt}/{spec.restart_on_failure})")
         finally:
             job.close()

@@ -5,11 +5,13 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
 Modules: ``fields`` (shared field types, bounds, validators), ``sections`` (model, data, rollout, train, sync,
-metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor``
-(the reward-hacking guard), ``job`` (:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line
-errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily,
-``grpo.rewards`` (registered reward names) and ``train_workers.registry`` (backend names); never Ray, torch or other
-``cluster`` subpackages.
+metrics, checkpoint, Ray), ``algorithm`` (the GRPO objective), ``evaluation`` (held-out evaluation), ``lora`` (LoRA
+adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields that select a registered
+variant, checked against its registry), ``job`` (:class:`JobSpec` and its cross-section checks), ``loading`` (YAML
+with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only pydantic, PyYAML and,
+lazily, ``grpo`` registries (reward functions, advantage estimators, loss aggregations, KL estimators, TIS/MIS
+levels) and ``train_workers.registry`` (backend names); never Ray or other ``cluster`` subpackages, and torch only
+through those ``grpo`` modules.
 """
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, MisSpec

@@ -2,15 +2,19 @@
 
 Every option maps to a pure function in ``grpo/`` (formulas and sources in the README's "Algorithm" section and in
 those functions' docstrings). Checks that involve other sections (``rollout.max_response_tokens``,
-``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs.
+``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs. The fields that select a
+registered variant (``advantage_estimator``, ``loss_agg``, ``kl_estimator``, ``tis_level``, ``mis.level``) are
+checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
                       model_validator)
+
+from cluster.spec.variants import ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, TIS_LEVEL
 
 __all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec", "algorithm_conflicts", "check_reward_key",
            "reward_names"]
@@ -74,9 +78,9 @@ class MisSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    level: Literal["token", "sequence"] = Field(description=(
-        "token: drop single tokens whose ratio is outside the band; sequence: drop every token of a sequence whose "
-        "geometric-mean ratio exp(mean of log ratios) is outside the band."))
+    level: Annotated[str, MIS_LEVEL.validator] = Field(strict=True, description=MIS_LEVEL.describe(
+        "Which tokens the band drops", "token (drop single tokens whose ratio is outside the band), sequence (drop "
+        "every token of a sequence whose geometric-mean ratio exp(mean of log ratios) is outside the band)"))
     low: float = Field(strict=True, gt=0, description="Lower end of the kept ratio band (inclusive), in (0, 1).")
     high: float = Field(strict=True, gt=0, description="Upper end of the kept ratio band (inclusive), > 1.")
 
@@ -101,13 +105,16 @@ class AlgorithmSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # ---- advantages
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
-        "Group advantage: grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)."))
+    advantage_estimator: Annotated[str, ADVANTAGE_ESTIMATOR.validator] = Field(
+        "grpo", strict=True, description=ADVANTAGE_ESTIMATOR.describe(
+            "Group advantage", "grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)"))
     adv_eps: float = Field(1e-6, strict=True, gt=0, description="Added to the group std before dividing (grpo).")
     adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
     # ---- policy loss
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "seq-mean-token-mean", description="How per-token losses are reduced to one scalar.")
+    loss_agg: Annotated[str, LOSS_AGGREGATION.validator] = Field(
+        "seq-mean-token-mean", strict=True, description=LOSS_AGGREGATION.describe(
+            "How per-token losses are reduced to one scalar", "token-mean, seq-mean-token-mean, "
+            "seq-mean-token-sum-norm"))
     clip_eps_low: float = Field(0.2, strict=True, ge=0, lt=1, description=(
         "Lower ratio clip: ratio >= 1 - clip_eps_low."))
     clip_eps_high: float = Field(0.2, strict=True, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
@@ -120,16 +127,19 @@ class AlgorithmSpec(BaseModel):
     tis_cap: float | None = Field(None, strict=True, gt=0, description=(
         "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap); "
         "null disables."))
-    tis_level: Literal["token", "sequence"] = Field("token", description=(
-        "With tis_cap: token weights each token by its own truncated ratio; sequence weights every token of a "
-        "sequence by min(product of its token ratios, tis_cap) (grpo.off_policy.importance_weights)."))
+    tis_level: Annotated[str, TIS_LEVEL.validator] = Field("token", strict=True, description=TIS_LEVEL.describe(
+        "With tis_cap, how the truncated ratios weight the tokens (grpo.off_policy.importance_weights)",
+        "token (each token by its own truncated ratio), sequence (every token of a sequence by min(product of its "
+        "token ratios, tis_cap))"))
     mis: MisSpec | None = Field(None, description=(
-        "Masked importance sampling: {level: token|sequence, low, high}; tokens or sequences whose ratio "
-        "pi_old_trainer / pi_engine is outside [low, high] leave the loss. null disables."))
+        "Masked importance sampling: {level: a name in grpo.off_policy.MIS_LEVELS (built in: token, sequence), "
+        "low, high}; tokens or sequences whose ratio pi_old_trainer / pi_engine is outside [low, high] leave the "
+        "loss. null disables."))
     # ---- KL to the reference policy
     kl_coef: float = Field(0.04, strict=True, ge=0, description=(
         "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive)."))
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_estimator: Annotated[str, KL_ESTIMATOR.validator] = Field("k3", strict=True, description=KL_ESTIMATOR.describe(
+        "KL estimator", "k1, k2, k3 (Schulman's)"))
     kl_in_reward: bool = Field(False, description=(
         "Put the KL in the reward as a per-token penalty (return-to-go added to the advantage) instead of the loss."))
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(

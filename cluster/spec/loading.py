@@ -8,12 +8,13 @@ Loading (:func:`load_spec`)::
   list, an empty value → null). An unknown dotted key is an error that lists the valid keys at that level.
 - Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` / ``data.chat_template`` (a file)
   written in the YAML file are resolved against the YAML file's folder when the file exists there (so a spec can
-  name data next to it), otherwise they are left as written, relative to the working directory. Reward functions
-  named by file (``algorithm.rewards`` keys ``path/to/file.py:function``) are found relative to the YAML file's
-  folder too, and imported while the spec is validated (``cluster.spec.algorithm.check_reward_key``; the folder
-  is the validation context's ``base_dir``); the key stays as written (it is the metric name). ``model.path`` likewise, when it names an existing folder next to
-  the spec. Everything else (``output_dir``, ``checkpoint.dir``, ``model.cache_dir``) is relative to the working
-  directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
+  name data next to it), otherwise they are left as written, relative to the working directory. ``model.path``
+  likewise, when it names an existing folder next to the spec. Reward functions named by file (``algorithm.rewards``
+  keys ``path/to/file.py:function``) are found relative to the YAML file's folder too, and imported while the spec is
+  validated (``cluster.spec.algorithm.check_reward_key``; the folder is the validation context's ``base_dir``); the
+  key stays as written (it is the metric name). Everything else (``output_dir``, ``checkpoint.dir``,
+  ``model.cache_dir``) is relative to the working directory, as for any CLI tool. Values given with ``--set`` are
+  never rewritten.
 - Every problem is reported in one :class:`SpecError`, one line each:
   ``<file>:<line>: <dotted.field>: <message> (got <value>)``, with ``--set <key>`` in place of the line for
   values that came from an override (of the field, a section above it, or a key inside it).

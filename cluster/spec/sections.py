@@ -2,12 +2,13 @@
 :mod:`cluster.spec.data`, re-exported here): model, rollout, train, sync, metrics, checkpoint and Ray.
 
 Each section is a frozen pydantic model that rejects unknown keys; its own field checks are here, checks across
-sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules.
+sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules and,
+through :mod:`cluster.spec.variants`, ``train_workers.registry`` (``train.strategy`` names).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, StrictFloat, field_validator, model_validator
 
@@ -18,6 +19,7 @@ from cluster.spec.fields import (
     CustomResources, check_cpu_cores, check_custom_resources,
 )
 from cluster.spec.lora import LoraSpec
+from cluster.spec.variants import TRAIN_BACKEND, model_parallel_strategies
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "HubDatasetSpec", "ReasoningGymSpec", "RolloutSpec",
@@ -185,10 +187,9 @@ class TrainSpec(BaseModel):
     oversize_sequences: Literal["own", "error"] = Field("own", description=(
         "A sequence longer than max_tokens_per_microbatch: 'own' trains it in a micro-batch of its own, 'error' "
         "stops the step naming it."))
-    strategy: Literal["fsdp", "megatron"] = Field("fsdp", description=(
-        "Data-parallel training strategy: the train backend registered under this name in "
-        "train_workers.registry: 'fsdp' (FSDP2) or 'megatron' (Megatron-core tensor and pipeline parallelism, "
-        "float32)."))
+    strategy: Annotated[str, TRAIN_BACKEND.validator] = Field("fsdp", strict=True, description=TRAIN_BACKEND.describe(
+        "Training strategy, the train backend started on every rank",
+        "fsdp (FSDP2, data parallelism), megatron (Megatron-core tensor and pipeline parallelism, float32)"))
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Megatron tensor-parallel ranks per model replica (strategy megatron); must divide the model's attention "
         "heads and kv heads. Data-parallel size = world_size / (tensor_parallel_size × pipeline_parallel_size)."))
@@ -208,15 +209,6 @@ class TrainSpec(BaseModel):
         "row stop the job naming the step and the metric."))
     lora: LoraSpec | None = Field(None, description=(
         f"{LoraSpec.__doc__} null (the default): full fine-tuning of every weight."))
-
-    @field_validator("strategy")
-    @classmethod
-    def _strategy_available(cls, strategy: str) -> str:
-        from train_workers.registry import TRAIN_BACKENDS  # names only: no backend module is imported
-
-        if strategy not in TRAIN_BACKENDS:
-            raise ValueError(f"strategy {strategy!r} is not available yet; use one of {sorted(TRAIN_BACKENDS)}")
-        return strategy
 
     @field_validator("resources")
     @classmethod
@@ -245,16 +237,20 @@ class TrainSpec(BaseModel):
 
     @model_validator(mode="after")
     def _model_parallel_layout(self) -> TrainSpec:
-        """TP/PP/SP need strategy megatron, SP needs TP > 1, and TP × PP divides world_size (the data-parallel size
-        is the quotient). Checks against the model (heads, layers) run when its config.json is read."""
+        """TP/PP/SP need a model-parallel strategy (registered with ``model_parallel=True``: megatron), SP needs
+        TP > 1, and TP × PP divides world_size (the data-parallel size is the quotient). Checks against the model
+        (heads, layers) run when its config.json is read."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if self.strategy != "megatron":
-            for name, value, default in (("tensor_parallel_size", tp, 1), ("pipeline_parallel_size", pp, 1),
-                                         ("sequence_parallel", self.sequence_parallel, False)):
-                if value != default:
-                    raise FieldConflict(f"train.{name}", (
-                        f"{name}={value} needs strategy 'megatron'; strategy {self.strategy!r} shards only by "
-                        f"data parallelism (expected {name}={default})"))
+        layout = (("tensor_parallel_size", tp, 1), ("pipeline_parallel_size", pp, 1),
+                  ("sequence_parallel", self.sequence_parallel, False))
+        changed = [(name, value, default) for name, value, default in layout if value != default]
+        parallel = model_parallel_strategies() if changed else []
+        if changed and self.strategy not in parallel:
+            name, value, default = changed[0]
+            need = f"strategy {' or '.join(map(repr, parallel))}" if parallel else "a model-parallel strategy"
+            raise FieldConflict(f"train.{name}", (
+                f"{name}={value} needs {need}; strategy {self.strategy!r} shards only by data parallelism "
+                f"(expected {name}={default})"))
         if self.sequence_parallel and tp == 1:
             raise FieldConflict("train.sequence_parallel", (
                 "sequence_parallel splits activations over the tensor-parallel ranks: it needs "

@@ -8,10 +8,11 @@ convention, ``fn(completions, references)``, told apart by its parameters (``grp
 where any weighted function gave None, which `grpo.advantages.compute_advantages` leaves out of the group statistics
 (advantage 0) and the loop leaves out of the loss and of the step's metrics (counted as ``reward/infra_failed``).
 
-Builtins: ``accuracy`` and ``format`` (GSM8K, ``grpo.rewards.gsm8k``), ``math`` (LaTeX answers with math-verify,
-``grpo.rewards.math``), ``reasoning_gym`` (``grpo.rewards.reasoning_gym``). A spec may also name a function by location
-(``module:function``, ``path/to/file.py:function``: ``grpo.rewards.loading``). A reward declares what it needs of
-each data row with a ``check_row`` (``grpo.rewards.checks``), checked when the data is loaded.
+Builtins: ``accuracy`` and ``format`` (GSM8K, ``grpo.rewards.gsm8k``), ``code`` (programs run against the row's
+``tests`` in the sandbox, ``grpo.rewards.code``), ``math`` (LaTeX answers with math-verify, ``grpo.rewards.math``),
+``reasoning_gym`` (``grpo.rewards.reasoning_gym``). A spec may also name a function by location (``module:function``,
+``path/to/file.py:function``: ``grpo.rewards.loading``). A reward declares what it needs of each data row with a
+``check_row`` (``grpo.rewards.checks``), checked when the data is loaded.
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ import torch
 from grpo.registry import Registry
 from grpo.rewards.calling import (RewardError, RewardOutputError, call_reward, signature_of, values_to_tensor,
                                   where_defined)
+from grpo.rewards.code import code_reward
 from grpo.rewards.gsm8k import _final_answer, accuracy_reward, extract_answer, format_reward, parse_reference
 from grpo.rewards.math import check_math_reference, math_reward
 from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.reasoning_gym import check_reference as check_reasoning_gym_reference
 from grpo.rewards.reasoning_gym import reasoning_gym_reward
 
-RewardFunctionName = Literal["accuracy", "format", "math", "reasoning_gym"]
+RewardFunctionName = Literal["accuracy", "format", "math", "reasoning_gym", "code"]
 OnError = Literal["raise", "none"]
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "RewardFunctionName",
     "RewardOutputError",
     "accuracy_reward",
+    "code_reward",
     "combine_rewards",
     "lookup_reward",
     "extract_answer",
@@ -193,6 +196,10 @@ def _reasoning_gym(completions: list[str], references: list[str]) -> list[float 
     """reasoning-gym's own scorer of the task each reference names (`grpo.rewards.reasoning_gym`): for prompts from
     ``data.source: reasoning_gym``. A reference of another kind raises `ValueError` for the whole batch."""
     return list(reasoning_gym_reward(completions, references))
+
+
+#: Keyword arguments in TRL's convention: ``code(completions=[...], tests=[...], **other_columns)`` (grpo.rewards.code).
+register_reward_function("code")(code_reward)
 
 
 class CombinedRewards(NamedTuple):

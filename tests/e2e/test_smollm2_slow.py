@@ -53,7 +53,7 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     import ray
     import torch
 
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     out = tmp_path / "run"
@@ -64,7 +64,7 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
     ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        job = GRPOJob(spec, progress=False)
+        job = build_job(spec, progress=False)
         try:
             history = job.run()
         finally:

@@ -44,7 +44,7 @@ def eval_script():
 
 @pytest.fixture(scope="module")
 def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, local_ray, tmp_path_factory):
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     tmp = tmp_path_factory.mktemp("eval_run")
@@ -57,7 +57,7 @@ def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, l
         f"eval={{data_path: {held}, limit: {PROBLEMS}, every_steps: 1, max_tokens: 8, accuracy_reward: eval_script}}",
         "checkpoint.every_steps=0", "checkpoint.keep_last=1", "checkpoint.keep_best=true",
     ])
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     try:
         history = job.run()
         samples = scrape(job.metrics.url)

@@ -35,7 +35,7 @@ def _deterministic(key: str) -> bool:
 
 def test_fixed_seed_tiny_run_metrics_unchanged(tiny_model_dir, gsm8k_train_path, parity_registered, local_ray,
                                                tmp_path):
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     data = tmp_path / "six.jsonl"
@@ -45,7 +45,7 @@ def test_fixed_seed_tiny_run_metrics_unchanged(tiny_model_dir, gsm8k_train_path,
         f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'out'}", f"data.train_path={data}",
         'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}', "metrics.port=null", "total_steps=3",
         "checkpoint.every_steps=0", "checkpoint.save_final=false"])
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     try:
         history = job.run()
     finally:

@@ -33,7 +33,7 @@ def short_registered():
 
 def test_guard_rolls_back_then_stops_and_resume_refuses(tiny_model_dir, gsm8k_train_path, short_registered,
                                                         local_ray, tmp_path):
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.loop.guard import GUARD_STATE, LAST_GOOD
     from cluster.loop.setup import SetupError
     from cluster.ops.metrics import read_metrics_jsonl
@@ -49,7 +49,7 @@ def test_guard_rolls_back_then_stops_and_resume_refuses(tiny_model_dir, gsm8k_tr
         "checkpoint.every_steps=1",
         'monitor={"action": "rollback", "detectors": ["entropy_band"], "baseline_steps": 2, "window_steps": 1, '
         '"entropy_drop_frac": 1e-9, "entropy_rise_frac": 1e-9, "max_rollbacks": 1, "rollback_reward_scale": 0.5}'])
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     try:
         history = job.run()
     finally:
@@ -73,8 +73,8 @@ def test_guard_rolls_back_then_stops_and_resume_refuses(tiny_model_dir, gsm8k_tr
     assert [m["monitor/rollbacks"] for m in history] == [0.0, 1.0, 1.0]
 
     with pytest.raises(SetupError, match="guard stopped this job at step 3"):
-        GRPOJob(spec, progress=False, resume=True)
-    resumed = GRPOJob(spec, progress=False, resume=True, resume_past_trip=True)
+        build_job(spec, progress=False, resume=True)
+    resumed = build_job(spec, progress=False, resume=True, resume_past_trip=True)
     try:
         assert resumed.step == 3 and resumed.scoring.weights == {"accuracy": 1.0, "short": 0.5}
         assert not json.loads((root / GUARD_STATE).read_text())["stopped"]

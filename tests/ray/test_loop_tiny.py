@@ -27,7 +27,7 @@ CONTRACT_KEYS = [
 
 def _run_tiny_job(model_dir, out: Path, overrides: list[str]) -> dict:
     """Run the 2-step tiny job with ``overrides`` (``--set`` syntax) and return what it left behind."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     spec = load_spec(EXAMPLE, [
@@ -38,7 +38,7 @@ def _run_tiny_job(model_dir, out: Path, overrides: list[str]) -> dict:
         "total_steps=2",
         *overrides,
     ])
-    with stopped_after(GRPOJob(spec, progress=False)) as job:  # frees the Ray cluster for the module's next job
+    with stopped_after(build_job(spec, progress=False)) as job:  # frees the Ray cluster for the module's next job
         history = job.run()
         url = job.metrics.url
         samples = scrape(url)

@@ -187,10 +187,10 @@ def test_pools_on_two_nodes_sync_by_broadcast_and_a_lost_rollout_node_is_replace
     """Step 1 runs with the pools on their two nodes (engine on the rollout node, both train ranks on the train node,
     ``auto`` choosing broadcast); the rollout node is lost before step 2 and a new one joins: the engine is replaced
     there and steps 2-3 run. Every step's sync is verified and its engine logprobs match the trainer's."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
 
     spec = make_spec("node_replaced", "total_steps=3")
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     messages = []
     job._status = messages.append
     job.start()
@@ -225,13 +225,13 @@ def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make
     The engine starts under the spec's 240 s (a start takes 30-60 s on 2 loaded cores); only then does the rollout
     pool get ``rollout.timeout_s=45``, the wait under test (long enough for Ray's health checks, ≈ 15 s, to mark the
     node dead, short enough not to spend minutes waiting)."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.ray_shell.pools import EngineFailure
 
     if two_nodes.rollout_node is None:
         two_nodes.add_rollout_node()
     spec = make_spec("node_lost", "total_steps=2")
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     job.start()
     job.rollout.spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
     removed = _remove_rollout_node_at(job, 2, two_nodes)

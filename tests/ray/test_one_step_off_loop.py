@@ -30,7 +30,7 @@ def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, t
               extra: tuple[str, ...] = (), infos: list | None = None):
     """Run 3 steps of ``mode`` (checkpoint after step 2 only, ``extra`` spec overrides); returns (spec, history).
     ``infos``, when given, receives the engines' and train ranks' own reports (``EngineInfo``, ``TrainRankInfo``)."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     base = tmp_path_factory.mktemp(mode)
@@ -42,7 +42,7 @@ def _run_mode(mode: str, max_staleness: int, tiny_model_dir, gsm8k_train_path, t
         'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}', "metrics.port=null", "total_steps=3",
         f"rollout.mode={mode}", f"rollout.max_staleness={max_staleness}", "checkpoint.every_steps=2",
         "checkpoint.save_final=false", f"name={mode}", *extra])
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     try:
         history = job.run()
         if infos is not None:
@@ -83,7 +83,7 @@ def test_one_step_off_resume_resamples_the_inflight_batch(one_step_off_run, tmp_
     """Resume from the step-2 checkpoint (written while step 3's batch was prefetched): step 3 draws the same prompts
     again from the recorded position, samples them on version 2 (staleness 0: nothing was prefetched) and counts them
     in rollout/inflight_resampled; over the two runs each prompt is trained exactly once."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
 
     spec, history = one_step_off_run
     first = Path(spec.output_dir)
@@ -92,7 +92,7 @@ def test_one_step_off_resume_resamples_the_inflight_batch(one_step_off_run, tmp_
     out = tmp_path / "resumed"
     shutil.copytree(first, out)
     resumed_spec = spec.model_copy(update={"output_dir": str(out)})
-    job = GRPOJob(resumed_spec, progress=False, resume=True)
+    job = build_job(resumed_spec, progress=False, resume=True)
     try:
         assert job.step == 2 and job.policy_version == 2
         resumed = job.run()

@@ -18,7 +18,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 
 def test_partial_rollout_loop_trains_every_prompt_once(tiny_model_dir, gsm8k_train_path, parity_registered,
                                                        local_ray, tmp_path):
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     data = tmp_path / "six.jsonl"
@@ -30,7 +30,7 @@ def test_partial_rollout_loop_trains_every_prompt_once(tiny_model_dir, gsm8k_tra
         "rollout.mode=async", "rollout.max_staleness=1", "rollout.partial_rollout=true",
         "rollout.max_response_tokens=256", "checkpoint.every_steps=0", "checkpoint.save_final=false",
         "name=partial"])
-    job = GRPOJob(spec, progress=False)
+    job = build_job(spec, progress=False)
     try:
         history = job.run()
     finally:

@@ -20,7 +20,7 @@ MAX_TOKENS = 1024  # long enough that the call is still running when the interru
 def test_partial_rollout_interrupt_reaches_the_engine_actor(tiny_model_dir, local_ray, tmp_path):
     from transformers import AutoTokenizer
 
-    from cluster.ray_shell.pools import RolloutPool
+    from cluster.ray_shell.rollout_pool import RolloutPool
     from contract.messages import GroupRequest
     from cluster.spec import load_spec
 

@@ -75,10 +75,10 @@ def _assert_same_run(got_spec, ref_spec, steps: int = 4) -> None:
 
 @pytest.fixture(scope="module")
 def reference_run(make_spec, local_ray):
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
 
     spec = make_spec("reference", "checkpoint.every_steps=1", "checkpoint.keep_last=2")
-    run_to_end(GRPOJob(spec, progress=False))
+    run_to_end(build_job(spec, progress=False))
     prompts = _trained_prompts(spec)
     assert sorted(prompts[0] + prompts[1]) == [0, 1, 2, 3] == sorted(prompts[2] + prompts[3])  # two whole epochs
     return spec
@@ -89,7 +89,7 @@ def _kill_train_ranks_at(job_step, plan: dict[int, int], monkeypatch, killed: li
     restarted job training that step again is left alone); ``job_step()`` is the current job's step."""
     import ray
 
-    from cluster.ray_shell.pools import TrainPool
+    from cluster.ray_shell.train_pool import TrainPool
 
     original = TrainPool.train_step
 
@@ -133,7 +133,7 @@ def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec,
     assert (Path(spec.output_dir) / "checkpoints" / "step_000002").is_dir()
     _assert_same_run(spec, reference_run, steps=3)  # the automatic restart's step 3 (step 4 failed: not logged)
     monkeypatch.undo()
-    with stopped_after(driver.GRPOJob(spec, progress=False, resume=True)) as resumed:
+    with stopped_after(build_job(spec, progress=False, resume=True)) as resumed:
         assert resumed.step == 2 and resumed.policy_version == 2
         resumed.run()
     _assert_same_run(spec, reference_run)  # the manual resume's steps 3 and 4
@@ -142,10 +142,10 @@ def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec,
 def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
     import ray
 
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
 
     spec = make_spec("engine_kill")
-    with stopped_after(GRPOJob(spec, progress=False)) as job:
+    with stopped_after(build_job(spec, progress=False)) as job:
         job.start()
         original = job.rollout.generate
 
@@ -166,11 +166,11 @@ def test_engine_killed_is_replaced_and_resampled(make_spec, reference_run):
 def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
     import ray
 
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.ray_shell.pools import EngineFailure
 
     spec = make_spec("engine_bound", "rollout.max_engine_restarts=0", "total_steps=1")
-    with stopped_after(GRPOJob(spec, progress=False)) as job:
+    with stopped_after(build_job(spec, progress=False)) as job:
         job.start()
         ray.kill(job.rollout.engines[0], no_restart=True)
         with pytest.raises(EngineFailure, match="max_engine_restarts=0"):
@@ -179,7 +179,7 @@ def test_engine_failures_beyond_bound_stop_the_job(make_spec, local_ray):
 
 def test_partial_checkpoint_ignored_and_keep_last(reference_run):
     """The reference run saved steps 1-4 with ``keep_last=2``; a crash mid-write of step 5 is then simulated."""
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.loop.checkpoints import latest_checkpoint
 
     spec = reference_run
@@ -190,7 +190,7 @@ def test_partial_checkpoint_ignored_and_keep_last(reference_run):
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
     assert latest_checkpoint(root) == root / "step_000004"
-    resumed = GRPOJob(spec, progress=False, resume=True)
+    resumed = build_job(spec, progress=False, resume=True)
     assert resumed.step == 4 and resumed.resume_from == root / "step_000004"
     resumed.close()
 
@@ -199,7 +199,7 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
     """A NaN loss skips the update (weights and version unchanged, nothing broadcast); K in a row stop the job."""
     import ray
 
-    from cluster.driver import GRPOJob
+    from cluster.ray_shell.runtime import build_job
     from cluster.loop.training import NumericsError
     from tests.faults import use_in_train_pool
 
@@ -212,7 +212,7 @@ def test_nan_updates_skipped_then_stop(make_spec, local_ray, monkeypatch):
             ray.get(self.train.workers[1].fail_next_step.remote("loss"))
         return original(self, bar)
 
-    with stopped_after(GRPOJob(spec, progress=False)) as job:
+    with stopped_after(build_job(spec, progress=False)) as job:
         job.start()
         job.run_step = run_step.__get__(job)
         with pytest.raises(NumericsError, match=r"step 3: 2 updates in a row skipped for a non-finite actor/loss"):

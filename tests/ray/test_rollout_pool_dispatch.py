@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.ray_shell.pools import RolloutPool, WorkerTimeout
+from cluster.ray_shell.pools import WorkerTimeout
+from cluster.ray_shell.rollout_pool import RolloutPool
 from cluster.loop.scheduler import assign_groups
 from contract.messages import EngineLoad, GenerateStats, GroupRequest, GroupResult
 

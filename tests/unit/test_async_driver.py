@@ -1,6 +1,6 @@
-"""``GRPOJob`` in ``rollout.mode: async`` without Ray: ``tests/unit/test_one_step_off_driver.py``'s stand-in engines
-(groups stamped with the version the last sync gave them) and a stand-in train step (one version per step) that ends
-only once the producer has filled the queue. Checks the driver's wiring of :class:`AsyncSchedule`: staleness up to
+"""``GRPOJob`` in ``rollout.mode: async`` over stand-in collaborators (``tests/stand_ins.py``: groups stamped with the
+version the last sync gave them, one version per train step) whose train step ends only once the producer has filled
+the queue. Checks the driver's wiring of :class:`AsyncSchedule`: staleness up to
 ``max_staleness``, the staleness histogram, the audit in ``trained_prompts.jsonl``, the checkpoint's data position of
 the trained batches only (every queued batch in flight), the resume that draws the queued prompts again, and a stale
 head dropped with the queue: its prompts drawn again in the same order, counted, none lost, none trained twice."""
@@ -11,15 +11,11 @@ import json
 import shutil
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
-import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoints import TRAINER_STATE
-from contract.versions import PolicyVersionLedger
-from contract.messages import TrainResult
 from cluster.spec import load_spec_text
-from tests.unit.test_one_step_off_driver import StandInFleet
+from tests.stand_ins import StandInFleet, StandInTrainer
 
 
 def _spec(tmp_path: Path, model: str, steps: int, k: int, every: int):
@@ -33,21 +29,12 @@ def _spec(tmp_path: Path, model: str, steps: int, k: int, every: int):
         f"checkpoint: {{every_steps: {every}, save_final: false}}\n")
 
 
-def _write_checkpoint(root, step, train, model_path, spec_yaml, state, keep_last, protect=None):
-    path = root / f"step_{step:06d}"
-    path.mkdir(parents=True)
-    (path / TRAINER_STATE).write_text(json.dumps(state))
-    (root / "latest").write_text(path.name)
-    return path
-
-
-def _job(spec, monkeypatch, resume=False):
+def _job(spec, resume=False):
     """The job over the stand-ins; returns (job, fleet, trained: per train step, the trainer's version)."""
-    job = GRPOJob(spec, progress=False, resume=resume)
-    fleet, trained = StandInFleet(job.policy_version), []
+    fleet, trained = StandInFleet(), []
     k, total = spec.rollout.max_staleness, spec.total_steps
 
-    def train_step(pool, per_rank, num_tokens, num_sequences):
+    def on_train(trainer):
         # end only once the producer has queued as many batches as the bound and the run allow (at most 10 s)
         want, pause = min(k, total - job.step), threading.Event()
         for _ in range(2000):
@@ -55,12 +42,8 @@ def _job(spec, monkeypatch, resume=False):
                 break
             pause.wait(0.005)
         trained.append(job.policy_version)
-        return TrainResult(job.policy_version + 1, False, "", {"actor/kl": 0.0, "perf/train_tokens": 1.0,
-                                                                "rollout/logprob_diff": 0.0})
 
-    monkeypatch.setattr(driver, "write_checkpoint", _write_checkpoint)
-    monkeypatch.setattr(driver, "train_step", train_step)
-    job.fleet, job.rollout = fleet, SimpleNamespace(restarts=0, engines=[0])
+    job = GRPOJob(spec, fleet=fleet, trainer=StandInTrainer(on_train), progress=False, resume=resume)
     return job, fleet, trained
 
 
@@ -68,9 +51,9 @@ def _prompts(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
 
 
-def test_async_driver_staleness_histogram_checkpoint_and_resume(tmp_path, tiny_model_dir, monkeypatch):
+def test_async_driver_staleness_histogram_checkpoint_and_resume(tmp_path, tiny_model_dir):
     spec = _spec(tmp_path, tiny_model_dir, steps=4, k=2, every=2)
-    job, fleet, trained = _job(spec, monkeypatch)
+    job, fleet, trained = _job(spec)
     try:
         history = job.run()
     finally:
@@ -95,7 +78,7 @@ def test_async_driver_staleness_histogram_checkpoint_and_resume(tmp_path, tiny_m
 
     shutil.rmtree(out / "checkpoints" / "step_000004")  # resume from step 2's
     (out / "checkpoints" / "latest").write_text("step_000002")
-    resumed, fleet2, trained2 = _job(spec, monkeypatch, resume=True)
+    resumed, fleet2, trained2 = _job(spec, resume=True)
     try:
         again = resumed.run()
     finally:
@@ -108,20 +91,22 @@ def test_async_driver_staleness_histogram_checkpoint_and_resume(tmp_path, tiny_m
     assert [r["sample_versions"] for r in rows2[2:]] == [[2, 2], [2, 2]]
 
 
-def test_async_driver_stale_head_dropped_prompts_drawn_again_and_counted(tmp_path, tiny_model_dir, monkeypatch):
+def test_async_driver_stale_head_dropped_prompts_drawn_again_and_counted(tmp_path, tiny_model_dir):
     """After step 1 (batches 2 and 3 queued, sampled by version 0) the trainer and engines are moved to version 3
     (as a trainer taking several versions in one step would): step 2 drops both batches (4 groups), rewinds the data
     position and samples prompts 2, 3 again; step 3 trains prompts 4, 5. Each prompt is trained once, in order."""
     spec = _spec(tmp_path, tiny_model_dir, steps=3, k=2, every=0)
-    job, fleet, _ = _job(spec, monkeypatch)
+    job, fleet, _ = _job(spec)
     history = []
+    job.start()
     try:
         for step in (1, 2, 3):
             job.step = step
             history.append(job.run_step())
             if step == 1:
                 assert len(job.schedule.queued) == 2
-                job.versions, fleet.version = PolicyVersionLedger(3), 3
+                job.versions.restore(3)
+                fleet.version = job.trainer.version = 3
             if step == 2:
                 job.save_checkpoint()  # batch 3 queued: in flight
     finally:
@@ -132,5 +117,6 @@ def test_async_driver_stale_head_dropped_prompts_drawn_again_and_counted(tmp_pat
     rows = _prompts(Path(spec.output_dir))
     assert [r["prompts"] for r in rows] == [[0, 1], [2, 3], [4, 5]]
     assert [r["sample_versions"] for r in rows] == [[0, 0], [3, 3], [3, 3]]
-    resumed = GRPOJob(spec, progress=False, resume=True)  # from step 2's checkpoint: the count and batch 3 in flight
-    assert resumed.step == 2 and resumed._stale_dropped_total == 4 and resumed._inflight_resampled == 2
+    resumed, _, _ = _job(spec, resume=True)  # from step 2's checkpoint: the count and batch 3 in flight
+    assert resumed.step == 2 and resumed.schedule.stale_dropped_total == 4
+    assert resumed.schedule.inflight_resampled == 2

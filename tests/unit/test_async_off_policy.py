@@ -122,8 +122,10 @@ def test_async_bad_shapes_and_names_refused():
         importance_log_ratio(old, behaviour[:, :2], mask)
     with pytest.raises(ValueError, match=r"response_mask must have shape \(2, 3\)"):
         mis_keep_mask(old, behaviour, mask[:1], 0.5, 2.0)
-    with pytest.raises(ValueError, match="level must be one of token, sequence, got 'batch'"):
+    with pytest.raises(ValueError, match=r"unknown TIS level 'batch'; expected one of \['sequence', 'token'\]"):
         importance_weights(old, behaviour, mask, 2.0, "batch")
+    with pytest.raises(ValueError, match=r"unknown MIS level 'batch'; expected one of \['sequence', 'token'\]"):
+        mis_keep_mask(old, behaviour, mask, 0.5, 2.0, "batch")
     with pytest.raises(ValueError, match="cap must be finite and > 0"):
         importance_weights(old, behaviour, mask, 0.0, "sequence")
     with pytest.raises(ValueError, match="old_logprobs must be \\[N, T\\]"):
@@ -244,7 +246,7 @@ def test_async_spec_defaults_are_todays_behaviour():
     (["algorithm.mis.level=token", "algorithm.mis.low=1", "algorithm.mis.high=2"], "algorithm.mis.low",
      "got low=1.0"),
     (["algorithm.mis.level=batch", "algorithm.mis.low=0.5", "algorithm.mis.high=2"], "algorithm.mis.level",
-     "'token' or 'sequence'"),
+     "unknown MIS level 'batch'; expected one registered in grpo.off_policy.MIS_LEVELS: sequence, token."),
     (["algorithm.mis.low=0.5", "algorithm.mis.high=2"], "algorithm.mis.level", "required key 'level' is missing"),
     (["algorithm.tis_level=sequence"], "algorithm.tis_level",
      "tis_level='sequence' needs algorithm.tis_cap (the truncation cap), got null"),

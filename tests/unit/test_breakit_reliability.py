@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.driver import GRPOJob
+from tests.stand_ins import stand_in_job
 from cluster.loop.checkpoints import TRAINER_STATE, latest_checkpoint
 from cluster.loop.setup import SetupError
 from cluster.spec import SpecError, load_spec_text
@@ -83,7 +83,7 @@ def test_resume_with_torn_metrics_line_is_not_a_traceback(tmp_path, tiny_model_d
     spec = _spec(tmp_path, tiny_model_dir)
     _checkpoint(tmp_path / "out" / "checkpoints", 2)
     (tmp_path / "out" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "loss"')
-    job = GRPOJob(spec, progress=False, resume=True)  # the torn row is past the checkpoint: dropped
+    job = stand_in_job(spec, progress=False, resume=True)  # the torn row is past the checkpoint: dropped
     assert job.step == 2
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -100,7 +100,7 @@ def test_fresh_run_in_reused_output_dir_does_not_prune_its_own_checkpoint(tmp_pa
                 f"it with `grpo-cluster run --resume` (or resume: auto), or choose another output_dir / "
                 f"checkpoint.dir — nothing was deleted")
     with pytest.raises(SetupError) as err:
-        GRPOJob(spec, progress=False, resume=False)
+        stand_in_job(spec, progress=False, resume=False)
     assert str(err.value) == expected
     assert sorted(p.name for p in root.iterdir()) == ["step_000010"] and (old / TRAINER_STATE).is_file()
 

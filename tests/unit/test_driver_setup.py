@@ -10,7 +10,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.data import DataError
-from cluster.driver import GRPOJob
+from tests.stand_ins import stand_in_job
 from cluster.data.models import ModelError, resolve_model_path
 from cluster.loop.setup import SetupError
 from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources
@@ -32,7 +32,7 @@ def _spec(tmp_path, model, *overrides):
 
 
 def test_prompts_are_tokenized_once_and_counted(tmp_path, tiny_model_dir):
-    job = GRPOJob(_spec(tmp_path, tiny_model_dir), progress=False)
+    job = stand_in_job(_spec(tmp_path, tiny_model_dir), progress=False)
     try:
         assert job.prompts_filtered == 0 and len(job.prompt_ids) == 5
         examples, requests = job.requests.draw(3, 4)
@@ -44,16 +44,16 @@ def test_prompts_are_tokenized_once_and_counted(tmp_path, tiny_model_dir):
 
 def test_all_prompts_too_long_is_a_data_error_not_a_hang(tmp_path, tiny_model_dir):
     with pytest.raises(DataError, match="all 5 prompts are longer than data.max_prompt_tokens=5"):
-        GRPOJob(_spec(tmp_path, tiny_model_dir, "data.max_prompt_tokens=5"), progress=False)
+        stand_in_job(_spec(tmp_path, tiny_model_dir, "data.max_prompt_tokens=5"), progress=False)
 
 
 def test_output_dir_that_is_a_file(tmp_path, tiny_model_dir):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(SetupError, match="output_dir: cannot write to"):
-        GRPOJob(_spec(tmp_path, tiny_model_dir, f"output_dir={blocker}"), progress=False)
+        stand_in_job(_spec(tmp_path, tiny_model_dir, f"output_dir={blocker}"), progress=False)
     with pytest.raises(SetupError, match="checkpoint.dir: cannot write to"):
-        GRPOJob(_spec(tmp_path, tiny_model_dir, f"checkpoint.dir={blocker}/sub"), progress=False)
+        stand_in_job(_spec(tmp_path, tiny_model_dir, f"checkpoint.dir={blocker}/sub"), progress=False)
 
 
 def test_model_paths(tmp_path):
@@ -71,7 +71,7 @@ def test_model_folder_without_tokenizer(tmp_path, tiny_model_dir):
     folder.mkdir()
     (folder / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
     with pytest.raises(ModelError, match="cannot load a tokenizer"):
-        GRPOJob(_spec(tmp_path, folder), progress=False)
+        stand_in_job(_spec(tmp_path, folder), progress=False)
 
 
 def test_missing_resources_are_listed(monkeypatch, tmp_path):

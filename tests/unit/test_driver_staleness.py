@@ -56,8 +56,9 @@ class FakeSync:
 
 def job(versions: list[int], *overrides: str, trainer: int = 3) -> EngineFleet:
     """A fleet over the fakes, with the trainer at policy version ``trainer``."""
-    return EngineFleet(load_spec_text(SPEC, overrides=overrides), FakeRollout(versions), FakeSync(),
-                       PolicyVersionLedger(trainer), lambda message: None)
+    fleet = EngineFleet(load_spec_text(SPEC, overrides=overrides))
+    fleet.attach(FakeRollout(versions), FakeSync(), PolicyVersionLedger(trainer), lambda message: None)
+    return fleet
 
 
 REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]

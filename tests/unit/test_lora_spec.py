@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli import main
 from cluster.data.models import ModelError
-from cluster.loop.setup import check_lora
+from cluster.ops.model_checks import check_lora
 from cluster.spec import LoraSpec, SpecError, load_spec, load_spec_text, spec_to_yaml
 from tests.unit.test_cli_validate import _spec_file
 

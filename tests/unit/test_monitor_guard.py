@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
+from cluster.loop.checkpoint_state import open_step_logs
 from cluster.loop.guard import (GUARD_STATE, LAST_GOOD, Guard, build_guard, check_resume, last_good_checkpoint,
                                 monitor_config)
 from cluster.loop.setup import SetupError
@@ -32,29 +33,34 @@ def _row(kl: float, fmt: float = 0.2) -> dict:
 
 
 class FakeJob:
-    """What the guard uses of GRPOJob: checkpoints, step logs, restore and restart."""
+    """A job as the guard sees it (``cluster.loop.guard.GuardTarget``: stop, restore a checkpoint, change a reward
+    weight), with step logs, checkpoints as the driver writes them and the steps it ran."""
 
     def __init__(self, root: Path, spec: MonitorSpec, weights: dict[str, float]):
         self.output_dir, self.root = root, root / "checkpoints"
+        self.metrics_path = root / "metrics.jsonl"
         self.root.mkdir()
         self.metrics = MetricsLogger(root, port=None, echo=False)
-        self.train = self.rollout = None  # no actors to wait for
         self.completed: dict[int, dict] = {}
-        self.step, self.resume_from, self.starts, self.messages = 0, None, 0, []
+        self.step, self.resume_from, self.restores, self.messages = 0, None, 0, []
+        self.stop_reason = None
         self.weights = weights
         self.guard = Guard(spec, self.root, weights, self.messages.append)
 
-    def checkpoint_root(self) -> Path:
-        return self.root
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
 
-    def shutdown(self) -> None:
-        pass
+    def set_reward_weight(self, name: str, weight: float) -> None:
+        self.weights[name] = weight
 
-    def start(self) -> None:
-        self.starts += 1
-
-    def _restore(self, path: Path) -> None:
+    def restore(self, path: Path) -> None:
+        self.restores += 1
+        self.resume_from = path
         self.step = json.loads((path / "trainer_state.json").read_text())["step"]
+        open_step_logs(self.output_dir, self.step)
+        self.metrics.reopen()
+        for step in [s for s in self.completed if s > self.step]:
+            del self.completed[step]
 
     def run_step(self, row: dict, checkpoint: bool = False) -> bool:
         """One step as the driver runs it: observe, log, checkpoint, act. Returns whether the job must stop."""
@@ -66,7 +72,9 @@ class FakeJob:
             folder = self.root / f"step_{self.step:06d}"
             folder.mkdir()
             (folder / "trainer_state.json").write_text(json.dumps({"step": self.step}))
-        return tripped and self.guard.act(self, self.step, row)
+        if tripped:
+            self.guard.act(self, self.step, row)
+        return self.stop_reason is not None
 
 
 def _spec(**kw) -> MonitorSpec:
@@ -123,10 +131,8 @@ def test_cli_refuses_rollback_without_checkpoints_before_ray(tmp_path, capsys):
 
 
 def test_no_monitor_section_builds_no_guard(tmp_path):
-    class Job:
-        spec = load_spec_text(BASE)
-
-    assert build_guard(Job()) is None
+    spec = load_spec_text(BASE)
+    assert build_guard(spec.monitor, tmp_path, {"accuracy": 1.0}, print, None, tmp_path / "metrics.jsonl") is None
 
 
 def test_warn_adds_metrics_and_logs_detector_value_and_onset(tmp_path):
@@ -192,7 +198,7 @@ def test_rollback_restores_reduces_offending_weight_then_stops_after_max(tmp_pat
     job = FakeJob(tmp_path, _spec(action="rollback", max_rollbacks=1, rollback_reward_scale=0.5), weights)
     fmts = [0.2] * 5 + [0.6, 0.9]
     assert _run(job, [0.001] * 5 + [0.3, 2.0], fmts) is None  # trip at 7, onset 6 -> back to step_4
-    assert job.step == 4 and job.starts == 1 and job.resume_from == job.root / "step_000004"
+    assert job.step == 4 and job.restores == 1 and job.resume_from == job.root / "step_000004"
     assert weights == {"accuracy": 1.0, "format": 0.1}  # format rose most: the offending component, halved
     assert sorted(p.name for p in job.root.iterdir()) == [
         GUARD_STATE, LAST_GOOD, "latest", "step_000002", "step_000004", "step_000006.rollback1"]

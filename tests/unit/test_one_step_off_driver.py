@@ -1,5 +1,5 @@
-"""``GRPOJob`` in ``rollout.mode: one_step_off`` without Ray: stand-in engines (groups stamped with the version the
-last sync gave them) and a stand-in train step (one version per step). Checks the driver's wiring of the schedule:
+"""``GRPOJob`` in ``rollout.mode: one_step_off`` over stand-in collaborators (``tests/stand_ins.py``: groups stamped
+with the version the last sync gave them, one version per train step). Checks the driver's wiring of the schedule:
 staleness 0 then 1, the next batch generated in the worker thread while the step trains, the audit in
 ``trained_prompts.jsonl``, the checkpoint's data position of the trained batches only, and the resume that draws the
 in-flight prompts again (none lost, none trained twice). ``tests/ray/test_one_step_off_loop.py`` runs the real loop."""
@@ -9,44 +9,11 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
-import torch
-
-import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoints import TRAINER_STATE
-from contract.figures import FleetFigures
-from contract.messages import GroupResult, TrainResult
 from cluster.spec import load_spec_text
-
-
-class StandInFleet:
-    """Engines at ``version`` (raised by ``sync_policy``): every group is stamped with it; each generate call
-    records (thread name, version, recover)."""
-
-    def __init__(self, version: int):
-        self.version, self.figures, self.calls, self.syncs = version, FleetFigures(), [], 0
-
-    def begin_step(self):
-        self.figures = FleetFigures()
-
-    def generate(self, requests, on_groups=None, record=True, recover=True):
-        self.calls.append((threading.current_thread().name, self.version, recover))
-        groups = [GroupResult(q.group_id, q.prompt_ids, [[7] * (1 + i) for i in range(q.group_size)],
-                              [torch.zeros(1 + i) for i in range(q.group_size)], ["length"] * q.group_size,
-                              ["x" * (1 + i) for i in range(q.group_size)], self.version) for q in requests]
-        if on_groups is not None:
-            on_groups(groups)
-        return groups
-
-    def sync_policy(self):
-        self.syncs += 1
-        self.version += 1
-        return SimpleNamespace(metrics=lambda: {"sync/verified": True})
-
-    def log_workers(self, metrics, step, figures=None):
-        pass
+from tests.stand_ins import StandInFleet, StandInTrainer
 
 
 def _spec(tmp_path: Path, model: str, steps: int = 3):
@@ -60,25 +27,16 @@ def _spec(tmp_path: Path, model: str, steps: int = 3):
         "checkpoint: {every_steps: 2, save_final: false}\n")
 
 
-def _run(spec, monkeypatch, resume=False):
+def _run(spec, resume=False):
     """Run the job over the stand-ins; returns (job, history, fleet, per train step: (the trainer's version, the
     generate calls made in the worker thread by the time it ended))."""
     trained = []
-
-    def write_checkpoint(root, step, train, model_path, spec_yaml, state, keep_last, protect=None):
-        path = root / f"step_{step:06d}"
-        path.mkdir(parents=True)
-        (path / TRAINER_STATE).write_text(json.dumps(state))
-        (root / "latest").write_text(path.name)
-        return path
-
-    job = GRPOJob(spec, progress=False, resume=resume)
-    fleet = StandInFleet(job.policy_version)
+    fleet = StandInFleet()
 
     def worker_calls() -> int:
         return sum(name.startswith("one-step-off") for name, _, _ in fleet.calls)
 
-    def train_step(pool, per_rank, num_tokens, num_sequences):
+    def on_train(trainer):
         # the worker thread generates the next batch meanwhile: wait (at most 5 s) until it has, so a schedule that
         # generated only after training would show fewer calls here
         before, pause = worker_calls(), threading.Event()
@@ -87,12 +45,8 @@ def _run(spec, monkeypatch, resume=False):
                 break
             pause.wait(0.01)
         trained.append((job.policy_version, worker_calls()))
-        return TrainResult(job.policy_version + 1, False, "", {"actor/kl": 0.0, "perf/train_tokens": 1.0,
-                                                                "rollout/logprob_diff": 0.0})
 
-    monkeypatch.setattr(driver, "write_checkpoint", write_checkpoint)
-    monkeypatch.setattr(driver, "train_step", train_step)
-    job.fleet, job.rollout = fleet, SimpleNamespace(restarts=0, engines=[0])
+    job = GRPOJob(spec, fleet=fleet, trainer=StandInTrainer(on_train), progress=False, resume=resume)
     try:
         history = job.run()
     finally:
@@ -104,9 +58,9 @@ def _prompts(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
 
 
-def test_one_step_off_driver_staleness_overlap_checkpoint_and_resume(tmp_path, tiny_model_dir, monkeypatch):
+def test_one_step_off_driver_staleness_overlap_checkpoint_and_resume(tmp_path, tiny_model_dir):
     spec = _spec(tmp_path, tiny_model_dir)
-    job, history, fleet, trained = _run(spec, monkeypatch)
+    job, history, fleet, trained = _run(spec)
     assert [m["policy_version"] for m in history] == [1, 2, 3] and fleet.syncs == 3
     assert trained == [(0, 1), (1, 2), (2, 2)]  # batches 2 and 3 generated while steps 1 and 2 trained
     assert [m["rollout/staleness_max"] for m in history] == [0.0, 1.0, 1.0]
@@ -123,7 +77,7 @@ def test_one_step_off_driver_staleness_overlap_checkpoint_and_resume(tmp_path, t
     assert state["step"] == 2 and state["inflight_groups"] == 2
     assert state["sampler"]["offset"] == 4 and state["pending_prompts"] == []  # step 3's prompts not counted drawn
 
-    resumed, again, fleet2, trained2 = _run(spec, monkeypatch, resume=True)
+    resumed, again, fleet2, trained2 = _run(spec, resume=True)
     assert [m["policy_version"] for m in again] == [3] and trained2 == [(2, 0)]
     assert again[0]["rollout/inflight_resampled"] == 2 and again[0]["rollout/staleness_max"] == 0.0
     assert [(version, recover) for _, version, recover in fleet2.calls] == [(2, True)]  # after the restore

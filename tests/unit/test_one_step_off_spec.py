@@ -44,7 +44,9 @@ REQUESTS = [GroupRequest(0, [5, 6], 2, seed=1), GroupRequest(1, [7], 2, seed=2)]
 
 def fleet(rollout) -> EngineFleet:
     spec = load_spec_text(SPEC, overrides=["rollout.mode=one_step_off", "rollout.max_staleness=1"])
-    return EngineFleet(spec, rollout, FakeSync(), PolicyVersionLedger(3), lambda message: None)
+    engines = EngineFleet(spec)
+    engines.attach(rollout, FakeSync(), PolicyVersionLedger(3), lambda message: None)
+    return engines
 
 
 class DyingRollout(FakeRollout):

@@ -1,4 +1,4 @@
-"""``GRPOJob`` with ``rollout.partial_rollout`` (async, max_staleness 1) without Ray: stand-in engines whose fresh
+"""``GRPOJob`` with ``rollout.partial_rollout`` (async, max_staleness 1) over stand-in collaborators: engines whose fresh
 producer calls run until interrupted (as a batch whose longest completion would outlast the train step), returning
 every completion ``"interrupted"`` after 2 tokens; continued calls add 3 tokens of the engines' current version.
 Checks the driver's wiring: each step's producer call is interrupted (not awaited) and carried over, the next step
@@ -12,34 +12,29 @@ import json
 import shutil
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-import cluster.driver as driver
 from cluster.driver import GRPOJob
 from cluster.loop.checkpoints import TRAINER_STATE
-from contract.figures import FleetFigures
-from contract.messages import GroupResult, TrainResult
 from cluster.spec import load_spec_text
-from tests.unit.test_async_driver import _prompts, _write_checkpoint
+from contract.messages import GroupResult
+from tests.stand_ins import StandInFleet, StandInTrainer
+from tests.unit.test_async_driver import _prompts
 
 WAIT_S = 20.0
 
 
-class InterruptibleFleet:
-    """Engines at ``version`` (raised by ``sync_policy``). A fresh interruptible call blocks until ``interrupt`` with
-    its epoch (at most ``WAIT_S``), then returns 2 tokens per completion, ``"interrupted"``; a call continuing groups
+class InterruptibleFleet(StandInFleet):
+    """Engines at ``version`` (the last sync's). A fresh interruptible call blocks until ``interrupt`` with its epoch
+    (at most ``WAIT_S``), then returns 2 tokens per completion, ``"interrupted"``; a call continuing groups
     (``resume_from``) adds 3 tokens per interrupted completion at once; other calls return 5 tokens at once.
     ``calls``: (thread name, interrupt_epoch, resumed?) per call; ``interrupts``: epochs."""
 
-    def __init__(self, version: int):
-        self.version, self.figures, self.calls, self.interrupts = version, FleetFigures(), [], []
+    def __init__(self):
+        super().__init__()
         self.cond = threading.Condition()
         self.interrupted_epoch = -1
-
-    def begin_step(self):
-        self.figures = FleetFigures()
 
     def interrupt(self, epoch):
         with self.cond:
@@ -70,13 +65,6 @@ class InterruptibleFleet:
         return GroupResult(q.group_id, q.prompt_ids, ids, [torch.zeros(len(x)) for x in ids], [reason] * len(ids),
                            ["x" * len(x) for x in ids], min(v for vs in versions for v in vs), versions)
 
-    def sync_policy(self):
-        self.version += 1
-        return SimpleNamespace(metrics=lambda: {"sync/verified": True})
-
-    def log_workers(self, metrics, step, figures=None):
-        pass
-
 
 def _spec(tmp_path: Path, model: str, steps: int):
     train = tmp_path / "train.jsonl"
@@ -89,29 +77,25 @@ def _spec(tmp_path: Path, model: str, steps: int):
         "checkpoint: {every_steps: 2, save_final: false}\n")
 
 
-def _job(spec, monkeypatch, resume=False):
+def _job(spec, resume=False):
     """The job over the stand-ins; the stand-in train step ends once the producer's call of the step has started
     (none on the last step)."""
-    job = GRPOJob(spec, progress=False, resume=resume)
-    fleet = InterruptibleFleet(job.policy_version)
+    fleet = InterruptibleFleet()
 
-    def train_step(pool, per_rank, num_tokens, num_sequences):
+    def on_train(trainer):
         if job.step < spec.total_steps:
+            epoch = job.producer.partial.epoch
             with fleet.cond:
-                assert fleet.cond.wait_for(lambda: any(name.startswith("async-producer") and epoch == job.partial.epoch
-                                                       for name, epoch, _ in fleet.calls), timeout=WAIT_S)
-        return TrainResult(job.policy_version + 1, False, "", {"actor/kl": 0.0, "perf/train_tokens": 1.0,
-                                                                "rollout/logprob_diff": 0.0})
+                assert fleet.cond.wait_for(lambda: any(name.startswith("async-producer") and e == epoch
+                                                       for name, e, _ in fleet.calls), timeout=WAIT_S)
 
-    monkeypatch.setattr(driver, "write_checkpoint", _write_checkpoint)
-    monkeypatch.setattr(driver, "train_step", train_step)
-    job.fleet, job.rollout = fleet, SimpleNamespace(restarts=0, engines=[0])
+    job = GRPOJob(spec, fleet=fleet, trainer=StandInTrainer(on_train), progress=False, resume=resume)
     return job, fleet
 
 
-def test_partial_rollout_driver_carries_over_resumes_and_checkpoints(tmp_path, tiny_model_dir, monkeypatch):
+def test_partial_rollout_driver_carries_over_resumes_and_checkpoints(tmp_path, tiny_model_dir):
     spec = _spec(tmp_path, tiny_model_dir, steps=4)
-    job, fleet = _job(spec, monkeypatch)
+    job, fleet = _job(spec)
     try:
         history = job.run()
     finally:
@@ -141,7 +125,7 @@ def test_partial_rollout_driver_carries_over_resumes_and_checkpoints(tmp_path, t
 
     shutil.rmtree(out / "checkpoints" / "step_000004")
     (out / "checkpoints" / "latest").write_text("step_000002")
-    resumed, fleet2 = _job(spec, monkeypatch, resume=True)
+    resumed, fleet2 = _job(spec, resume=True)
     try:
         again = resumed.run()
     finally:

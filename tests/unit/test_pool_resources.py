@@ -100,7 +100,8 @@ def test_ipc_across_nodes_is_refused_naming_the_engine():
 
 
 def test_where_names_each_engine_node_and_its_state(monkeypatch):
-    from cluster.ray_shell.pools import RolloutPool, _fmt_resources
+    from cluster.ray_shell.pools import _fmt_resources
+    from cluster.ray_shell.rollout_pool import RolloutPool
     from contract.messages import EngineInfo
 
     pool = RolloutPool.__new__(RolloutPool)  # only ``infos`` is read: no engines are started

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster.data import chat_prompt_ids, load_jsonl_examples
-from cluster.driver import GRPOJob
+from tests.stand_ins import stand_in_job
 from cluster.data.evaluate import evaluate_gsm8k
 from cluster.spec import DEFAULT_SYSTEM_PROMPT, load_spec_text
 from contract.messages import GroupRequest
@@ -79,7 +79,7 @@ def test_driver_trains_on_the_same_ids(tmp_path, model_dir, data, train_ids):
     spec = load_spec_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: 1\nmodel: {{path: {model_dir}}}\n"
                           f"data: {{train_path: {data}, prompt_suffix: {json.dumps(SUFFIX)}}}\n"
                           f"metrics: {{port: null}}\n")
-    job = GRPOJob(spec, progress=False)
+    job = stand_in_job(spec, progress=False)
     try:
         assert [job.prompt_ids[i] for i in range(4)] == train_ids
     finally:

@@ -134,7 +134,8 @@ def test_spec_strategy_follows_the_registry(monkeypatch):
 
     assert TrainSpec(strategy="megatron").strategy == "megatron"
     monkeypatch.delitem(registry.TRAIN_BACKENDS, "megatron")
-    with pytest.raises(ValidationError, match=r"strategy 'megatron' is not available yet; use one of \['fsdp'\]"):
+    with pytest.raises(ValidationError, match=r"unknown train backend 'megatron'; expected one registered in "
+                                              r"train_workers\.registry\.TRAIN_BACKENDS: fsdp\."):
         TrainSpec(strategy="megatron")
 
 
