@@ -4,8 +4,8 @@ The held-out prompts run on the rollout engines, which hold the trainer's curren
 :class:`contract.messages.GroupRequest` s with a :class:`contract.messages.SamplingOverride` (greedy by default, the
 eval's own length cap) and a fixed seed per prompt (:func:`eval_seed`: the same at every evaluation, so two
 evaluations differ only by the weights). Completions are scored with reward functions called as in training
-(``grpo.rewards.combine_rewards``: whole-row functions get the prompts and every column of the rows) —
-``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``; ``eval.format_reward``, default ``format`` — and the
+(``grpo.rewards.combine_rewards``: whole-row functions get the prompts and every column of the rows):
+``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``, and ``eval.format_reward``, default ``format``; the
 held-out rows must pass those rewards' row checks when they are loaded.
 
 Metrics (``eval/*``, on the metrics row of the step the evaluation ran after; the starting weights' evaluation is a

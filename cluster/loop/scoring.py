@@ -42,7 +42,8 @@ def check_infra_failures(total: torch.Tensor, per_function: dict[str, torch.Tens
     """The number of completions without a reward (NaN ``total``); raises when there are too many.
 
     Args:
-        total: [N] float32 total rewards. per_function: name → [N] unweighted rewards. weights: name → weight in use.
+        total: [N] float32 total rewards. per_function: name → [N] unweighted rewards.
+        weights: name → weight in use.
         limit: ``algorithm.max_infra_failed_fraction``.
 
     Raises:
@@ -120,8 +121,9 @@ class Scoring:
                 contract (wrong count, non-numbers).
         """
         rows = [as_example(r) for r in rows]
-        return combine_rewards(texts, [r.reference for r in rows], self.weights, on_error=self.algorithm.reward_on_error,
-                               prompts=[r.prompt_as_given for r in rows], columns=row_columns(rows))
+        return combine_rewards(texts, [r.reference for r in rows], self.weights,
+                               on_error=self.algorithm.reward_on_error, prompts=[r.prompt_as_given for r in rows],
+                               columns=row_columns(rows))
 
     def score(self, groups: list[GroupResult], rows: Sequence[Example | str],
               scored_groups: list[CombinedRewards] | None = None) -> RolloutBatch:

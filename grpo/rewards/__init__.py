@@ -104,8 +104,8 @@ def register_reward_function(name: str, *, check_row: Callable[..., Any] | None 
 
     Raises:
         ValueError: a duplicate name, or a reserved one (`RESERVED_REWARD_NAMES`: mean, std, failed, none_fraction,
-            infra_failed, overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's; also a name that is one
-            of those once written as a Prometheus metric name (`prometheus_safe_name`: ``none-fraction``,
+            infra_failed, overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's; also a name
+            that is one of those once written as a Prometheus metric name (`prometheus_safe_name`: ``none-fraction``,
             ``overlong.penalty``), or that is the same as a registered function's there (``a-b`` after ``a_b``).
     """
     def decorator(fn):

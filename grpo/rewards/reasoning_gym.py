@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "encode_reference", "extract_final_answer",
+__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "encode_reference",
+           "extract_final_answer",
            "generate_entries", "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
 
 REFERENCE_KIND = "reasoning_gym"
@@ -155,7 +156,8 @@ def check_reference(reference: str) -> None:
     keys = {"task", "config", "seed", "size", "index"}
     if not isinstance(ref, dict) or ref.get("kind") != REFERENCE_KIND or not keys <= set(ref):
         raise ValueError(f"expected a reasoning-gym reference (JSON with kind {REFERENCE_KIND!r} and "
-                         f"{', '.join(sorted(keys))}, written by data.source: reasoning_gym), got {str(reference)[:80]!r}")
+                         f"{', '.join(sorted(keys))}, written by data.source: reasoning_gym), got "
+                         f"{str(reference)[:80]!r}")
     if ref.get("answer_extraction", "marker") not in ANSWER_EXTRACTIONS:
         raise ValueError(f"reasoning-gym reference has answer_extraction {ref['answer_extraction']!r}, expected one of "
                          f"{ANSWER_EXTRACTIONS}")

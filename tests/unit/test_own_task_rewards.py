@@ -189,8 +189,8 @@ def test_own_task_reward_file_next_to_the_spec_is_loaded_and_called(tmp_path, mo
 
 
 def test_own_task_module_reward_in_the_spec_folder_is_importable(tmp_path):
-    (tmp_path / "own_task_mod_rewards.py").write_text("def exact(completions, answer):\n"
-                                                      "    return [float(c == a) for c, a in zip(completions, answer)]\n")
+    (tmp_path / "own_task_mod_rewards.py").write_text(
+        "def exact(completions, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n")
     spec = load_spec(spec_with(tmp_path, '    "own_task_mod_rewards:exact": 1.0\n'))
     assert combine_rewards(["1", "2"], ["", ""], dict(spec.algorithm.rewards),
                            columns={"answer": ["1", "1"]}).total.tolist() == [1.0, 0.0]
@@ -231,8 +231,8 @@ def test_own_task_unknown_name_says_how_to_register_one(tmp_path):
 
 def test_own_task_eval_reward_may_be_named_by_file(tmp_path):
     (tmp_path / "r.py").write_text("def hit(completions, answer):\n    return [1.0 for _ in completions]\n")
-    spec = load_spec(spec_with(tmp_path, "    accuracy: 1.0\n", "eval:\n  data_path: train.jsonl\n"
-                                                                 "  accuracy_reward: r.py:hit\n  format_reward: null\n"))
+    evaluation = "eval:\n  data_path: train.jsonl\n  accuracy_reward: r.py:hit\n  format_reward: null\n"
+    spec = load_spec(spec_with(tmp_path, "    accuracy: 1.0\n", evaluation))
     assert spec.eval.accuracy_reward == "r.py:hit" and "r.py:hit" in REWARD_FUNCTIONS
 
 

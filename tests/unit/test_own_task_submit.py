@@ -73,7 +73,8 @@ def test_own_task_submit_sends_nothing_for_a_file_already_in_place(tmp_path):
     (root / "r.py").write_text(REWARD)  # where the submitted spec (at the root) looks for it: the same text
     (spec_dir / "train.jsonl").write_text(json.dumps({"prompt": "Q?", "level": 1}) + "\n")
     (spec_dir / "spec.yaml").write_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: 1\ndata:\n  train_path: "
-                                        f"train.jsonl\n  prompt_field: prompt\nalgorithm:\n  rewards: {{r.py:score: 1}}\n")
+                                        f"train.jsonl\n  prompt_field: prompt\nalgorithm:\n  rewards: "
+                                        f"{{r.py:score: 1}}\n")
     spec = load_spec(spec_dir / "spec.yaml")
     assert reward_files(spec, spec_dir, root) == {}
     (root / "r.py").write_text("# another file\n" + REWARD)
