@@ -3,8 +3,8 @@
 :class:`train_workers.megatron.worker.MegatronTrainWorker` builds the models and Megatron's parallel state and
 composes this engine with :class:`train_workers.grpo_step.GRPOStep` (the protocol:
 :class:`train_workers.step_engine.StepEngine`). At pp = 1 the step runs the micro-batches one by one through the
-engine; at pp > 1 the engine's :attr:`MegatronEngine.pipeline` (:class:`train_workers.megatron.pipeline.MegatronPipeline`)
-runs each pass. What is Megatron's own here:
+engine; at pp > 1 the engine's :attr:`MegatronEngine.pipeline`
+(:class:`train_workers.megatron.pipeline.MegatronPipeline`) runs each pass. What is Megatron's own here:
 
 - Gradients (:meth:`MegatronEngine.clip_gradients`). Parameters are local shards (Megatron's ``ColumnParallelLinear``/
   ``RowParallelLinear``/``VocabParallelEmbedding``, ``megatron/core/tensor_parallel/layers.py``): the TP collectives

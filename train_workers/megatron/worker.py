@@ -11,8 +11,8 @@ The worker is composed of parts, each with one role, as the FSDP2 worker is (no 
 code): the rank's settings and shared set-up (``train_workers.rank_context.RankContext``, ``self.ctx``); the
 backend-neutral GRPO step (``train_workers.grpo_step.GRPOStep``, ``self.step``: loss, KL, TIS/MIS, NaN/Inf skip,
 metrics; the policy here is :class:`train_workers.megatron.policy.MegatronResponseLogprobs`, which has
-``ResponseLogprobModel``'s signature) over the Megatron step engine (:class:`train_workers.megatron.engine.MegatronEngine`,
-``self.engine``); the neutral weight sender (``train_workers.weight_sender.WeightSender``, ``self.sender``) over
+``ResponseLogprobModel``'s signature) over the Megatron step engine
+(:class:`train_workers.megatron.engine.MegatronEngine`, ``self.engine``); the neutral weight sender (``train_workers.weight_sender.WeightSender``, ``self.sender``) over
 Megatron's own tensor source (:class:`train_workers.megatron.sync.MegatronSyncSource`). Specific to Megatron:
 
 - Micro-batches. The scheduler splits the batch over ``world_size`` ranks; the ranks of one model replica must run
