@@ -37,7 +37,7 @@ Megatron's own tensor source (:class:`train_workers.megatron.sync.MegatronSyncSo
   ``torch.cuda.current_device()`` and their overlap uses CUDA streams (``megatron/core/distributed/
   param_and_grad_buffer.py``, ``distributed_data_parallel.py``), so they cannot run on CPU, where this backend is
   tested. On GPU they are the next step (ZeRO-1 sharded state, overlapped reduce-scatter); so is the schedule's
-  ``finalize_model_grads_func``, which needs them (this worker reduces the gradients itself, above).
+  ``finalize_model_grads_func``, which needs them (the engine reduces the gradients itself, above).
 - Weight sync and checkpoints (:mod:`train_workers.megatron.sync`, :mod:`train_workers.megatron.checkpoint`): each HF
   tensor is gathered over the TP group of the stage holding it and, at pp > 1, broadcast from that stage over the
   pipeline-parallel group; one tensor at a time, never the whole model on one rank.
