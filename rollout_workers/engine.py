@@ -15,9 +15,9 @@ Partial rollouts (``rollout.partial_rollout``, :mod:`rollout_workers.partial`): 
 (or resuming interrupted groups) steps the engine itself, one request per completion, and checks between engine steps
 whether :meth:`RolloutEngine.interrupt` was called for that epoch; if so it aborts the unfinished requests through
 vLLM (``LLMEngine.abort_request``) and returns them with finish reason ``"interrupted"``. The Ray actor then has two
-concurrency slots (``max_concurrency=2``, ``cluster.ray_shell.pools``) so that ``interrupt`` runs while ``generate`` does;
-every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate`` and the weight
-sync never run at once, whatever the caller does.
+concurrency slots (``max_concurrency=2``, ``cluster.ray_shell.rollout_pool``) so that ``interrupt`` runs while
+``generate`` does; every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate``
+and the weight sync never run at once, whatever the caller does.
 
 Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
 """

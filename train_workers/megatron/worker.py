@@ -12,8 +12,9 @@ code): the rank's settings and shared set-up (``train_workers.rank_context.RankC
 backend-neutral GRPO step (``train_workers.grpo_step.GRPOStep``, ``self.step``: loss, KL, TIS/MIS, NaN/Inf skip,
 metrics; the policy here is :class:`train_workers.megatron.policy.MegatronResponseLogprobs`, which has
 ``ResponseLogprobModel``'s signature) over the Megatron step engine
-(:class:`train_workers.megatron.engine.MegatronEngine`, ``self.engine``); the neutral weight sender (``train_workers.weight_sender.WeightSender``, ``self.sender``) over
-Megatron's own tensor source (:class:`train_workers.megatron.sync.MegatronSyncSource`). Specific to Megatron:
+(:class:`train_workers.megatron.engine.MegatronEngine`, ``self.engine``); the neutral weight sender
+(``train_workers.weight_sender.WeightSender``, ``self.sender``) over Megatron's own tensor source
+(:class:`train_workers.megatron.sync.MegatronSyncSource`). Specific to Megatron:
 
 - Micro-batches. The scheduler splits the batch over ``world_size`` ranks; the ranks of one model replica must run
   the same sequences, so :meth:`MegatronTrainWorker.train_step` first all-gathers the micro-batches of its TP group
