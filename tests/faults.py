@@ -1,8 +1,9 @@
 """Fault injection for tests: a train worker whose next step turns non-finite, and a way to put it in a train pool.
 
-:class:`NonFiniteStepWorker` is :class:`train_workers.fsdp_worker.FSDPTrainWorker` with its step seams
-(``_microbatch_loss``, ``_clip_gradients``) overridden; production code carries no test hooks. Tests build it in
-process (``tests/distributed``) or have ``TrainPool`` start it on every rank (:func:`use_in_train_pool`) and call
+:class:`NonFiniteStepWorker` is :class:`train_workers.fsdp_worker.FSDPTrainWorker` composed with
+:class:`NonFiniteStep`, a :class:`train_workers.grpo_step.GRPOStep` with its seams (``_microbatch_loss``,
+``_forward_backward``) overridden; production code carries no test hooks. Tests build it in process
+(``tests/distributed``) or have ``TrainPool`` start it on every rank (:func:`use_in_train_pool`) and call
 ``fail_next_step`` on the rank actor they want to poison.
 """
 
@@ -10,17 +11,48 @@ from __future__ import annotations
 
 import torch
 
-from train_workers.fsdp_step import SUMS
 from train_workers.fsdp_worker import FSDPTrainWorker
+from train_workers.grpo_step import GRPOStep
+from train_workers.step_metrics import SUMS
+
+
+class NonFiniteStep(GRPOStep):
+    """A GRPO step that can make its next ``train_step`` non-finite on this rank alone (the other ranks learn of it
+    from the all-reduced flags, and every rank skips the update)."""
+
+    fail_next: str | None = None  # armed by NonFiniteStepWorker.fail_next_step, consumed by the next train_step
+    _failing: str | None = None   # the metric being poisoned during the current train_step
+    _first_mb = None              # the current step's first micro-batch (the one whose loss is poisoned)
+
+    def train_step(self, microbatches, *args, **kwargs):
+        self._failing, self.fail_next = self.fail_next, None
+        self._first_mb = microbatches[0] if microbatches else None
+        try:
+            return super().train_step(microbatches, *args, **kwargs)
+        finally:
+            self._failing, self._first_mb = None, None
+
+    def _microbatch_loss(self, mb, *args, **kwargs):
+        loss, sums = super()._microbatch_loss(mb, *args, **kwargs)
+        if self._failing == "loss" and mb is self._first_mb:
+            loss = loss * float("nan")
+            sums[SUMS["loss"]] = float("nan")
+        return loss, sums
+
+    def _forward_backward(self, *args, **kwargs):
+        sums = super()._forward_backward(*args, **kwargs)
+        if self._failing == "grad_norm":  # after the backward, before the engine clips
+            _poison_one_grad(self.engine.policy)
+        return sums
 
 
 class NonFiniteStepWorker(FSDPTrainWorker):
-    """An FSDP2 train rank that can make its next ``train_step`` non-finite on this rank alone (the other ranks
-    learn of it from the all-reduced flags, and every rank skips the update)."""
+    """An FSDP2 train rank whose GRPO step is a :class:`NonFiniteStep`."""
 
-    _fail_next: str | None = None  # armed by fail_next_step, consumed by the next train_step
-    _failing: str | None = None    # the metric being poisoned during the current train_step
-    _first_mb = None               # the current step's first micro-batch (the one whose loss is poisoned)
+    def init_distributed(self, *args, **kwargs):
+        info = super().init_distributed(*args, **kwargs)
+        self.step = NonFiniteStep(self.engine, self.ctx.algorithm, self.ctx.train, self.ctx.max_response_tokens)
+        return info
 
     def fail_next_step(self, metric: str = "loss") -> None:
         """Make this rank's next ``train_step`` non-finite.
@@ -33,27 +65,7 @@ class NonFiniteStepWorker(FSDPTrainWorker):
         """
         if metric not in ("loss", "grad_norm"):
             raise ValueError(f"metric must be 'loss' or 'grad_norm', got {metric!r}")
-        self._fail_next = metric
-
-    def train_step(self, microbatches, num_tokens, num_sequences):
-        self._failing, self._fail_next = self._fail_next, None
-        self._first_mb = microbatches[0] if microbatches else None
-        try:
-            return super().train_step(microbatches, num_tokens, num_sequences)
-        finally:
-            self._failing, self._first_mb = None, None
-
-    def _microbatch_loss(self, mb, *args, **kwargs):
-        loss, sums = super()._microbatch_loss(mb, *args, **kwargs)
-        if self._failing == "loss" and mb is self._first_mb:
-            loss = loss * float("nan")
-            sums[SUMS["loss"]] = float("nan")
-        return loss, sums
-
-    def _clip_gradients(self) -> float:
-        if self._failing == "grad_norm":
-            _poison_one_grad(self.policy)
-        return super()._clip_gradients()
+        self.step.fail_next = metric
 
 
 def _poison_one_grad(model: torch.nn.Module) -> None:
