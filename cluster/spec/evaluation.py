@@ -87,9 +87,11 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
     accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
     out = []
     generated = data.source == "reasoning_gym"
-    if ev.data_path is None and data.test_path is None and not generated:
+    hub_split = data.source == "hf_hub" and data.hub.test_split is not None
+    if ev.data_path is None and data.test_path is None and not generated and not hub_split:
+        split = " or data.hub.test_split" if data.source == "hf_hub" else " (or data.test_path)"
         out.append(FieldConflict("eval.data_path", (
-            "expected a held-out file: set eval.data_path (or data.test_path), got neither")))
+            f"expected a held-out file: set eval.data_path{split}, got neither")))
     if generated and ev.data_path is None and ev.accuracy_reward != "reasoning_gym":
         out.append(FieldConflict("eval.accuracy_reward", (
             "the held-out split of data.source 'reasoning_gym' is scored by the task's own scorer: expected "

@@ -187,3 +187,11 @@ def test_own_task_hub_dataset_offline_error_and_cached_copy(tmp_path):
     assert out["local"] == [["test 0?", {"answer": "0", "level": 0}], ["test 1?", {"answer": "1", "level": 1}]]
     assert out["cached"] == [[f"train {i}?", {"answer": str(i), "level": i}] for i in range(3)]
     assert out["bad_split"].startswith("data.hub.split: cannot load 'own-task-org/tiny' (config default, split 'nope')")
+
+
+def test_own_task_eval_of_a_hub_source_reads_its_test_split(tmp_path):
+    hub = "source: hf_hub\nhub: {name: org/x, test_split: test}\n"
+    assert data_spec(tmp_path, hub, "eval: {}\n").eval is not None
+    with pytest.raises(SpecError, match=r"eval.data_path: expected a held-out file: set eval.data_path or "
+                                        r"data.hub.test_split, got neither"):
+        data_spec(tmp_path, "source: hf_hub\nhub: {name: org/x}\n", "eval: {}\n")
