@@ -8,7 +8,7 @@ Checkpoints and the Prometheus endpoint are off; metrics go to a temporary outpu
 (default 4); the first ``--warmup`` (default 1) are not counted.
 
 Timed (seconds, median over the counted steps), from the driver's step metrics (``cluster/driver.py`` ``run_step``)
-and rank 0's train-step metrics (``train_workers/fsdp_step.py``):
+and rank 0's train-step metrics (``train_workers/grpo_step.py``):
 
     generate            engine sampling (``timing/generate_s``)
     score               rewards + advantages on the driver (``timing/score_s``)

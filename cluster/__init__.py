@@ -1,8 +1,7 @@
-"""The control plane: the job spec, the training loop and its worker pools, operations and data.
+"""The control plane: the job spec, the pure training loop, the runtimes that host it, operations and data.
 
-Subpackages, one concern each: ``spec`` (the job spec), ``loop`` (the loop's parts, the pools, the weight-sync
-coordinator, the policy-version ledger), ``ops`` (CLI subcommands, Jobs API, control actor, metrics), ``data``
-(prompts, models, evaluation); ``messages.py`` holds the typed messages that cross actor boundaries, ``driver.py``
-(``GRPOJob``) and ``cli.py`` are the entry points. May import ``grpo``, ``weight_sync``, ``rollout_workers`` and
-``train_workers`` (the loop: only the backend registry and protocol); see docs/architecture.md.
+Subpackages, one concern each: ``spec`` (the job spec), ``loop`` (the loop's parts), ``ray_shell`` (the Ray
+runtime: pools, fleet, weight-sync coordinator, restarts, control actor, ``build_job``), ``in_process`` (the
+in-process runtime, ``local_job``), ``ops`` (CLI subcommands, Jobs API, metrics, pre-start checks), ``data`` (prompts,
+models, evaluation); ``driver.py`` (``GRPOJob``) and ``cli.py`` are the entry points. See docs/architecture.md.
 """

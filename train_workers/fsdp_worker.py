@@ -4,9 +4,13 @@
 ``train_workers.registry`` under ``train.strategy: fsdp`` and wraps it with ``ray.remote`` (resources from the spec).
 All ranks call every collective method together: FSDP collectives (all-gather, reduce-scatter) need every rank.
 
-The class is split by role: this file builds the rank (process group, sharded policy, reference policy, optimizer)
-and saves/loads checkpoints; ``train_workers.fsdp_step`` holds the train step (loss, clipping, NaN/Inf skip) and
-``train_workers.fsdp_sync`` the weight-sync sender.
+The worker is composed of parts, each with one role: the rank's settings and shared set-up
+(``train_workers.rank_context.RankContext``, ``self.ctx``); this file builds the models (process group, sharded
+policy, reference policy, optimizer) and saves/loads checkpoints; the FSDP2 step engine
+(``train_workers.fsdp_engine.FSDPEngine``, ``self.engine``) runs them for the backend-neutral GRPO step
+(``train_workers.grpo_step.GRPOStep``, ``self.step``); weight sync is the neutral sender
+(``train_workers.weight_sender.WeightSender``, ``self.sender``) over the FSDP2 tensors
+(``train_workers.fsdp_sync.FSDPSyncSource``, ``self.sender.source``).
 
 LoRA (``train.lora``, ``train_workers.lora``): the policy is the base model wrapped with PEFT adapters before
 sharding; only the adapters are in AdamW and get gradients; the reference policy is the same module with the adapters
@@ -24,57 +28,48 @@ Weight sync casts the float32 parameters to the engine's dtype; checkpoints hold
 
 from __future__ import annotations
 
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from contract.messages import TrainRankInfo
-from train_workers.cpu_affinity import bind_rank
-from train_workers.fsdp_step import PHASES, FSDPStep
-from train_workers.fsdp_sync import FSDPSync
+from contract.batches import PackedMicroBatch
+from contract.messages import SendReport, TrainRankInfo, TrainResult
+from train_workers.fsdp_engine import FSDPEngine
+from train_workers.fsdp_sync import FSDPSyncSource
+from train_workers.grpo_step import GRPOStep
 from train_workers.packing import packed_attention
 from train_workers.policy import ResponseLogprobModel
-from train_workers.sharding import as_dtype, mixed_precision_policy, shard_model
+from train_workers.rank_context import RankContext, node_address, sync_node_id
+from train_workers.sharding import mixed_precision_policy, shard_model
+from train_workers.weight_sender import WeightSender
 
 
-class FSDPTrainWorker(FSDPStep, FSDPSync):
-    """One rank of the FSDP2 data-parallel train group.
+class FSDPTrainWorker:
+    """One rank of the FSDP2 data-parallel train group (constructor arguments: :mod:`contract.train_worker` and
+    :class:`~train_workers.rank_context.RankContext`).
 
-    Args:
-        rank, world_size: this rank and the number of train ranks.
-        model_path: local HF folder of the initial policy (also the reference policy).
-        train: the spec's ``TrainSpec``; algorithm: ``AlgorithmSpec``.
-        temperature: sampling temperature (logprobs are recomputed at it).
-        sampling_filters: the rollout's ``{"top_k", "top_p", "min_p"}`` (policy, old-policy and reference logprobs
-            are computed under them, as the engine's are); None: off.
-        max_response_tokens: for the Dr. GRPO ``seq-mean-token-sum-norm`` aggregation.
-        dtype: the compute dtype name (``model.dtype``): float32, or bfloat16/float16 for mixed precision with
-            float32 parameters and AdamW state.
-        seed: torch seed for this rank.
+    Attributes:
+        ctx: the rank's settings. policy_version: the trainer's policy version.
+        policy, reference, optimizer: the models, built by :meth:`init_distributed` (None before).
+        engine, step: the composed step parts (module docstring), built by :meth:`init_distributed`.
+        sender: the weight sender; its source (:class:`FSDPSyncSource`) is set by :meth:`init_distributed`.
     """
 
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
                  max_response_tokens: int, dtype: str = "float32", seed: int = 0,
                  sampling_filters: dict | None = None):
-        self.rank, self.world_size = rank, world_size
-        self.model_path, self.train, self.algorithm = model_path, train, algorithm
-        self.temperature, self.max_response_tokens = temperature, max_response_tokens
-        self.sampling_filters = dict(sampling_filters or {})
-        self.dtype = as_dtype(dtype)
-        self.seed = seed
+        self.ctx = RankContext.create(rank, world_size, model_path, train, algorithm, temperature,
+                                      max_response_tokens, dtype, seed, sampling_filters)
         self.policy_version = 0
-        self._phase_s = dict.fromkeys(PHASES, 0.0)  # seconds per train-step phase, reset by every train_step
-        bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
         # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
         # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
-        self._cpu_fast_paths = self.device.type == "cpu"
-
-    def _use_cuda(self) -> bool:
-        return torch.cuda.is_available() and self.train.num_gpus_per_worker > 0
+        self._cpu_fast_paths = self.ctx.device.type == "cpu"
+        self.policy = self.reference = self.optimizer = None
+        self._lora = None  # train_workers.lora.LoraPolicy when train.lora is set
+        self.engine: FSDPEngine | None = None
+        self.step: GRPOStep | None = None
+        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # its source: init_distributed
 
     @staticmethod
     def _add_adapters(hf, lora, policy_path: str | None):
@@ -91,15 +86,11 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
     # ---- set-up -------------------------------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
         """(IP of this node, a free port on it): rank 0's answer becomes the rendezvous address."""
-        import ray
-
-        from weight_sync.group import free_port
-
-        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return ip, free_port(ip)
+        return node_address()
 
     def init_distributed(self, master_addr: str, master_port: int, policy_path: str | None = None) -> TrainRankInfo:
-        """Join the train process group, build and shard the policy, reference policy and optimizer.
+        """Join the train process group, build and shard the policy, reference policy and optimizer, and compose
+        the engine, the GRPO step and the weight sender.
 
         ``policy_path`` (a checkpoint's HF folder, on resume) initialises the policy; the reference policy always
         comes from ``model_path`` (the job's initial model).
@@ -109,62 +100,113 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
         """
         from transformers import AutoModelForCausalLM
 
-        backend = self.train.backend if self.train.backend != "auto" else ("nccl" if self._use_cuda() else "gloo")
-        if self._use_cuda():
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(seconds=self.train.timeout_s),
-        )
-        torch.manual_seed(self.seed + self.rank)
-
-        attention = packed_attention(self._use_cuda(), self.dtype)
-        # The policy's parameters (and so AdamW's state) are float32; only its compute runs in self.dtype.
-        mp_policy = mixed_precision_policy(self.dtype, self.train.reduce_dtype)
-        lora = self.train.lora
+        ctx, train = self.ctx, self.ctx.train
+        backend = ctx.join_train_group(master_addr, master_port)
+        attention = packed_attention(ctx.use_cuda, ctx.dtype)
+        # The policy's parameters (and so AdamW's state) are float32; only its compute runs in ctx.dtype.
+        mp_policy = mixed_precision_policy(ctx.dtype, train.reduce_dtype)
+        lora = train.lora
+        fast = self._cpu_fast_paths
 
         def load(trainable: bool) -> ResponseLogprobModel:
             full = trainable and lora is None  # a LoRA policy's base is model_path; its adapters come from the ckpt
-            path = (policy_path or self.model_path) if full else self.model_path
-            dtype = torch.float32 if trainable else self.dtype
+            path = (policy_path or ctx.model_path) if full else ctx.model_path
+            dtype = torch.float32 if trainable else ctx.dtype
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
-            hf.to(self.device)
+            hf.to(ctx.device)
             hf.config.use_cache = False
             if trainable and lora is not None:
                 hf = self._add_adapters(hf, lora, policy_path)  # only the adapters require grad
             else:
                 hf.requires_grad_(trainable)
-            model = ResponseLogprobModel(hf, self.temperature, **self.sampling_filters)
+            model = ResponseLogprobModel(hf, ctx.temperature, **ctx.sampling_filters)
             model.train(trainable)
-            if trainable or not self._replicate_reference():
-                # CPU: unsharded from the first forward to the last backward of a step (see _accumulate_locally)
-                shard_model(model, mp_policy=mp_policy if trainable else None,
-                            reshard_after_forward=not self._cpu_fast_paths)
+            if trainable or not fast:  # the CPU fast paths replicate the frozen reference policy
+                # CPU: unsharded from the first forward to the last backward of a step (FSDPEngine.prepare_microbatch)
+                shard_model(model, mp_policy=mp_policy if trainable else None, reshard_after_forward=not fast)
             return model
 
         self.policy = load(True)
-        with_reference = self.algorithm.kl_coef > 0
+        with_reference = ctx.algorithm.kl_coef > 0
         # LoRA: the reference policy is the policy with its adapters off (train_workers.lora), never a second copy
         self.reference = load(False) if with_reference and lora is None else None
         if lora is not None:
             from train_workers.lora import LoraPolicy
 
             self._lora = LoraPolicy(self.policy.model, with_reference)
-        self.kl_coef = float(self.algorithm.kl_coef)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=self.train.lr,
-            betas=tuple(self.train.betas), weight_decay=self.train.weight_decay,
-        )
-        n_params = sum(p.numel() for p in self.policy.parameters())
-        import ray
+        self.optimizer = ctx.adamw(self.policy)
+        self.engine = FSDPEngine(self.policy, self.reference, self.optimizer, self._lora, ctx.rank, ctx.world_size,
+                                 ctx.device, train.max_grad_norm, fast_paths=fast)
+        self.step = GRPOStep(self.engine, ctx.algorithm, train, ctx.max_response_tokens)
+        self.sender.source = FSDPSyncSource(self.policy, self._lora, lora is not None and lora.sync == "adapter")
+        return ctx.rank_info(backend, sum(p.numel() for p in self.policy.parameters()))
 
-        node_id, gpu_ids = None, []
-        if ray.is_initialized():  # where this rank really runs, read from the worker itself
-            node_id = ray.get_runtime_context().get_node_id()
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        return TrainRankInfo(rank=self.rank, backend=backend, num_parameters=n_params, pid=os.getpid(),
-                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids,
-                             cpu_cores=sorted(os.sched_getaffinity(0)), num_threads=torch.get_num_threads())
+    # ---- training (train_workers.grpo_step) -----------------------------------------------------------------------
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β for the following train steps (:meth:`GRPOStep.set_kl_coef`).
+
+        Raises:
+            ValueError: ``kl_coef`` is negative or not finite, or > 0 without a reference policy.
+        """
+        self.step.set_kl_coef(kl_coef)
+
+    def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int) -> TrainResult:
+        """:meth:`GRPOStep.train_step` over this rank's micro-batches; a collective over the train group. The policy
+        version advances when an update was applied."""
+        result = self.step.train_step(microbatches, num_tokens, num_sequences, self.policy_version)
+        self.policy_version = result.policy_version
+        return result
+
+    def reference_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor | None:
+        """Reference-policy logprobs [n, T] float32 of one packed micro-batch (0 at padding); None when the job has
+        no reference policy (``kl_coef`` 0). A collective on GPU (the reference policy is sharded there) and with
+        LoRA, where the reference policy is the sharded policy run with its adapters off; the policy is left sharded
+        as it was found (a train step instead keeps it gathered for the policy's own forward)."""
+        out = self.engine.reference_logprobs(mb, self.engine.inputs(mb)) if self.engine.has_reference else None
+        if self._lora is not None:
+            self.engine.reshard_policy()
+        return out
+
+    # ---- weight sync (train_workers.weight_sender) -----------------------------------------------------------------
+    def sync_plan(self, engine_dtype: str, bucket_bytes: int) -> list:
+        """The bucket plan of the policy's tensors (:class:`FSDPSyncSource`) in ``engine_dtype``
+        (:meth:`WeightSender.plan`).
+
+        Raises:
+            ValueError: an unknown dtype name.
+        """
+        return self.sender.plan(engine_dtype, bucket_bytes)
+
+    def sync_adapter_config(self) -> dict | None:
+        """With ``train.lora.sync: adapter``, the policy's PEFT ``adapter_config.json`` as a dict; None otherwise."""
+        return self.sender.source.adapter_config() if self.sender.source is not None else None
+
+    def sync_node_id(self) -> str | None:
+        """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""
+        return sync_node_id()
+
+    def init_sync_group(self, host: str, port: int, world_size: int, timeout_s: float,
+                        transport: str = "broadcast") -> dict | None:
+        """Rank 0 hosts the weight-sync group and its transport (:meth:`WeightSender.init_group`); returns the
+        descriptor the engines join with (rank 0), None on other ranks.
+
+        Raises:
+            RuntimeError: called before :meth:`sync_plan`.
+        """
+        return self.sender.init_group(host, port, world_size, timeout_s, transport)
+
+    def close_sync_group(self) -> None:
+        """Tear down this rank's side of the weight-sync group."""
+        self.sender.close_group()
+
+    def broadcast_weights(self, verify: bool | list[str]) -> SendReport:
+        """Stream the policy to every engine, bucket by bucket (all train ranks call this together;
+        :meth:`WeightSender.send`).
+
+        Raises:
+            RuntimeError: called before ``sync_plan``/``init_sync_group``, or the transport failed.
+        """
+        return self.sender.send(verify, self.policy_version)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict[str, float]:
@@ -176,7 +218,7 @@ class FSDPTrainWorker(FSDPStep, FSDPSync):
 
         t0 = time.perf_counter()
         save = save_lora_checkpoint if self._lora is not None else save_checkpoint
-        save(self.policy, self.optimizer, self.rank, path)
+        save(self.policy, self.optimizer, self.ctx.rank, path)
         return {"seconds": time.perf_counter() - t0}
 
     def load_checkpoint(self, path: str, policy_version: int) -> dict[str, tuple]:

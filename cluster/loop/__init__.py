@@ -1,8 +1,8 @@
-"""The training loop's parts, each owning one phase or one fact, called in turn by ``cluster/driver.py``.
+"""The training loop's parts, each owning one phase or one fact, called by ``cluster/driver.py`` (``GRPOJob``).
 
-setup, requests, fleet, scoring, sampling, scheduler, training, step_metrics, checkpoint_state, checkpoints,
-restarts, pools, sync (the weight-sync coordinator) and versions (the policy-version ledger). May import
-``cluster.spec``, ``contract.messages``, ``cluster.data``, ``cluster.ops.metrics``, ``grpo``, ``weight_sync``,
-``rollout_workers`` and, of ``train_workers``, the backend registry, the protocol and shared helpers (packing),
-never a concrete backend module (``tests/unit/test_import_layering.py``).
+setup (folders, tokenizer, prompts), requests (group requests and seeds), production (a step's batch: generate →
+score → advantages, dynamic sampling, partial rollouts), scoring, sampling, scheduler (rank balance, micro-batch
+packing), training (the update, the KL controller, skipped updates, the sync), rollout_modes and overlap (when each
+batch is generated), step_metrics, checkpoint_state and checkpoints, evaluation, guard. Pure: no Ray, no vLLM, no
+runtime; the collaborators come in through ``contract.protocols`` (``tests/unit/test_import_layering.py``).
 """

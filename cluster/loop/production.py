@@ -81,7 +81,7 @@ class BatchProducer:
         """The round carried over by partial rollouts (``CarriedRound``), None when there is none."""
         return self.partial.carried if self.partial is not None else None
 
-    # ---- partial rollouts ---------------------------------------------------------------------------------------------
+    # ---- partial rollouts -----------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         """A new step: the producer calls it makes get a new interrupt epoch (partial rollouts)."""
         if self.partial is not None:

@@ -16,10 +16,10 @@ Everything goes through :class:`ray.job_submission.JobSubmissionClient`, i.e. th
   (absolute paths on shared storage, or the same layout). The submission id is also put in the runtime env as
   ``GRPO_CLUSTER_JOB_ID`` (the control actor's name) and the validated spec in the job metadata (``scale JOB
   SPEC.yaml`` compares against it).
-- **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir: ``cluster/ops/control.py`` alone),
-  that joins the cluster with ``address=auto`` and calls the job's control actor; it waits for that job to finish and
-  prints what the actor answered. This needs only the dashboard address (the GCS address cannot in general be derived
-  from it) and costs a few seconds per request.
+- **scale** submits a tiny job, ``python -m cluster.ray_shell.control set JOB N`` (working dir:
+  ``cluster/ray_shell/control.py`` alone), that joins the cluster with ``address=auto`` and calls the job's control
+  actor; it waits for that job to finish and prints what the actor answered. This needs only the dashboard address
+  (the GCS address cannot in general be derived from it) and costs a few seconds per request.
 
 Errors meant for the user (unreachable address, unknown job id, a spec change that cannot be applied live) are
 raised as :class:`JobsError`; the CLI prints them and exits 2.
@@ -243,8 +243,9 @@ def stage_working_dir(root: Path, dest: Path, files: Mapping[str, str] = {}) -> 
 @contextlib.contextmanager
 def _quiet_upload():
     """Ray logs every working-dir upload step at INFO on stderr; keep warnings and errors only."""
-    loggers = [logging.getLogger(n) for n in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
-                                               "ray.dashboard.modules.job.sdk")]
+    names = ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk",
+             "ray.dashboard.modules.job.sdk")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.WARNING)
@@ -262,7 +263,7 @@ def _job_id_for(name: str) -> str:
 
 def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] = (), pip: Sequence[str] = (),
                 env: Mapping[str, str] = {}, working_dir: str | Path | None = None,
-                submission_id: str | None = None, source: str = "") -> str:
+                submission_id: str | None = None, source: str = "", extra_files: Mapping[str, str] = {}) -> str:
     """Submit a validated JobSpec as a Ray job; returns the submission id.
 
     Args:
@@ -278,6 +279,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
         working_dir: folder to upload instead of the project root.
         submission_id: the job id to use (default ``<spec name>-<8 hex>``).
         source: where the spec came from (stored in the metadata, shown by ``status``).
+        extra_files: files added to the working dir (relative path → text): the spec's reward files
+            (:func:`cluster.ops.reward_files.reward_files`).
     Raises JobsError when the upload is too big or the server refuses the job (e.g. a duplicate id).
     """
     from cluster.spec import spec_to_yaml
@@ -291,7 +294,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
         runtime_env["pip"] = list(pip)
     metadata = {"job_name": spec.name, METADATA_SPEC: spec.model_dump_json(), "grpo_cluster_spec_source": source}
     with tempfile.TemporaryDirectory(prefix="grpo-submit-") as tmp:
-        runtime_env["working_dir"] = str(stage_working_dir(root, Path(tmp) / "job", {SPEC_FILE: spec_to_yaml(spec)}))
+        files = {**extra_files, SPEC_FILE: spec_to_yaml(spec)}
+        runtime_env["working_dir"] = str(stage_working_dir(root, Path(tmp) / "job", files))
         try:
             with _quiet_upload():
                 return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata,

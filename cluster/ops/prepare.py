@@ -104,7 +104,8 @@ def prepare_job(args, dry_run: bool = False):
         return 2
     try:  # data, model and output-folder problems surface here, before any cluster starts
         job = build_job(spec, progress=not getattr(args, "no_progress", True), resume=args.resume, dry_run=dry_run,
-                        resume_past_trip=getattr(args, "resume_past_trip", False))
+                        resume_past_trip=getattr(args, "resume_past_trip", False),
+                        imports=tuple(args.imports or ()))
     except (DataError, ModelError, MetricsError, SetupError) as exc:
         print(f"grpo-cluster: {locate_field_error(str(exc), args.spec, args.set or ())}", file=sys.stderr)
         return 2

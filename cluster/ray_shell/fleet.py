@@ -7,8 +7,8 @@ group rebuilt over the new members, and every engine brought to the trainer's po
 Every policy version is read from, and every engine's report checked against, the ledger
 (:class:`contract.versions.PolicyVersionLedger`).
 
-Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a replacement or a resync
-gives the same groups.
+Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a
+replacement or a resync gives the same groups.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from cluster.ray_shell.sync import SyncMemberError
 RESTARTABLE = (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, ray.exceptions.RayError)
 
 
-def run_with_restarts(spec, progress: bool = True, resume: bool = False, first_job=None):
+def run_with_restarts(spec, progress: bool = True, resume: bool = False, first_job=None,
+                      imports: tuple[str, ...] = ()):
     """Run a job; when a worker fails, resume from the latest checkpoint up to ``spec.restart_on_failure`` times.
 
     ``first_job`` is an already constructed (not started) job for the first attempt (the CLI builds one before Ray
@@ -30,7 +31,7 @@ def run_with_restarts(spec, progress: bool = True, resume: bool = False, first_j
     attempt = 0
     while True:
         job = first_job if attempt == 0 and first_job is not None else build_job(
-            spec, progress=progress, resume=resume or attempt > 0)
+            spec, progress=progress, resume=resume or attempt > 0, imports=imports)
         try:
             job.run()
             history.update(job.completed)

@@ -62,14 +62,15 @@ class RayControl:
 
 
 def build_job(spec, *, progress: bool = True, resume: bool = False, resume_past_trip: bool = False,
-              dry_run: bool = False, control: bool = True) -> GRPOJob:
+              dry_run: bool = False, control: bool = True, imports: tuple[str, ...] = ()) -> GRPOJob:
     """A job over Ray collaborators: :class:`EngineFleet` (``rollout.replicas`` vLLM engines), :class:`RayTrainer`
     (``train.world_size`` ranks of ``train.strategy``), the spec's metric sinks and (with ``control``) the control
-    actor. Their pre-start checks run now; Ray is needed only from :meth:`GRPOJob.start` (``run``) on.
+    actor. Their pre-start checks run now; Ray is needed only from :meth:`GRPOJob.start` (``run``) on. ``imports``:
+    modules the train ranks import before they build (``--import``: user-registered variants).
 
     Raises:
         SetupError, ModelError, DataError, MetricsError: the job's inputs (naming the spec field).
     """
     channel = RayControl(current_job_id(spec.name), spec.rollout.replicas) if control and not dry_run else None
-    return GRPOJob(spec, fleet=EngineFleet(spec), trainer=RayTrainer(spec), control=channel, progress=progress,
+    return GRPOJob(spec, fleet=EngineFleet(spec), trainer=RayTrainer(spec, imports), control=channel, progress=progress,
                    resume=resume, dry_run=dry_run, resume_past_trip=resume_past_trip)

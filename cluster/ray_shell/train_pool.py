@@ -4,6 +4,8 @@ loop is given on a Ray cluster."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 
 import ray
@@ -13,6 +15,24 @@ from cluster.ray_shell.pools import (TrainWorkerFailure, _dead_actor_index, _in_
                                      check_cluster_resources, get, wait_dead)
 from contract.messages import TrainRankInfo, TrainResult
 from train_workers.registry import train_backend
+
+
+def import_user_modules(actor, modules: list[str], paths: list[str]) -> None:
+    """Run inside a train-rank actor (``__ray_call__``): put ``paths`` (the driver's first ``sys.path`` entry, its
+    working folder) on ``sys.path`` and import ``modules``, so the variants they register (loss aggregations, KL
+    estimators, TIS/MIS levels, ...) are in this process's registries too.
+
+    Raises:
+        ImportError: a module does not import here (named, with the cause).
+    """
+    for path in paths:
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(f"--import {name}: not importable on the train rank: {exc}") from exc
 
 
 class TrainPool:
@@ -29,7 +49,7 @@ class TrainPool:
         num_parameters: of the policy.
     """
 
-    def __init__(self, spec, model_path: str, policy_path: str | None = None):
+    def __init__(self, spec, model_path: str, policy_path: str | None = None, imports: tuple[str, ...] = ()):
         self.spec = spec
         t = spec.train
         bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources}
@@ -46,6 +66,9 @@ class TrainPool:
             for rank in range(t.world_size)
         ]
         try:
+            if imports:  # variants a user registered (grpo-cluster run --import MODULE): every rank looks names up
+                self._get([w.__ray_call__.remote(import_user_modules, list(imports), sys.path[:1])
+                           for w in self.workers], t.timeout_s, f"importing {', '.join(imports)} on the train ranks")
             addr, port = self._get(self.workers[0].node_address.remote(), t.timeout_s, "train rank 0 address")
             infos = self._get([w.init_distributed.remote(addr, port, policy_path) for w in self.workers],
                               t.timeout_s, f"building the {t.strategy} train group")
@@ -134,14 +157,16 @@ class RayTrainer:
 
     Args:
         spec: the job spec.
+        imports: modules every rank imports before it builds (``grpo-cluster run --import MODULE``: variants a user
+            registered, which the ranks look up by name).
 
     Attributes:
         pool: the running pool (None before :meth:`start` and after :meth:`shutdown`).
         world_size: ``train.world_size``. num_parameters: of the policy (after :meth:`start`).
     """
 
-    def __init__(self, spec):
-        self.spec = spec
+    def __init__(self, spec, imports: tuple[str, ...] = ()):
+        self.spec, self.imports = spec, tuple(imports)
         self.pool: TrainPool | None = None
         self.world_size = spec.train.world_size
         self.num_parameters = 0
@@ -162,7 +187,7 @@ class RayTrainer:
             TrainWorkerFailure: a rank failed to start (nothing stays running).
         """
         check_cluster_resources(self.spec)
-        self.pool = TrainPool(self.spec, model_path, policy_path=policy_path)
+        self.pool = TrainPool(self.spec, model_path, policy_path=policy_path, imports=self.imports)
         self.num_parameters = self.pool.num_parameters
 
     def _running(self) -> TrainPool:

@@ -32,13 +32,13 @@ def microbatches(nan_engine_logprob: bool = False):
 
 
 def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], out_dir: str) -> None:
-    import train_workers.fsdp_step as fsdp_step
+    import train_workers.grpo_step as grpo_step
     import train_workers.fsdp_worker as fw
     from cluster.spec import AlgorithmSpec, TrainSpec
 
     torch.set_num_threads(1)
     calls: list[dict] = []
-    original = fsdp_step.policy_loss
+    original = grpo_step.policy_loss
 
     def recording_policy_loss(logprobs, old_logprobs, advantages, mask, **kwargs):
         calls.append({"logprobs": logprobs.detach().clone(), "old": old_logprobs.detach().clone(),
@@ -47,7 +47,7 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
                           if k in ("kl_coef", "tis_weights", "dual_clip_c")}})
         return original(logprobs, old_logprobs, advantages, mask, **kwargs)
 
-    fsdp_step.policy_loss = recording_policy_loss
+    grpo_step.policy_loss = recording_policy_loss
     train = TrainSpec(world_size=1, num_threads=1, lr=1e-3, max_grad_norm=1.0, timeout_s=120)
     for run, port in zip(runs, ports):
         calls.clear()

@@ -26,20 +26,20 @@ BASE = {"kl_coef": 0.0, "loss_agg": "token-mean"}
 
 
 def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], out_dir: str) -> None:
-    import train_workers.fsdp_step as fsdp_step
+    import train_workers.grpo_step as grpo_step
     import train_workers.fsdp_worker as fw
     from cluster.spec import AlgorithmSpec, TrainSpec
 
     torch.set_num_threads(1)
     calls: list[dict] = []
-    original = fsdp_step.policy_loss
+    original = grpo_step.policy_loss
 
     def recording_policy_loss(logprobs, old_logprobs, advantages, mask, **kwargs):
         calls.append({"mask": mask.clone(), "num_tokens": kwargs["num_tokens"],
                       "num_sequences": kwargs["num_sequences"], "tis_weights": kwargs["tis_weights"]})
         return original(logprobs, old_logprobs, advantages, mask, **kwargs)
 
-    fsdp_step.policy_loss = recording_policy_loss
+    grpo_step.policy_loss = recording_policy_loss
     train = TrainSpec(world_size=1, num_threads=1, lr=1e-3, max_grad_norm=1.0, timeout_s=120)
     for run, port in zip(runs, ports):
         calls.clear()
@@ -49,7 +49,7 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
         batch = []
         for mb, offsets in zip(microbatches(), (OFFSETS[:2], OFFSETS[2:])):
             with torch.no_grad():
-                own = mb.to_padded(worker.policy(*worker._inputs(mb), with_entropy=False)[0].float())
+                own = mb.to_padded(worker.policy(*worker.engine.inputs(mb), with_entropy=False)[0].float())
             shift = torch.zeros_like(own)
             for i, row in enumerate(offsets):
                 shift[i, :len(row)] = torch.tensor(row)

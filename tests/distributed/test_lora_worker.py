@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, model_dir: str, port: int, policy_path: str |
 
 def _policy_logprobs(worker, mb) -> torch.Tensor:
     with torch.no_grad():
-        lp, _ = worker.policy(*worker._inputs(mb), with_entropy=False)
+        lp, _ = worker.policy(*worker.engine.inputs(mb), with_entropy=False)
     out = mb.to_padded(lp.float()).clone()
     worker.reference_logprobs(mb)  # leaves the policy sharded again (a public call)
     return out
@@ -97,7 +97,7 @@ def _stream(worker, rank: int) -> tuple[dict, dict, int]:
 
     plan = worker.sync_plan("float32", 64 * 1024)
     sender = RecordingSender() if rank == 0 else None
-    gather = {name: fn for name, _, fn in worker._sync_sources()}
+    gather = {name: fn for name, _, fn in worker.sender.sources()}
     report = stream_buckets(plan, lambda name: gather[name](), sender, [s.name for b in plan for s in b.slots])
     if sender is None:
         return {}, {}, 0

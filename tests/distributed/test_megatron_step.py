@@ -80,7 +80,7 @@ def _hf_tensors(worker, named: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     from train_workers.megatron.sync import hf_parameter_order, tensor_gatherer
 
     gather = tensor_gatherer(worker, named)
-    return {name: gather(name).clone() for name, _ in sorted(hf_parameter_order(worker.model_path))}
+    return {name: gather(name).clone() for name, _ in sorted(hf_parameter_order(worker.ctx.model_path))}
 
 
 def _snapshot(worker, backend: str, grads: bool) -> dict[str, torch.Tensor]:
@@ -100,9 +100,9 @@ def _bf16_buckets(worker, rank: int) -> dict | None:
 
     plan = worker.sync_plan("bfloat16", 64 * 1024)
     sender = RecordingSender() if rank == 0 else None
-    worker._sync_group = sender  # what init_sync_group would set on rank 0, without engines
+    worker.sender.group = sender  # what init_sync_group would set on rank 0, without engines
     report = worker.broadcast_weights(True)
-    worker._sync_group = None
+    worker.sender.group = None
     if rank != 0:
         return None
     return {"plan": [asdict(b) for b in plan], "checksums": report.checksums, "bytes": dict(sender.sent)}

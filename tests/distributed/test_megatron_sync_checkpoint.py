@@ -56,12 +56,12 @@ def _sync(worker, rank: int) -> dict:
     for dtype in DTYPES:
         plan = worker.sync_plan(dtype, BUCKET_BYTES)
         sender = RecordingSender() if rank == 0 else None
-        worker._sync_group = sender  # what init_sync_group would set on rank 0, without engines
+        worker.sender.group = sender  # what init_sync_group would set on rank 0, without engines
         report = worker.broadcast_weights(True)
         if rank == 0:
             out[dtype] = {"plan": [asdict(b) for b in plan], "checksums": report.checksums,
                           "bytes": {i: buf for i, buf in sender.sent.items()}}
-    worker._sync_group = None
+    worker.sender.group = None
     return out
 
 

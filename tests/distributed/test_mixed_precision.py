@@ -80,14 +80,14 @@ def test_mixed_precision_keeps_a_small_update(tiny_model_dir):
         # Weight sync sends the engine's dtype: the float32 master cast to bfloat16.
         buckets = worker.sync_plan("bfloat16", 1 << 20)
         assert {s.dtype for b in buckets for s in b.slots} == {"bfloat16"}
-        sent = worker._sync_tensor(target)
+        sent = worker.sender.source.tensor(target, torch.bfloat16)
         assert sent.dtype == torch.bfloat16 and torch.equal(sent, full_tensor(target).detach().to(torch.bfloat16))
 
         # The bfloat16 forward (fused LM head + log-softmax) agrees with the float32 parameters' reference run.
         mb = pack(list(range(N)))
         with torch.no_grad():
-            lp_bf16, _ = worker.policy(*worker._inputs(mb), with_entropy=False)
-            lp_ref, _ = worker.reference(*worker._inputs(mb), with_entropy=False)
+            lp_bf16, _ = worker.policy(*worker.engine.inputs(mb), with_entropy=False)
+            lp_ref, _ = worker.reference(*worker.engine.inputs(mb), with_entropy=False)
         assert lp_bf16.dtype == torch.float32
         assert float((lp_bf16 - lp_ref).abs().max()) < 0.1
     finally:

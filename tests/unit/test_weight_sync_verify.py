@@ -88,8 +88,9 @@ def test_trainer_sends_checkpoint_names_with_the_tied_head_once(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.tiny_model import TINY_CONFIG
-    from train_workers.fsdp_worker import FSDPTrainWorker
+    from train_workers.fsdp_sync import FSDPSyncSource
     from train_workers.policy import ResponseLogprobModel
+    from train_workers.weight_sender import WeightSender
 
     config = AutoConfig.for_model("llama", vocab_size=512, **TINY_CONFIG)
     torch.manual_seed(0)
@@ -97,13 +98,13 @@ def test_trainer_sends_checkpoint_names_with_the_tied_head_once(tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         checkpoint_names = set(f.keys())
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    worker = FSDPTrainWorker.__new__(FSDPTrainWorker)  # no process group: only the naming is under test
-    worker.policy = ResponseLogprobModel(hf, 1.0)
-    names = [n for n, _ in worker._named_parameters()]
+    # the FSDP2 worker's sync source and sender, without a process group: only the naming is under test
+    source = FSDPSyncSource(ResponseLogprobModel(hf, 1.0))
+    names = [n for n, _ in source.named_parameters()]
     assert len(names) == len(set(names))
     assert set(names) == checkpoint_names
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
-    plan = worker.sync_plan("bfloat16", 64 * 1024)
+    plan = WeightSender(0, torch.device("cpu"), use_cuda=False, source=source).plan("bfloat16", 64 * 1024)
     assert [s.name for b in plan for s in b.slots] == names
     assert all(s.dtype == "bfloat16" for b in plan for s in b.slots)

@@ -37,11 +37,11 @@ def save_checkpoint(worker, path: str) -> None:
     writes). Raises RuntimeError when a parameter has no AdamW state (save after at least one step, or none at all)."""
     from transformers import AutoConfig
 
-    writer = worker.rank == 0
-    order = hf_parameter_order(worker.model_path)
+    writer = worker.ctx.rank == 0
+    order = hf_parameter_order(worker.ctx.model_path)
     save_hf_folder(path, order, parameter_gatherer(worker), writer)
     if writer:
-        AutoConfig.from_pretrained(worker.model_path).save_pretrained(path)
+        AutoConfig.from_pretrained(worker.ctx.model_path).save_pretrained(path)
     params = dict(worker.policy.model.named_parameters())
     states = [worker.optimizer.state.get(p, {}) for p in params.values()]
     if any(states) and not all(states):
@@ -104,7 +104,7 @@ def load_optimizer_state(worker, path: str) -> dict[str, tuple]:
     folder = SafetensorsFolder(os.path.join(path, "optimizer"))
     with open(os.path.join(path, "optimizer", "param_groups.json")) as f:
         saved_groups = json.load(f)
-    known = {name for name, _ in hf_parameter_order(worker.model_path)}
+    known = {name for name, _ in hf_parameter_order(worker.ctx.model_path)}
     unknown = {k.rpartition("::")[0] for k in folder} - known
     if unknown:
         raise ValueError(f"{path}/optimizer: state for unknown parameters {sorted(unknown)[:3]}")

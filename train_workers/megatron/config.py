@@ -159,7 +159,7 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
     """Megatron-core ``TransformerConfig`` of ``layout`` (no dropout, no fused kernels: the same math on CPU and GPU).
 
     ``calculate_per_token_loss=True``: the GRPO loss a pipeline's last stage returns per micro-batch is already its
-    share of the globally normalised batch loss (``train_workers.fsdp_step``), so megatron-core's schedule must not
+    share of the globally normalised batch loss (``train_workers.grpo_step``), so megatron-core's schedule must not
     divide it by the token or micro-batch count (``forward_step_calc_loss`` in ``pipeline_parallel/schedules.py``).
 
     Args:
@@ -173,7 +173,7 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
         sequence_parallel: ``train.sequence_parallel`` (needs ``layout.tp`` > 1): the activations outside attention
             and MLP are split by sequence over the TP ranks ([S/tp, B, H]); the norm weights get
             ``sequence_parallel=True`` (:class:`SequenceParallelRMSNorm`) and their gradients must be summed over
-            the TP group before the optimizer (``worker._clip_gradients``).
+            the TP group before the optimizer (``engine.MegatronEngine.clip_gradients``).
     """
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig

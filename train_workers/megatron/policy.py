@@ -150,7 +150,7 @@ def stage_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, logit_posit
 class MegatronResponseLogprobs(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
     ``(logprobs [M] float32, entropy [M] float32 detached, or None)``: the signature of
-    ``train_workers.policy.ResponseLogprobModel``, so ``train_workers.fsdp_step``'s loss code runs unchanged.
+    ``train_workers.policy.ResponseLogprobModel``, so ``train_workers.grpo_step``'s loss code runs unchanged.
 
     With pipeline parallelism the schedule calls :meth:`stage_forward` on each stage instead of ``forward``.
 

@@ -1,4 +1,4 @@
-"""HF-named full tensors from a Megatron TP × PP layout, one parameter at a time: the weight-sync sources and the
+"""HF-named full tensors from a Megatron TP × PP layout, one parameter at a time: the weight-sync source and the
 checkpoint writer of :class:`train_workers.megatron.worker.MegatronTrainWorker`.
 
 :class:`HFGatherer` turns local Megatron tensors (parameters, or AdamW moments of the same shapes) into HF tensors:
@@ -10,10 +10,14 @@ HF tensor over the pipeline-parallel group (``dist.broadcast``, in the tensors' 
 rank — train rank 0, the sender, included — returns it. So a rank holds at most one gathered Megatron parameter
 beyond its shards, never the whole model. Every rank of the train group must ask for the same names in the same order.
 
-:class:`MegatronSync` plugs this into ``train_workers.fsdp_sync.FSDPSync``: the bucket plan lists the HF names in the
-HF model's own ``named_parameters()`` order with HF shapes, in the engine dtype — the very plan the FSDP2 backend makes
-(``weight_sync.buckets.plan_buckets``) — and ``broadcast_weights`` streams it through ``weight_sync.sender``
-unchanged, with the same checksums.
+:class:`MegatronSyncSource` is the Megatron :class:`~train_workers.weight_sender.SyncSource` of the neutral
+:class:`train_workers.weight_sender.WeightSender`: the bucket plan lists the HF names in the HF model's own
+``named_parameters()`` order with HF shapes, in the engine dtype — the very plan the FSDP2 backend makes
+(``weight_sync.buckets.plan_buckets``) — and the sender streams it through ``weight_sync.sender`` unchanged, with the
+same checksums.
+
+The functions that take a ``worker`` read a Megatron rank's ``policy`` (its ``GPTModel`` is ``policy.model``),
+``ctx.model_path``, ``layout``, ``pp_rank``, ``tp_group`` and ``pp_group``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from train_workers.fsdp_sync import FSDPSync
 from train_workers.megatron.config import MegatronLayout
 from train_workers.megatron.convert import global_layer_name, hf_stage, megatron_param_to_hf
+from train_workers.weight_sender import Source
 
 
 def hf_parameter_order(model_path: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -106,11 +110,8 @@ class HFGatherer:
 def tensor_gatherer(worker, tensors: Mapping[str, torch.Tensor], cast=None) -> HFGatherer:
     """:class:`HFGatherer` over ``tensors`` (stage-local Megatron name → the parameter or a same-shaped AdamW moment
     of ``worker.policy.model``, a ``GPTModel``), with the worker's groups."""
-    params = dict(worker.policy.model.named_parameters())
-    split = {name: bool(getattr(params[name], "tensor_model_parallel", False)) for name in tensors}
-    shapes = dict(hf_parameter_order(worker.model_path)) if worker.layout.pp > 1 else None
-    return HFGatherer(tensors, split, worker.layout, worker.pp_rank, worker.tp_group, cast,
-                      pp_group=worker.pp_group, hf_shapes=shapes)
+    return _gatherer(worker.policy.model, worker.ctx.model_path, worker.layout, worker.pp_rank, worker.tp_group,
+                     worker.pp_group, tensors, cast)
 
 
 def parameter_gatherer(worker, cast=None) -> HFGatherer:
@@ -118,19 +119,39 @@ def parameter_gatherer(worker, cast=None) -> HFGatherer:
     return tensor_gatherer(worker, dict(worker.policy.model.named_parameters()), cast)
 
 
-class MegatronSync(FSDPSync):
-    """Weight-sync methods of the Megatron worker: ``FSDPSync`` with HF-named sources gathered from TP shards."""
+def _gatherer(model, model_path: str, layout: MegatronLayout, pp_rank: int, tp_group, pp_group,
+              tensors: Mapping[str, torch.Tensor], cast) -> HFGatherer:
+    """:class:`HFGatherer` over ``tensors`` of ``model`` (a ``GPTModel``: which of them are TP-split)."""
+    params = dict(model.named_parameters())
+    split = {name: bool(getattr(params[name], "tensor_model_parallel", False)) for name in tensors}
+    shapes = dict(hf_parameter_order(model_path)) if layout.pp > 1 else None
+    return HFGatherer(tensors, split, layout, pp_rank, tp_group, cast, pp_group=pp_group, hf_shapes=shapes)
 
-    def _sync_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+
+class MegatronSyncSource:
+    """The engine-bound tensors of a Megatron policy: its parameters gathered whole under HF names (module docstring).
+
+    Args:
+        model: this rank's ``GPTModel`` (``policy.model``). model_path: the HF folder whose parameter order and names
+            the plan follows. layout: the model's layout. pp_rank: this rank's pipeline stage. tp_group, pp_group:
+            Megatron's tensor- and pipeline-parallel groups.
+    """
+
+    def __init__(self, model, model_path: str, layout: MegatronLayout, pp_rank: int, tp_group, pp_group):
+        self.model, self.model_path, self.layout = model, model_path, layout
+        self.pp_rank, self.tp_group, self.pp_group = pp_rank, tp_group, pp_group
+
+    def sources(self, engine_dtype: torch.dtype) -> list[Source]:
         """``(HF name, HF shape, gather)`` in the HF model's parameter order; ``gather()`` (a collective over the TP
-        group, and with pp > 1 over the pipeline-parallel group) returns the full tensor in the ``sync_plan`` engine
-        dtype on every rank.
+        group, and with pp > 1 over the pipeline-parallel group) returns the full tensor in ``engine_dtype`` on every
+        rank.
 
         Raises:
             RuntimeError: this stage's Megatron parameters do not cover exactly its share of the HF model's
                 parameters (``convert.hf_stage``).
         """
-        gather = parameter_gatherer(self, cast=lambda t: t.to(self._engine_dtype))
+        gather = _gatherer(self.model, self.model_path, self.layout, self.pp_rank, self.tp_group, self.pp_group,
+                           dict(self.model.named_parameters()), cast=lambda t: t.to(engine_dtype))
         order = hf_parameter_order(self.model_path)
         mine = {name for name, _ in order if hf_stage(name, self.layout) == self.pp_rank}
         if mine != set(gather.source):

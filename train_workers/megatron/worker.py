@@ -7,43 +7,38 @@
 Rank order is Megatron's default ``tp-cp-ep-dp-pp``: the tp ranks of one model replica are consecutive, so a Ray
 placement that packs consecutive ranks on a node keeps each TP group on one node.
 
-What is shared with the FSDP2 backend (backend-neutral code reused as is): the train step, loss, NaN/Inf skip,
-off-policy correction and metrics (``train_workers.fsdp_step.FSDPStep``: the policy here is
-:class:`train_workers.megatron.policy.MegatronResponseLogprobs`, which has ``ResponseLogprobModel``'s signature), the
-sync group and bucket streaming (``train_workers.fsdp_sync.FSDPSync``, with Megatron's own tensor sources in
-:mod:`train_workers.megatron.sync`). Specific to Megatron:
+The worker is composed of parts, each with one role, as the FSDP2 worker is (no part inherits another backend's
+code): the rank's settings and shared set-up (``train_workers.rank_context.RankContext``, ``self.ctx``); the
+backend-neutral GRPO step (``train_workers.grpo_step.GRPOStep``, ``self.step``: loss, KL, TIS/MIS, NaN/Inf skip,
+metrics; the policy here is :class:`train_workers.megatron.policy.MegatronResponseLogprobs`, which has
+``ResponseLogprobModel``'s signature) over the Megatron step engine
+(:class:`train_workers.megatron.engine.MegatronEngine`, ``self.engine``); the neutral weight sender
+(``train_workers.weight_sender.WeightSender``, ``self.sender``) over Megatron's own tensor source
+(:class:`train_workers.megatron.sync.MegatronSyncSource`). Specific to Megatron:
 
 - Micro-batches. The scheduler splits the batch over ``world_size`` ranks; the ranks of one model replica must run
   the same sequences, so :meth:`MegatronTrainWorker.train_step` first all-gathers the micro-batches of its TP group
   (pp = 1) or of its model-parallel tp × pp group (pp > 1, empty placeholders dropped) with ``all_gather_object``
   (CPU tensors), and every rank of the replica runs all of them. The loss is still each sequence's share of the
   global batch loss (global ``num_tokens``/``num_sequences``), and the metric sums are reduced so each sequence counts
-  once: over the data-parallel group at pp = 1 (``FSDPStep._metrics_group``), over the ranks of one tp rank across
-  every stage and replica at pp > 1 (only the last stage has loss sums).
+  once: over the data-parallel group at pp = 1, over the ranks of one tp rank across every stage and replica at
+  pp > 1 (only the last stage has loss sums): the engine's ``metrics_group``.
 - Pipeline parallelism (pp > 1, :mod:`train_workers.megatron.pipeline`): megatron-core's own schedule
   (``get_forward_backward_func()``, 1F1B) owns the forward and backward of all micro-batches; ``forward_step_func``
-  returns ``(output, loss_func)`` and the last stage's ``loss_func`` is ``FSDPStep._microbatch_loss`` (the same
+  returns ``(output, loss_func)`` and the last stage's ``loss_func`` is the GRPO step's micro-batch loss (the same
   loss, KL, TIS/MIS, NaN flags and metric sums as FSDP2). Reference-policy logprobs (and the behaviour logprobs with
   several iterations or MIS) come from the same schedule with ``forward_only=True``. Every micro-batch of a step is
   right-padded to one [rows, seq_len] shape, as the schedule's p2p communication needs. Transformer layers are split
   evenly (``check_megatron_layout``); with tied embeddings the last stage holds a copy of the embedding as
   ``output_layer.weight``, loaded from the HF embedding.
-- Gradients. Parameters are local shards (Megatron's ``ColumnParallelLinear``/``RowParallelLinear``/
-  ``VocabParallelEmbedding``, ``megatron/core/tensor_parallel/layers.py``): the TP collectives of the forward and
-  backward make each shard's gradient exact, and replicated parameters (the RMSNorm weights) get identical gradients
-  on every tp rank — except with ``train.sequence_parallel``, where each tp rank's norm gradients cover its share of
-  the sequence and are first summed over the TP group (megatron-core's ``_allreduce_layernorm_grads`` in
-  ``megatron/core/distributed/finalize_model_grads.py``). The gradients are then summed over the dp group
-  (``all_reduce``), a tied embedding's two copies (pp > 1) summed over Megatron's embedding group, the global L2 norm
-  is taken over every parameter once across tp and pp (TP-duplicates counted on tp rank 0 only,
-  ``param_is_not_tensor_parallel_duplicate``; the tied copy not at all, ``param_is_not_shared``) and clipped as
-  ``torch.nn.utils.clip_grad_norm_`` does.
+- Gradients: reduced over dp (and the tied embedding's copies), normed and clipped by the engine
+  (:meth:`MegatronEngine.clip_gradients`, its module docstring).
 - Optimizer: ``torch.optim.AdamW`` over the local shards (dp replicas hold identical copies of the state). Megatron's
   ``DistributedDataParallel`` and ``DistributedOptimizer`` are not used: their gradient buffers are allocated on
   ``torch.cuda.current_device()`` and their overlap uses CUDA streams (``megatron/core/distributed/
   param_and_grad_buffer.py``, ``distributed_data_parallel.py``), so they cannot run on CPU, where this backend is
   tested. On GPU they are the next step (ZeRO-1 sharded state, overlapped reduce-scatter); so is the schedule's
-  ``finalize_model_grads_func``, which needs them (this worker reduces the gradients itself, above).
+  ``finalize_model_grads_func``, which needs them (the engine reduces the gradients itself, above).
 - Weight sync and checkpoints (:mod:`train_workers.megatron.sync`, :mod:`train_workers.megatron.checkpoint`): each HF
   tensor is gathered over the TP group of the stage holding it and, at pp > 1, broadcast from that stage over the
   pipeline-parallel group; one tensor at a time, never the whole model on one rank.
@@ -92,24 +87,32 @@ the pipeline schedule's token counter ``torch.zeros([], dtype=torch.int, device=
 
 from __future__ import annotations
 
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from contract.messages import TrainRankInfo
-from train_workers.cpu_affinity import bind_rank
-from train_workers.fsdp_step import PHASES, FSDPStep
-from train_workers.megatron.pipeline import PipelineStep
-from train_workers.megatron.sync import MegatronSync
 from contract.batches import PackedMicroBatch
+from contract.messages import SendReport, TrainRankInfo, TrainResult
+from train_workers.grpo_step import GRPOStep
+from train_workers.megatron.engine import MegatronEngine, counted_once
+from train_workers.megatron.pipeline import MegatronPipeline
+from train_workers.megatron.sync import MegatronSyncSource
+from train_workers.rank_context import RankContext, node_address, sync_node_id
 from train_workers.sharding import as_dtype
+from train_workers.weight_sender import WeightSender
 
 
-class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
-    """One rank of the Megatron-core train group (constructor arguments: :mod:`contract.train_worker`).
+class MegatronTrainWorker:
+    """One rank of the Megatron-core train group (constructor arguments: :mod:`contract.train_worker` and
+    :class:`~train_workers.rank_context.RankContext`).
+
+    Attributes:
+        ctx: the rank's settings. policy_version: the trainer's policy version.
+        policy, reference, optimizer: the models, built by :meth:`init_distributed` (None before).
+        layout, tp_rank, pp_rank, tp_group, dp_group, pp_group: the Megatron layout and this rank's place in it.
+        engine, step: the composed step parts (module docstring), built by :meth:`init_distributed`.
+        sender: the weight sender; its source (:class:`MegatronSyncSource`) is set by :meth:`init_distributed`.
 
     Raises:
         ValueError: at construction, a setting this backend refuses for now (module docstring), naming the field.
@@ -118,21 +121,17 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
                  max_response_tokens: int, dtype: str = "float32", seed: int = 0,
                  sampling_filters: dict | None = None):
-        self.rank, self.world_size = rank, world_size
-        self.model_path, self.train, self.algorithm = model_path, train, algorithm
-        self.temperature, self.max_response_tokens = temperature, max_response_tokens
-        self.sampling_filters = dict(sampling_filters or {})
-        self.dtype = as_dtype(dtype)
-        self.seed = seed
-        self.policy_version = 0
-        self._phase_s = dict.fromkeys(PHASES, 0.0)
-        self.refuse_unsupported(train, dtype)
         from train_workers.megatron.policy import refuse_vocab_parallel_filters
 
-        refuse_vocab_parallel_filters(train.tensor_parallel_size, **self.sampling_filters)
-        bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self._use_cuda() else torch.device("cpu")
-        self._cpu_fast_paths = False  # FSDP2-only switches (FSDPStep reads it); nothing to unshard here
+        self.refuse_unsupported(train, dtype)
+        refuse_vocab_parallel_filters(train.tensor_parallel_size, **(sampling_filters or {}))
+        self.ctx = RankContext.create(rank, world_size, model_path, train, algorithm, temperature,
+                                      max_response_tokens, dtype, seed, sampling_filters)
+        self.policy_version = 0
+        self.policy = self.reference = self.optimizer = self.layout = None
+        self.engine: MegatronEngine | None = None
+        self.step: GRPOStep | None = None
+        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # its source: init_distributed
 
     @staticmethod
     def refuse_unsupported(train, dtype: str | torch.dtype = "float32") -> None:
@@ -165,22 +164,15 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         return check_megatron_layout(read_hf_config(model_path), train.tensor_parallel_size,
                                      train.pipeline_parallel_size)
 
-    def _use_cuda(self) -> bool:
-        return torch.cuda.is_available() and self.train.num_gpus_per_worker > 0
-
     # ---- set-up -------------------------------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
         """(IP of this node, a free port on it): rank 0's answer becomes the rendezvous address."""
-        import ray
-
-        from weight_sync.group import free_port
-
-        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        return ip, free_port(ip)
+        return node_address()
 
     def init_distributed(self, master_addr: str, master_port: int, policy_path: str | None = None) -> TrainRankInfo:
         """Join the train process group, build Megatron's parallel state (tp, pp, dp), the policy (from ``policy_path``
-        or ``model_path``), the frozen reference policy (from ``model_path``, when ``kl_coef`` > 0) and AdamW.
+        or ``model_path``), the frozen reference policy (from ``model_path``, when ``kl_coef`` > 0) and AdamW, and
+        compose the engine, the GRPO step and the weight sender.
 
         Raises:
             RuntimeError: the process group did not form within ``train.timeout_s``, or a converted state dict does
@@ -189,48 +181,37 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         """
         from megatron.core import parallel_state as ps
 
-        backend = self.train.backend if self.train.backend != "auto" else ("nccl" if self._use_cuda() else "gloo")
-        if self._use_cuda():
-            torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-            world_size=self.world_size, timeout=timedelta(seconds=self.train.timeout_s),
-        )
-        torch.manual_seed(self.seed + self.rank)
-        self.layout = self.check_layout(self.train, self.model_path, self.dtype)
+        ctx = self.ctx
+        backend = ctx.join_train_group(master_addr, master_port)
+        self.layout = self.check_layout(ctx.train, ctx.model_path, ctx.dtype)
         ps.initialize_model_parallel(tensor_model_parallel_size=self.layout.tp,
                                      pipeline_model_parallel_size=self.layout.pp)
-        if self._use_cuda():
+        if ctx.use_cuda:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-            model_parallel_cuda_manual_seed(self.seed)
+            model_parallel_cuda_manual_seed(ctx.seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        self._metrics_group = self.dp_group if self.layout.pp == 1 else self._same_tp_rank_group()
-        self.policy = self._build(policy_path or self.model_path, trainable=True)
-        self.reference = self._build(self.model_path, trainable=False) if self.algorithm.kl_coef > 0 else None
-        self.kl_coef = float(self.algorithm.kl_coef)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=self.train.lr,
-            betas=tuple(self.train.betas), weight_decay=self.train.weight_decay,
-        )
-        n_params = self._count_parameters()
-        import ray
-
-        node_id, gpu_ids = None, []
-        if ray.is_initialized():
-            node_id = ray.get_runtime_context().get_node_id()
-            gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        return TrainRankInfo(rank=self.rank, backend=backend, num_parameters=n_params, pid=os.getpid(),
-                             device=str(self.device), node_id=node_id, gpu_ids=gpu_ids,
-                             cpu_cores=sorted(os.sched_getaffinity(0)), num_threads=torch.get_num_threads())
+        metrics_group = self.dp_group if self.layout.pp == 1 else self._same_tp_rank_group()
+        self.policy = self._build(policy_path or ctx.model_path, trainable=True)
+        self.reference = self._build(ctx.model_path, trainable=False) if ctx.algorithm.kl_coef > 0 else None
+        self.optimizer = ctx.adamw(self.policy)
+        pipeline = MegatronPipeline(self.policy, self.reference, ctx.device, ctx.world_size) \
+            if self.layout.pp > 1 else None
+        self.engine = MegatronEngine(self.policy, self.reference, self.optimizer, ctx.world_size, ctx.device,
+                                     ctx.train.max_grad_norm, self.layout, self.tp_group, self.dp_group,
+                                     metrics_group, pipeline)
+        self.step = GRPOStep(self.engine, ctx.algorithm, ctx.train, ctx.max_response_tokens)
+        self.sender.source = MegatronSyncSource(self.policy.model, ctx.model_path, self.layout, self.pp_rank,
+                                                self.tp_group, self.pp_group)
+        return ctx.rank_info(backend, self._count_parameters())
 
     def _build(self, path: str, trainable: bool):
         """A ``GPTModel`` of this rank's shard (its TP slice of its pipeline stage's layers) of the HF folder
         ``path`` (each tensor read from the safetensors files and sliced, ``convert.hf_to_megatron``), wrapped in
-        :class:`MegatronResponseLogprobs`. Trainable: float32 parameters computed in ``self.dtype``; frozen (the
-        reference policy): parameters in ``self.dtype`` (module docstring, Precision)."""
+        :class:`MegatronResponseLogprobs`. Trainable: float32 parameters computed in ``ctx.dtype``; frozen (the
+        reference policy): parameters in ``ctx.dtype`` (module docstring, Precision)."""
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -239,8 +220,8 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         from train_workers.megatron.hf_io import SafetensorsFolder
         from train_workers.megatron.policy import MegatronResponseLogprobs
 
-        layout = self.layout
-        config = transformer_config(layout, compute_dtype=self.dtype, sequence_parallel=self.train.sequence_parallel)
+        layout, dtype = self.layout, self.ctx.dtype
+        config = transformer_config(layout, compute_dtype=dtype, sequence_parallel=self.ctx.train.sequence_parallel)
         model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True,
                                             pre_process=ps.is_pipeline_first_stage(),
                                             post_process=ps.is_pipeline_last_stage()))
@@ -250,12 +231,12 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         if missing or unexpected:
             raise RuntimeError(f"{path}: the converted state dict does not match the GPTModel: missing {missing[:3]}, "
                                f"unexpected {list(unexpected)[:3]}")
-        model.to(self.device, torch.float32 if trainable else self.dtype)
+        model.to(self.ctx.device, torch.float32 if trainable else dtype)
         model.requires_grad_(trainable)
         model.train(trainable)
-        mixed = trainable and self.dtype != torch.float32
-        return MegatronResponseLogprobs(model, layout.vocab_size, self.temperature, **self.sampling_filters,
-                                        compute_dtype=self.dtype if mixed else None)
+        mixed = trainable and dtype != torch.float32
+        return MegatronResponseLogprobs(model, layout.vocab_size, self.ctx.temperature, **self.ctx.sampling_filters,
+                                        compute_dtype=dtype if mixed else None)
 
     def _same_tp_rank_group(self):
         """The process group of the ranks with this rank's tensor-parallel rank, over every pipeline stage and
@@ -263,12 +244,13 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         has loss sums (the others contribute zeros), so the step's sums reduced over it count each sequence once."""
         from megatron.core import parallel_state as ps
 
-        tp_ranks = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        tp_ranks[self.rank] = ps.get_tensor_model_parallel_rank()
+        world_size = self.ctx.world_size
+        tp_ranks = torch.zeros(world_size, dtype=torch.int64, device=self.ctx.device)
+        tp_ranks[self.ctx.rank] = ps.get_tensor_model_parallel_rank()
         dist.all_reduce(tp_ranks)
         mine = None
         for t in range(self.layout.tp):
-            group = dist.new_group([r for r in range(self.world_size) if int(tp_ranks[r]) == t])
+            group = dist.new_group([r for r in range(world_size) if int(tp_ranks[r]) == t])
             if t == self.tp_rank:
                 mine = group
         return mine
@@ -278,16 +260,27 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         a collective over the model-parallel (tp × pp) group."""
         from megatron.core import parallel_state as ps
 
-        local = sum(p.numel() for p in self.policy.parameters() if _counted_once(p))
-        total = torch.tensor([local], dtype=torch.int64, device=self.device)
+        local = sum(p.numel() for p in self.policy.parameters() if counted_once(p))
+        total = torch.tensor([local], dtype=torch.int64, device=self.ctx.device)
         dist.all_reduce(total, group=ps.get_model_parallel_group())
         return int(total)
 
-    # ---- training (FSDPStep's loop; the Megatron-specific pieces) -------------------------------------------------
-    def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int):
-        """:meth:`FSDPStep.train_step` over the micro-batches of this rank's whole TP group (module docstring);
-        a collective over the train group."""
-        return super().train_step(self._replica_microbatches(microbatches), num_tokens, num_sequences)
+    # ---- training (train_workers.grpo_step over train_workers.megatron.engine) ----------------------------------
+    def set_kl_coef(self, kl_coef: float) -> None:
+        """Set β for the following train steps (:meth:`GRPOStep.set_kl_coef`).
+
+        Raises:
+            ValueError: ``kl_coef`` is negative or not finite, or > 0 without a reference policy.
+        """
+        self.step.set_kl_coef(kl_coef)
+
+    def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int) -> TrainResult:
+        """:meth:`GRPOStep.train_step` over the micro-batches of this rank's whole model replica (module docstring);
+        a collective over the train group. The policy version advances when an update was applied."""
+        result = self.step.train_step(self._replica_microbatches(microbatches), num_tokens, num_sequences,
+                                      self.policy_version)
+        self.policy_version = result.policy_version
+        return result
 
     def _replica_microbatches(self, microbatches: list[PackedMicroBatch]) -> list[PackedMicroBatch]:
         """Every micro-batch of the ranks of this rank's model replica, in rank order: its TP group at pp = 1
@@ -303,59 +296,64 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         replica = [mb for share in gathered for mb in share]
         return replica if self.layout.pp == 1 else [mb for mb in replica if mb.num_sequences > 0]
 
-    def _accumulate_locally(self, last: bool) -> None:
-        """Gradients stay local until :meth:`_clip_gradients` (nothing to unshard: parameters are Megatron shards)."""
+    def reference_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor | None:
+        """Reference-policy logprobs [n, T] float32 of one packed micro-batch (0 at padding) on every rank; None
+        without a reference policy. A collective over the TP group; at pp > 1 through the pipeline, the last stage
+        broadcasting the result over the pipeline-parallel group (a collective over the model-parallel group)."""
+        engine = self.engine
+        if not engine.has_reference:
+            return None
+        if engine.pipeline is None:
+            return engine.reference_logprobs(mb, engine.inputs(mb))
+        if mb.num_sequences == 0:
+            return torch.zeros(mb.response_mask.shape, dtype=torch.float32)
+        out = engine.pipeline.logprobs(engine.pipeline.prepare([mb]), reference=True)[0]
+        if out is None:
+            out = torch.empty(mb.response_mask.shape, dtype=torch.float32, device=self.ctx.device)
+        last = dist.get_global_rank(self.pp_group, self.layout.pp - 1)
+        dist.broadcast(out, src=last, group=self.pp_group)
+        return out
 
-    def _replicate_reference(self) -> bool:
-        """The reference policy is a full TP-sharded replica on every dp rank (no FSDP wrapping)."""
-        return True
+    # ---- weight sync (train_workers.weight_sender over train_workers.megatron.sync) -------------------------------
+    def sync_plan(self, engine_dtype: str, bucket_bytes: int) -> list:
+        """The bucket plan of the policy's parameters in HF names and order (:class:`MegatronSyncSource`) in
+        ``engine_dtype`` (:meth:`WeightSender.plan`).
 
-    def _clip_gradients(self) -> float:
-        """Sum the gradients over the dp group (and a tied embedding's two copies over the embedding group), clip
-        them to ``train.max_grad_norm`` by their global L2 norm and return the norm before clipping (NaN/Inf when any
-        gradient element is).
-
-        With sequence parallelism the gradients of the parameters marked ``sequence_parallel`` (the RMSNorm
-        weights, ``config.SequenceParallelRMSNorm``) hold only this tp rank's share of the sequence and are first
-        summed over the TP group, as megatron-core's ``finalize_model_grads`` (``_allreduce_layernorm_grads``) does.
-
-        ``FSDPStep`` back-propagates ``loss × world_size`` (FSDP2 averages over the world); the dp sum is divided by
-        ``world_size`` so the gradient is that of the batch loss. With pp > 1 and tied embeddings the first stage's
-        ``word_embeddings`` and the last stage's copy (``output_layer.weight``) each hold part of the gradient; they
-        are summed over ``parallel_state.get_embedding_group()`` so both copies take the same update, as megatron-core's
-        ``finalize_model_grads`` (``_allreduce_word_embedding_grads``) does after the dp reduction. Norm: sqrt(Σ over
-        every parameter once — each TP shard, TP-duplicates on tp rank 0 only, the tied copy not at all
-        (``param_is_not_shared``) — of Σ g²), reduced over the model-parallel (tp × pp) group; scale
-        min(1, max_norm / (norm + 1e-6)) as ``torch.nn.utils.clip_grad_norm_``.
+        Raises:
+            ValueError: an unknown dtype name.
         """
-        from megatron.core import parallel_state as ps
+        return self.sender.plan(engine_dtype, bucket_bytes)
 
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # unused in this step's graph: every rank must reduce the same tensors
-                p.grad = torch.zeros_like(p)
-        _all_reduce_coalesced([p.grad for p in params if getattr(p, "sequence_parallel", False)], self.tp_group)
-        grads = [p.grad for p in params]
-        flat = torch._utils._flatten_dense_tensors(grads)
-        if dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(flat, group=self.dp_group)
-        flat.div_(self.world_size)
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
-        model = self.policy.model
-        if self.layout.pp > 1 and self.layout.tied_embeddings and (model.pre_process or model.post_process):
-            dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
-        square = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in params:
-            if _counted_once(p):
-                square += p.grad.double().pow(2).sum()
-        dist.all_reduce(square, group=ps.get_model_parallel_group())
-        norm = float(square.sqrt())
-        coef = min(1.0, self.train.max_grad_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+    def sync_adapter_config(self) -> dict | None:
+        """None: this backend has no LoRA, the engines receive full weights."""
+        return None
+
+    def sync_node_id(self) -> str | None:
+        """This rank's Ray node id (``sync.mode: auto`` compares it with the engines'); None outside Ray."""
+        return sync_node_id()
+
+    def init_sync_group(self, host: str, port: int, world_size: int, timeout_s: float,
+                        transport: str = "broadcast") -> dict | None:
+        """Rank 0 hosts the weight-sync group and its transport (:meth:`WeightSender.init_group`); returns the
+        descriptor the engines join with (rank 0), None on other ranks.
+
+        Raises:
+            RuntimeError: called before :meth:`sync_plan`.
+        """
+        return self.sender.init_group(host, port, world_size, timeout_s, transport)
+
+    def close_sync_group(self) -> None:
+        """Tear down this rank's side of the weight-sync group."""
+        self.sender.close_group()
+
+    def broadcast_weights(self, verify: bool | list[str]) -> SendReport:
+        """Stream the policy to every engine, bucket by bucket (all train ranks call this together: each tensor is
+        gathered over its stage's TP group and broadcast over the pipeline; :meth:`WeightSender.send`).
+
+        Raises:
+            RuntimeError: called before ``sync_plan``/``init_sync_group``, or the transport failed.
+        """
+        return self.sender.send(verify, self.policy_version)
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> dict[str, float]:
@@ -387,27 +385,6 @@ class MegatronTrainWorker(PipelineStep, FSDPStep, MegatronSync):
         ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _counted_once(p: torch.nn.Parameter) -> bool:
-    """Whether ``p`` counts in whole-model sums (parameter count, gradient norm): not a TP duplicate on tp rank > 0
-    (``param_is_not_tensor_parallel_duplicate``) and not the last stage's copy of a tied embedding
-    (``param_is_not_shared``, megatron's ``clip_grads`` rule)."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    return param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)
-
-
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
-    """Sum ``tensors`` in place over ``group`` with one ``all_reduce`` of their flattened concatenation
-    (nothing to do for an empty list: every rank of the group passes the same parameters)."""
-    if not tensors:
-        return
-    flat = torch._utils._flatten_dense_tensors(tensors)
-    dist.all_reduce(flat, group=group)
-    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-        t.copy_(synced)
 
 
 def _to_cpu(mb: PackedMicroBatch) -> PackedMicroBatch:

@@ -1,0 +1,138 @@
+"""The FSDP2 step engine: how the GRPO step runs on an FSDP2-sharded policy (:class:`FSDPEngine`).
+
+:class:`train_workers.fsdp_worker.FSDPTrainWorker` builds the models and composes this engine with
+:class:`train_workers.grpo_step.GRPOStep` (the protocol: :class:`train_workers.step_engine.StepEngine`). What is
+FSDP2's own here:
+
+- Gradient reduction. FSDP2 averages gradients over the ranks, so each micro-batch loss is back-propagated times the
+  world size, which makes that average a sum of the per-rank sums; the global L2 norm and clipping are
+  ``torch.nn.utils.clip_grad_norm_`` on the DTensor gradients.
+- CPU fast paths (``fast_paths``: the worker turns them on for CPU ranks). The policy stays unsharded and its gradients
+  local until the step's last micro-batch, so a step costs one all-gather and one reduce-scatter whatever its
+  micro-batch count (gloo over loopback TCP is slow; the price is one unsharded copy of the parameters and gradients
+  per rank); the frozen reference policy is a full copy on every rank, run under ``torch.inference_mode``. On GPU,
+  FSDP2's defaults: resharded after each forward and backward, the reference sharded like the policy.
+- LoRA (``train.lora``): the reference policy is the policy with its adapters off (``LoraPolicy.adapters_off``), and
+  the step reports the adapters' parameter counts and every rank's peak memory (:meth:`FSDPEngine.extra_metrics`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from contract.batches import PackedMicroBatch
+from train_workers.sharding import full_tensor
+from train_workers.step_engine import all_reduce_cpu, device_inputs, frozen_logprobs, no_grad_logprobs
+from train_workers.step_metrics import peak_rss_gib
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor passes through)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDPEngine:
+    """The :class:`~train_workers.step_engine.StepEngine` of one FSDP2 rank (module docstring).
+
+    Args:
+        policy: the sharded :class:`~train_workers.policy.ResponseLogprobModel` (float32 parameters).
+        reference: the frozen reference policy (replicated with ``fast_paths``, else sharded), or None (no reference,
+            or LoRA: the policy with its adapters off).
+        optimizer: AdamW over the policy's trainable parameters.
+        lora: the :class:`~train_workers.lora.LoraPolicy` with ``train.lora``, else None.
+        rank, world_size: this rank and the train group's size. device: this rank's device.
+        max_grad_norm: ``train.max_grad_norm``. fast_paths: the CPU fast paths (module docstring).
+    """
+
+    pipeline = None  # FSDP2 runs the micro-batches one by one
+
+    def __init__(self, policy, reference, optimizer: torch.optim.Optimizer, lora, rank: int, world_size: int,
+                 device: torch.device, max_grad_norm: float, fast_paths: bool):
+        self.policy, self.reference, self.optimizer, self.lora = policy, reference, optimizer, lora
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.max_grad_norm, self.fast_paths = max_grad_norm, fast_paths
+
+    @property
+    def has_reference(self) -> bool:
+        """A frozen copy, or with LoRA the policy with its adapters off (when the job has ``kl_coef`` > 0)."""
+        return self.reference is not None or (self.lora is not None and self.lora.with_reference)
+
+    def inputs(self, mb: PackedMicroBatch) -> tuple:
+        """``(input_ids, position_ids, logit_positions, targets)`` of ``mb`` on this rank's device."""
+        return device_inputs(mb, self.device)
+
+    def prepare_microbatch(self, last: bool) -> None:
+        """With the CPU fast paths, keep the policy unsharded and its gradients local until ``last`` (module
+        docstring); otherwise FSDP2's defaults."""
+        if not self.fast_paths or not hasattr(self.policy, "set_requires_gradient_sync"):
+            return
+        self.policy.set_requires_gradient_sync(last)
+        self.policy.set_reshard_after_backward(last)
+
+    def policy_forward(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's (logprobs [M], entropy [M]) with autograd."""
+        return self.policy(*args)
+
+    def behaviour_logprobs(self, mb: PackedMicroBatch, args: tuple) -> torch.Tensor:
+        """The policy's logprobs [n, T] float32 without gradient."""
+        return no_grad_logprobs(self.policy, mb, args)
+
+    def reference_logprobs(self, mb: PackedMicroBatch, args: tuple) -> torch.Tensor:
+        """The reference policy's logprobs [n, T] float32: the frozen copy (under ``inference_mode`` when
+        replicated), or with LoRA the sharded policy with its adapters off. A collective unless replicated."""
+        if self.lora is not None:
+            with self.lora.adapters_off():
+                return frozen_logprobs(self.policy, mb, args, inference=False)
+        return frozen_logprobs(self.reference, mb, args, inference=self.fast_paths)
+
+    def reshard_policy(self) -> None:
+        """Reshard every FSDP2 module of the policy (after a reference forward outside a step, with LoRA, so the
+        policy is left sharded as it was found)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.policy.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss × world_size`` (FSDP2 averages the gradients over the ranks)."""
+        (loss * self.world_size).backward()
+
+    def clip_gradients(self) -> float:
+        """Clip the policy's gradients to ``max_grad_norm`` (global L2 norm over all ranks, in place) and return the
+        norm before clipping; NaN/Inf when any gradient element is (the step is then skipped)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        return float(full_tensor(grad_norm))
+
+    def zero_grad(self) -> None:
+        """Drop the policy's gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
+        """One AdamW update."""
+        self.optimizer.step()
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the train group (every rank holds different sequences)."""
+        return all_reduce_cpu(t, self.device)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """MAX over the train group."""
+        return all_reduce_cpu(t, self.device, op=dist.ReduceOp.MAX)
+
+    def extra_metrics(self) -> dict[str, float]:
+        """With ``train.lora`` only (a collective: every rank's peak RSS is summed into its own slot):
+        ``actor/trainable_parameters`` and ``actor/trainable_fraction`` (adapters, whole model), every rank's
+        ``memory/train_rank<r>_peak_rss_gib`` and rank 0's ``memory/train_optimizer_state_gib`` (its AdamW shards);
+        {} without LoRA."""
+        if self.lora is None:
+            return {}
+        rss = torch.zeros(self.world_size, dtype=torch.float64)
+        rss[self.rank] = peak_rss_gib()
+        rss = all_reduce_cpu(rss, self.device)
+        state_bytes = sum(_local(v).numel() * _local(v).element_size() for per_param in self.optimizer.state.values()
+                          for v in per_param.values() if isinstance(v, torch.Tensor))
+        return {**self.lora.metrics(),
+                **{f"memory/train_rank{r}_peak_rss_gib": float(v) for r, v in enumerate(rss)},
+                "memory/train_optimizer_state_gib": state_bytes / 2**30}
