@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.registered import temporarily_registered
 from tests.tier_guard import check_tiers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ ENGINE_TIERS = ("ray", "e2e")
 #: relative to tests/. A test not listed here counts as starting one (``make test-fast`` leaves it out).
 NO_ENGINE = (
     "ray/test_rollout_pool_dispatch.py",  # fake engine actors
+    "ray/test_user_modules.py",  # a stand-in train rank
     "ray/test_local_cluster.py::test_plain_init_joins_the_running_head",
     "ray/test_local_cluster.py::test_local_job_starts_its_own_cluster_on_loopback",
     "ray/test_local_cluster.py::test_validate_with_address_names_the_missing_resources",
@@ -99,3 +101,17 @@ def gsm8k_train_path() -> Path:
     if not path.is_file():
         pytest.skip(f"GSM8K data not found at {path} (expected ../shared/data/gsm8k beside the repository)")
     return path
+
+
+def parity_reward(completions: list[str], references: list[str]) -> list[float]:
+    """1.0 for a completion with an even number of characters, else 0.0 (a random tiny model never solves GSM8K;
+    parity gives its groups unequal rewards, so a learning signal). ``tests/parity_reward.py`` registers the same
+    function on import (for submitted jobs); :func:`parity_registered` only while a module needs it."""
+    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
+
+
+@pytest.fixture(scope="module")
+def parity_registered():
+    """Register the test reward ``parity`` unless it is there; removed again after the module when this fixture
+    added it, so the rest of the session sees the builtin registry."""
+    yield from temporarily_registered("parity", parity_reward)

