@@ -8,9 +8,15 @@ setup:
 demo: setup
 	.venv/bin/grpo-cluster run examples/gsm8k_smollm2_cpu.yaml
 
+# Two pytest runs, both always: the tiers without Ray or vLLM on two workers (pytest-xdist), then Ray and the vLLM
+# engine one test at a time with every other tier (a new tier lands there); the tier guard checks each run's tiers.
+PARALLEL_TIERS = tests/unit tests/distributed tests/in_process
 test: setup
 	bash scripts/install_test_tools.sh
-	.venv/bin/python -m pytest tests -q -rs --durations=15
+	status=0; \
+	.venv/bin/python -m pytest $(PARALLEL_TIERS) -q -rs --durations=15 -n 2 || status=$$?; \
+	.venv/bin/python -m pytest tests -q -rs --durations=15 $(addprefix --ignore=,$(PARALLEL_TIERS)) || status=$$?; \
+	exit $$status
 
 # Every test that starts no vLLM engine (markers: tests/conftest.py).
 test-fast: setup

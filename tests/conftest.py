@@ -13,7 +13,7 @@ module never declares its own cost:
     gpu: tests/gpu — needs a CUDA GPU; skipped automatically when ``torch.cuda.is_available()`` is False.
 
 A run over the whole suite fails at collection when a test tier (a folder under tests/) collects nothing
-(``tests/tier_guard.py``).
+(``tests/tier_guard.py``; under pytest-xdist the run fails on a ``::tier-guard`` item instead).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.registered import temporarily_registered
-from tests.tier_guard import check_tiers
+from tests.tier_guard import EmptyTiersReport, check_tiers
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -65,6 +65,10 @@ def cost_markers(path: Path, name: str) -> list[str]:
     if tier in ENGINE_TIERS and rel not in NO_ENGINE and f"{rel}::{name}" not in NO_ENGINE:
         markers.append("engine")
     return markers
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(EmptyTiersReport(), "tier_guard_report")  # an empty tier under pytest-xdist
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's -m/-k/--deselect deselection: deselected tests count as collected

@@ -16,11 +16,19 @@ Runs narrowed to single files or test ids (``pytest tests/unit/test_x.py``) and 
 files on purpose) are not checked, nor are tiers the run leaves out on purpose with ``--ignore`` or
 ``--ignore-glob`` (``pytest tests --ignore=tests/e2e``): the tier itself, or a path inside it, is ignored.
 
+Under pytest-xdist (``-n``) the check runs in each worker, where a usage error would only crash the worker (xdist
+reports an internal error without the message); there the run fails instead on one extra test item, ``::tier-guard``,
+whose failure names each empty tier (:class:`EmptyTiersReport`, added after ``-m``/``-k`` deselection so none drops
+it).
+
 Usage (in the tests root's ``conftest.py``)::
 
     @pytest.hookimpl(tryfirst=True)  # before pytest's own -m/-k deselection
     def pytest_collection_modifyitems(config, items):
         check_tiers(config, items, Path(__file__).parent)
+
+    def pytest_configure(config):
+        config.pluginmanager.register(EmptyTiersReport(), "tier_guard_report")  # pytest-xdist workers
 """
 
 from __future__ import annotations
@@ -31,10 +39,13 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["check_tiers", "discover_tiers", "empty_tiers"]
+__all__ = ["EmptyTiersReport", "check_tiers", "discover_tiers", "empty_tiers"]
 
 SKIPPED_BY_DEFAULT = ("build", "dist", "venv")
 """Folder names in pytest's default ``norecursedirs`` that a tier might plausibly be given."""
+
+EMPTY_TIERS = pytest.StashKey[str]()
+"""The empty-tier message a pytest-xdist worker keeps for :class:`EmptyTiersReport`."""
 
 
 def discover_tiers(root: Path) -> list[Path]:
@@ -106,7 +117,8 @@ def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> 
     from (see the module docstring). Call it from a ``tryfirst`` ``pytest_collection_modifyitems`` hook.
 
     Raises:
-        pytest.UsageError: one line per empty tier, with the likely cause.
+        pytest.UsageError: one line per empty tier, with the likely cause (in a pytest-xdist worker the message is
+            kept for :class:`EmptyTiersReport` instead).
     """
     if config.getoption("lf", False):
         return
@@ -120,4 +132,37 @@ def check_tiers(config: pytest.Config, items: list[pytest.Item], root: Path) -> 
                  f"tests/distributed)" if tier.name in SKIPPED_BY_DEFAULT else
                  "no test was collected from its files (test_*.py files with test_* functions or Test* classes?)")
         lines.append(f"test tier {tier} collected no tests: {cause}")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        config.stash[EMPTY_TIERS] = "\n".join(lines)
+        return
     raise pytest.UsageError("\n".join(lines))
+
+
+class _EmptyTiersItem(pytest.Item):
+    """The test item that fails a pytest-xdist run in which a tier collected nothing; its failure is the message."""
+
+    def __init__(self, *, message: str, **kwargs):
+        super().__init__(**kwargs)
+        self.message = message
+
+    def runtest(self) -> None:
+        raise pytest.UsageError(self.message)
+
+    def repr_failure(self, excinfo, style=None) -> str:
+        return self.message
+
+    def reportinfo(self):
+        return self.path, None, "tier guard"
+
+
+class EmptyTiersReport:
+    """A pytest plugin (register it from ``pytest_configure``): in a pytest-xdist worker whose :func:`check_tiers`
+    found empty tiers, append ``::tier-guard``, an item that fails naming them, after deselection. Does nothing
+    without xdist (:func:`check_tiers` raised already) or when no tier is empty."""
+
+    @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the item always runs
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        message = config.stash.get(EMPTY_TIERS, None)
+        if message is not None:
+            items.append(_EmptyTiersItem.from_parent(session, name="tier-guard", message=message))

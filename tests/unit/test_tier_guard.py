@@ -18,7 +18,11 @@ CONFTEST = textwrap.dedent("""
 
     import pytest
 
-    from tests.tier_guard import check_tiers
+    from tests.tier_guard import EmptyTiersReport, check_tiers
+
+
+    def pytest_configure(config):
+        config.pluginmanager.register(EmptyTiersReport(), "tier_guard_report")
 
 
     @pytest.hookimpl(tryfirst=True)
@@ -142,3 +146,19 @@ def test_an_import_error_is_reported_as_itself_not_as_an_empty_tier(tmp_path):
     assert result.returncode == pytest.ExitCode.INTERRUPTED, result.stdout + result.stderr
     assert "ModuleNotFoundError: No module named 'no_such_module_for_this_test'" in result.stdout
     assert "collected no tests" not in result.stdout + result.stderr
+
+
+def test_under_xdist_the_run_fails_on_a_tier_guard_item_naming_the_empty_tier(tmp_path):
+    """With ``-n 2`` the check runs in the workers: the run fails on ``::tier-guard``, whose failure names the empty
+    tier (a usage error there would crash the workers without the message); also with ``-m`` deselecting
+    everything else. A run whose tiers all collect passes as without xdist."""
+    pytest.importorskip("xdist")
+    make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "ray": {"helpers.py": "X = 1\n"}})
+    for args in ([], ["-m", "engine"]):
+        result = run_pytest(tmp_path, "suite", "-n", "2", *args)
+        assert result.returncode == pytest.ExitCode.TESTS_FAILED, result.stdout + result.stderr
+        assert "FAILED ::tier-guard" in result.stdout and "INTERNALERROR" not in result.stdout + result.stderr
+        assert f"test tier {tmp_path / 'suite' / 'ray'} collected no tests: no test was collected" in result.stdout
+    (tmp_path / "suite" / "ray" / "test_r.py").write_text(PASSING)
+    result = run_pytest(tmp_path, "suite", "-n", "2")
+    assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout + result.stderr
