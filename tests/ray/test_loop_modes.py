@@ -8,7 +8,11 @@ sync; the reference job of tests/reference_job.py, whose ``rollout.mode: sync`` 
   producer's call is often still running when a step has trained): engine and train ranks pinned to disjoint cores
   (``rollout.cpu_affinity``, ``train.cpu_affinity``); whether a given call is interrupted depends on this machine's
   timing, so the checks hold either way: every completion interrupted is continued exactly once, every prompt of
-  the epoch is trained once, staleness (from each group's oldest token) stays within 1.
+  the epoch is trained once, staleness (from each group's oldest token) stays within 1. After the run, its rollout
+  pool is interrupted on purpose: ``interrupt`` reaches the engine actor while its ``generate`` runs (the second
+  concurrency slot) and the call comes back early with ``"interrupted"`` completions; continued, they finish,
+  starting with the tokens they had; an epoch interrupted before a call starts stops that call at once (formerly
+  test_partial_rollout_pool.py, an engine of its own).
 
 Six prompts, two per step: the three steps are exactly one epoch, so every prompt is trained once. What these modes
 do in the loop itself (a resume with a batch in flight, exact staleness per step, the queue's checkpointed state,
@@ -19,19 +23,28 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
+from contract.messages import GroupRequest
 from tests.job_runs import stopped_after
 from tests.reference_job import reference_spec, six_prompts
+
+
+MAX_TOKENS = 256  # the async run's completions: long enough that a call is still running when interrupted
+EPOCH = 1_000  # the interrupt epoch of the pool check: past every epoch the run's producer used
 
 
 def _rows(out: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
-def _run_mode(mode: str, tiny_model_dir, gsm8k_train_path, tmp_path_factory, *extra: str) -> tuple:
+def _run_mode(mode: str, tiny_model_dir, gsm8k_train_path, tmp_path_factory, *extra: str, after=None) -> tuple:
     """Run the reference job's 3 steps in ``mode`` (``extra`` spec overrides); returns (spec, history, the engines'
-    and train ranks' own start-up reports: ``EngineInfo``, ``TrainRankInfo``)."""
+    and train ranks' own start-up reports: ``EngineInfo``, ``TrainRankInfo``, and what ``after(job)`` returned,
+    called once the job has run, before its engines and ranks stop)."""
     from cluster.ray_shell.runtime import build_job
 
     base = tmp_path_factory.mktemp(mode)
@@ -40,12 +53,13 @@ def _run_mode(mode: str, tiny_model_dir, gsm8k_train_path, tmp_path_factory, *ex
     with stopped_after(build_job(spec, progress=False)) as job:
         history = job.run()
         infos = [*job.fleet.rollout.infos, *job.trainer.pool.infos]
-    return spec, history, infos
+        extra_result = after(job) if after is not None else None
+    return spec, history, infos, extra_result
 
 
 def test_one_step_off_trains_on_batches_one_version_old(tiny_model_dir, gsm8k_train_path, parity_registered,
                                                         local_ray, tmp_path_factory):
-    spec, history, _ = _run_mode("one_step_off", tiny_model_dir, gsm8k_train_path, tmp_path_factory,
+    spec, history, _, _ = _run_mode("one_step_off", tiny_model_dir, gsm8k_train_path, tmp_path_factory,
                                  "rollout.max_staleness=1", "checkpoint.every_steps=2")
     assert [m["policy_version"] for m in history] == [1, 2, 3]
     assert all(m["sync/verified"] is True and m["actor/update_skipped"] == 0.0 for m in history)
@@ -75,15 +89,20 @@ def test_async_partial_loop_trains_every_prompt_once_within_max_staleness(tiny_m
     interrupts, step k+1 continues (restarting none: staleness 1 is allowed); the last step interrupts nothing (no
     producer); nothing dropped; each prompt trained once; the audit matches the metrics. Engine and train ranks get
     disjoint cores (the overlap's point on one machine): each process reports the cores it runs on, and each rank
-    one torch thread per core. (Formerly the async run of test_one_step_off_loop.py and
-    test_partial_rollout_loop.py, two jobs.)"""
+    one torch thread per core. Then the run's rollout pool is interrupted on purpose (module docstring). (Formerly the
+    async run of test_one_step_off_loop.py, test_partial_rollout_loop.py and test_partial_rollout_pool.py: three
+    engine starts.)"""
+    from transformers import AutoTokenizer
+
     allowed = sorted(os.sched_getaffinity(0))
     cores = [[allowed[0]], [allowed[-1]]] if len(allowed) > 1 else None
     pinned = () if cores is None else (f"rollout.cpu_affinity={cores[0]}", f"train.cpu_affinity={cores[1]}",
                                        "train.num_threads=null")
-    spec, history, infos = _run_mode("async", tiny_model_dir, gsm8k_train_path, tmp_path_factory,
-                                     "rollout.max_staleness=1", "rollout.partial_rollout=true",
-                                     "rollout.max_response_tokens=256", *pinned)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec, history, infos, interrupted_pool = _run_mode(
+        "async", tiny_model_dir, gsm8k_train_path, tmp_path_factory, "rollout.max_staleness=1",
+        "rollout.partial_rollout=true", f"rollout.max_response_tokens={MAX_TOKENS}", *pinned,
+        after=lambda job: _interrupt_the_pool(job.fleet.rollout, tokenizer))
     if cores is not None:
         engine, *ranks = infos
         assert engine.cpu_cores == cores[0] and [r.cpu_cores for r in ranks] == [cores[1]] * 2
@@ -116,3 +135,40 @@ def test_async_partial_loop_trains_every_prompt_once_within_max_staleness(tiny_m
     assert all(0 <= r["policy_version"] - 1 - v <= 1 for r in rows for v in r["sample_versions"]), rows
     assert sorted(p for r in rows for p in r["prompts"]) == [0, 1, 2, 3, 4, 5]  # one epoch, each prompt once
 
+    _check_interrupted_pool(*interrupted_pool)
+
+
+def _interrupt_the_pool(pool, tokenizer) -> tuple:
+    """On the finished async job's rollout pool (engines at policy version 3): a generate call interrupted after
+    0.5 s from another thread, a call of an epoch interrupted already, and the interrupted groups continued.
+    Returns (interrupted groups and stats, the early call's groups and stats, the continued groups, seconds)."""
+    requests = [GroupRequest(i, tokenizer.encode(f"Question {i}: what is {i} + 1?"), group_size=4, seed=7 + i)
+                for i in range(2)]
+    box = {}
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=lambda: box.update(r=pool.generate(requests, interrupt_epoch=EPOCH)))
+    worker.start()
+    time.sleep(0.5)
+    pool.interrupt(EPOCH)
+    worker.join(300)
+    seconds = time.perf_counter() - t0
+    groups, stats = box["r"]
+    early = pool.generate(requests, interrupt_epoch=EPOCH)  # this epoch is interrupted already
+    resumed, _ = pool.generate([replace(r, resume_from=g) for r, g in zip(requests, groups)])
+    return groups, stats, early, resumed, seconds
+
+
+def _check_interrupted_pool(groups, stats, early, resumed, seconds) -> None:
+    reasons = [reason for g in groups for reason in g.finish_reasons]
+    assert "interrupted" in reasons, (reasons, seconds)
+    lengths = [len(ids) for g in groups for ids in g.response_ids]
+    assert stats.tokens == sum(lengths) and all(n < MAX_TOKENS for n in lengths), lengths
+    assert all(not g.complete and g.policy_version == 3 for g in groups)
+    early_groups, early_stats = early
+    assert early_stats.tokens == 0 and all(not g.complete for g in early_groups)
+    assert all(g.complete for g in resumed)
+    for before, after in zip(groups, resumed):
+        for i, (done, ids) in enumerate(zip(before.response_ids, after.response_ids)):
+            assert ids[:len(done)] == done
+            if before.finish_reasons[i] == "interrupted":
+                assert len(ids) > len(done) and after.token_versions[i] == [3] * len(ids)

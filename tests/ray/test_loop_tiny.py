@@ -3,8 +3,8 @@ sync, metrics.jsonl, Prometheus endpoint, final HF checkpoint; with the tiny ran
 
 The checks below read the session's reference run (``reference_run``, tests/ray/conftest.py: the tiny job of
 tests/reference_job.py, 3 steps, scored by the ``parity`` test reward), which the fixed-seed golden test and the
-fault-injection tests share; one more run samples with every sampling filter on
-(:func:`test_sampling_filters_keep_engine_and_trainer_logprobs_equal`).
+fault-injection tests share. Sampling filters (top_p, top_k, min_p, temperature) are checked on the LoRA run
+(tests/ray/test_lora_loop.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import json
 import pytest
 import torch
 
-from tests.job_runs import stopped_after
-from tests.reference_job import reference_spec, six_prompts
 
 CONTRACT_KEYS = [
     "step", "policy_version", "reward/mean", "reward/accuracy", "reward/format", "response_length/mean",
@@ -108,29 +106,3 @@ def test_per_engine_figures_in_workers_jsonl(reference_run):
         assert r["rollout/queue_depth"] == 2.0  # B = 2 groups, one engine
         assert r["perf/rollout_tokens_per_s"] > 0 and r["rollout/engine_busy_s"] > 0
         assert 0.0 < r["rollout/kv_cache_usage"] <= 1.0
-
-
-def test_sampling_filters_keep_engine_and_trainer_logprobs_equal(tiny_model_dir, gsm8k_train_path,
-                                                                 parity_registered, local_ray, tmp_path_factory):
-    """Identical weights, top_p 0.9, top_k 20, min_p 0.05 and temperature 0.8, truncated IS on: the trainer's logprobs
-    (policy, old policy and reference, under the same filters) equal the engine's processed logprobs, so every TIS
-    weight is 1 and ``rollout/logprob_diff`` is at the unfiltered level (the reference run's). With the trainer
-    ignoring the filters, the diff was 0.097 and the weights ≈ 0.907 for top_p 0.9 alone (a random model spreads its
-    mass: top-p removes ≈ 10 % of it). (Formerly two runs, top_p alone and the four filters together: the four
-    include top_p 0.9 with tis_cap 2.0.)"""
-    from cluster.ray_shell.runtime import build_job
-
-    filters = ["rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05", "rollout.temperature=0.8"]
-    base = tmp_path_factory.mktemp("tiny_filtered")
-    spec = reference_spec(tiny_model_dir, six_prompts(gsm8k_train_path, base), base / "out", *filters,
-                          "algorithm.tis_cap=2.0", "total_steps=2", "metrics.port=null",
-                          "checkpoint.save_final=false", "name=tiny_filtered")
-    assert spec.rollout.top_p == 0.9 and spec.algorithm.tis_cap == 2.0
-    with stopped_after(build_job(spec, progress=False)) as job:
-        history = job.run()
-    assert [m["policy_version"] for m in history] == [1, 2]
-    assert all(m["actor/update_skipped"] == 0.0 for m in history)
-    diffs = [m["rollout/logprob_diff"] for m in history]
-    weights = [m["actor/tis_weight_mean"] for m in history]
-    assert all(d < 2e-5 for d in diffs), diffs
-    assert all(w == pytest.approx(1.0, abs=2e-5) for w in weights), weights

@@ -6,11 +6,12 @@ The head node advertises ``train_node`` and holds the driver and the 2 FSDP2 ran
 With ``sync.mode: auto`` the weight sync must choose the cross-node transport (broadcast), because the engine
 reports another Ray node id than train rank 0, even though both nodes share one IP address and /dev/shm here.
 
-Both tests then remove the rollout node before step 2 (its raylet and workers killed, as when a machine is lost):
-  - with a replacement node joining (as a restarted pod would), the engine is replaced there, synced and verified,
-    and the job finishes (the same test first checks the placement above and that step 1 synced by broadcast);
-  - with ``rollout.max_engine_restarts: 0``, the job stops with ``EngineFailure`` naming the engine and its dead
+One job then loses the rollout node twice (its raylet and workers killed, as when a machine is lost):
+  - before step 2, with a replacement node joining (as a restarted pod would): the engine is replaced there, synced
+    and verified, and steps 2-3 run;
+  - before step 4, with no node to replace it: the job stops with ``EngineFailure`` naming the engine and its dead
     node — within a bounded time, never a hang.
+(Formerly two tests, each with a job of its own.)
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import psutil
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
-#: Wall-time bound of one job in this file (engine start ≈ 30-60 s on 2 loaded cores, a step a few seconds).
-JOB_WALL_S = 300
+#: Wall-time bound of the job in this file after its start: a replacement engine start (≈ 30-60 s on 2 loaded cores),
+#: the 45 s wait for room that finds none, steps of a few seconds.
+JOB_WALL_S = 360
 _NODE = dict(num_cpus=1, object_store_memory=80 * 2**20)
 
 
@@ -130,12 +132,11 @@ def _reap(procs: list[psutil.Process]) -> list[int]:
     return [p.pid for p in alive]
 
 
-def _run_bounded(job) -> dict:
-    """Run ``job`` to its end, then stop its workers; returns the wall seconds and, read before the pools are shut
-    down, the engines' and train ranks' start-up reports, the replacement count and the sync transport. Fails when
-    the job took longer than :data:`JOB_WALL_S`."""
+def _run_bounded(job, seen: dict) -> None:
+    """Run ``job`` to its end (or its error), then stop its workers; ``seen`` gets the wall seconds and, read before
+    the pools are shut down, the engines' and train ranks' start-up reports, the replacement count and the sync
+    transport. Fails when the job took longer than :data:`JOB_WALL_S`."""
     t0 = time.monotonic()
-    seen: dict = {}
     try:
         job.run()
     finally:
@@ -147,7 +148,6 @@ def _run_bounded(job) -> dict:
         job.close()
         job.shutdown()
     assert seen["seconds"] < JOB_WALL_S, f"job took {seen['seconds']:.0f} s"
-    return seen
 
 
 def _check_synced_across_nodes(history: list[dict]) -> None:
@@ -172,6 +172,7 @@ def lose_rollout_node(two_nodes, removed: dict, then=None):
         except psutil.NoSuchProcess:
             removed["procs"] = []
         removed["node"] = two_nodes.remove_rollout_node()
+        removed["at"] = time.monotonic()
         removed["killed"] = _reap(removed["procs"])
         if then is not None:
             then(fleet)
@@ -188,71 +189,61 @@ def _job(spec, faults):
     return GRPOJob(spec, fleet=FaultyFleet(spec, faults), trainer=RayTrainer(spec), progress=False)
 
 
-def test_pools_on_two_nodes_sync_by_broadcast_and_a_lost_rollout_node_is_replaced(two_nodes, make_spec, capsys):
+def test_pools_on_two_nodes_sync_by_broadcast_and_lost_rollout_nodes_are_replaced_then_named(two_nodes, make_spec,
+                                                                                              capsys):
     """Step 1 runs with the pools on their two nodes (engine on the rollout node, both train ranks on the train node,
     ``auto`` choosing broadcast); the rollout node is lost before step 2 and a new one joins: the engine is replaced
-    there and steps 2-3 run. Every step's sync is verified and its engine logprobs match the trainer's."""
-    spec = make_spec("node_replaced", "total_steps=3")
-    removed: dict = {}
-    job = _job(spec, {2: lose_rollout_node(two_nodes, removed, then=lambda fleet: two_nodes.add_rollout_node())})
+    there and steps 2-3 run. Every step's sync is verified and its engine logprobs match the trainer's.
+
+    The rollout node is lost again before step 4 and no node joins: the replacement engine waits
+    ``min(rollout.timeout_s, 120)`` s for room (here 45 s), then the job stops with ``EngineFailure`` naming the
+    engine, its dead node and what is missing. The engines start under the spec's 240 s (a start takes 30-60 s on 2
+    loaded cores); only then does the rollout pool get ``rollout.timeout_s=45``, the wait under test (long enough for
+    Ray's health checks, ≈ 15 s, to mark the node dead, short enough not to spend minutes waiting)."""
+    from cluster.ray_shell.pools import EngineFailure
+
+    spec = make_spec("nodes_lost", "total_steps=4")
+    short = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
+    first, second, seen = {}, {}, {}
+
+    def node_joins(fleet) -> None:
+        first["new_node"] = two_nodes.add_rollout_node().node_id
+
+    def no_node_joins(fleet) -> None:
+        fleet.rollout.spec = short  # the rollout pool's own copy: its engines started under the spec's 240 s
+        lose_rollout_node(two_nodes, second)(fleet)
+
+    job = _job(spec, {2: lose_rollout_node(two_nodes, first, then=node_joins), 4: no_node_joins})
     job.start()
     engine_node, train_nodes, first_transport = (job.fleet.rollout.infos[0].node_id,
                                                  [i.node_id for i in job.trainer.pool.infos], job.fleet.sync.transport)
     nodes = {"rollout": two_nodes.node_with("rollout_node"), "train": two_nodes.node_with("train_node")}
     try:
-        seen = _run_bounded(job)
+        with pytest.raises(EngineFailure) as info:
+            _run_bounded(job, seen)
     finally:
-        leftovers = _reap(removed.get("procs", []))
+        leftovers = _reap(first.get("procs", []) + second.get("procs", []))
+    waited = time.monotonic() - second["at"]
     messages = capsys.readouterr().err.splitlines()
     assert engine_node == nodes["rollout"] != nodes["train"] and train_nodes == [nodes["train"]] * 2
     assert first_transport == "broadcast"  # auto: the engine is on another node than train rank 0
-    assert removed["node"], "the rollout node was never removed"
-    new_node = two_nodes.node_with("rollout_node")
-    assert new_node[:8] not in removed["node"] and seen["restarts"] == 1
+    assert first["node"] and second["node"], "the rollout node was not removed twice"
+    new_node = first["new_node"]
+    assert new_node[:8] not in first["node"] and seen["restarts"] == 1
     assert seen["infos"][0].node_id == new_node and seen["transport"] == "broadcast"
     lost = [m for m in messages if "rollout engine(s) [0] failed" in m]
-    assert lost and f"engine 0 on {removed['node']}" in lost[0], messages
+    assert lost and f"engine 0 on {first['node']}" in lost[0], messages
     history = [job.completed[s] for s in sorted(job.completed)]
     assert [m["policy_version"] for m in history] == [1, 2, 3]
     assert [m["workers/restarts"] for m in history] == [0, 1, 1]
     _check_synced_across_nodes(history)
-    print(f"\nnode lost at step 2 and replaced: job {seen['seconds']:.0f} s, step 2 "
-          f"{history[1]['timing/step_s']:.0f} s; {lost[0]}; engine processes left: {leftovers}")
-
-
-def test_lost_rollout_node_without_a_replacement_stops_naming_it(two_nodes, make_spec):
-    """No node joins to replace the lost one: the replacement engine waits ``min(rollout.timeout_s, 120)`` s for
-    room (here 45 s), then the job stops with ``EngineFailure`` naming the engine, its dead node and what is missing.
-
-    The engine starts under the spec's 240 s (a start takes 30-60 s on 2 loaded cores); only then does the rollout
-    pool get ``rollout.timeout_s=45``, the wait under test (long enough for Ray's health checks, ≈ 15 s, to mark the
-    node dead, short enough not to spend minutes waiting)."""
-    from cluster.ray_shell.pools import EngineFailure
-
-    if two_nodes.rollout_node is None:
-        two_nodes.add_rollout_node()
-    spec = make_spec("node_lost", "total_steps=2")
-    short = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
-    removed: dict = {}
-
-    def shorten_the_wait(fleet) -> None:
-        fleet.rollout.spec = short  # the rollout pool's own copy: the engine started under the spec's 240 s
-
-    job = _job(spec, {1: shorten_the_wait, 2: lose_rollout_node(two_nodes, removed)})
-    job.start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(EngineFailure) as info:
-            _run_bounded(job)
-    finally:
-        leftovers = _reap(removed.get("procs", []))
-    elapsed = time.monotonic() - t0
     text = str(info.value)
     # read after the 45 s wait: by then Ray's health checks have marked the node dead
-    assert text.startswith("rollout engine 0 failed (") and f"engine 0 on {removed['node']}node dead))" in text, text
-    assert "no replacement could be placed: tiny_cpu-rollout-1: placement group [{'CPU': 1.0, 'rollout_node': 1.0}] " \
+    assert text.startswith("rollout engine 0 failed (") and f"engine 0 on {second['node']}node dead))" in text, text
+    assert "no replacement could be placed: tiny_cpu-rollout-2: placement group [{'CPU': 1.0, 'rollout_node': 1.0}] " \
            "(strategy STRICT_PACK) could not be placed within 45 s; available now: " in text, text
-    assert "rollout_node 0" in text and job.step == 2, text
-    assert 45 <= elapsed < JOB_WALL_S
-    print(f"\nnode lost at step 2, no node to replace it: error after {elapsed:.0f} s: {text}; engine processes "
-          f"left: {leftovers}")
+    assert "rollout_node 0" in text and job.step == 4, text
+    assert 45 <= waited < JOB_WALL_S
+    print(f"\nnode lost at step 2 and replaced: job {seen['seconds']:.0f} s in all, step 2 "
+          f"{history[1]['timing/step_s']:.0f} s; {lost[0]}; node lost at step 4, none to replace it: error after "
+          f"{waited:.0f} s: {text}; engine processes left: {leftovers}")

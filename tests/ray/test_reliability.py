@@ -4,11 +4,10 @@ The session's reference run (``reference_run``: the uninterrupted tiny job of te
 six prompts) is the reference. Every faulty run below is the same job with a fault injected from the test
 (tests/faults.py, tests/ray_faults.py) and must log the same per-step figures and train the same prompts, step by
 step — nothing lost, nothing repeated:
-  - a train rank crashes at step 2, with ``restart_on_failure: 1``: the job restarts from the step-1 checkpoint;
-    another crashes at step 3 of the restarted job, with the restart used up: the job stops naming the rank;
-    ``--resume`` (``resume=True``) finishes it;
-  - a rollout engine killed at step 2 is replaced, synced and its groups sampled again; killed again at step 4, past
-    ``rollout.max_engine_restarts: 1``, the job stops with ``EngineFailure``.
+  - a rollout engine killed before step 1 is replaced, synced and its groups sampled again; a train rank crashes at
+    step 2, with ``restart_on_failure: 1``: the job restarts from the step-1 checkpoint; another crashes at step 3 of
+    the restarted job, with the restart used up: the job stops naming the rank; ``--resume`` (``resume=True``)
+    finishes it.
 
 What the loop does with a half-written checkpoint, ``keep_last`` and non-finite updates needs no Ray: those checks
 are in tests/in_process.
@@ -72,16 +71,25 @@ def test_reference_run_trains_every_prompt_once(reference_run):
     assert sorted(p for step in prompts for p in step) == [0, 1, 2, 3, 4, 5]  # three steps: one epoch
 
 
-def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec, reference_run, local_ray, tmp_path,
-                                                                      capsys):
-    """``restart_on_failure: 1``. Rank 1 crashes at step 2: the job restarts from the step-1 checkpoint. Rank 0
-    crashes at step 3 of the restarted job: the restart is used up, so the job stops with ``TrainWorkerFailure``
-    naming the rank (as without restarts); ``--resume`` (``resume=True``) from step 2 finishes it. The run matches
-    the reference step by step. The crashing ranks are a train backend registered under a test name
-    (:func:`tests.faults.crashing_backend`), so the restarted jobs, built by the restart loop itself, get it too."""
+def test_engine_and_train_rank_failures_are_replaced_restarted_stopped_and_resumed(make_spec, reference_run, local_ray,
+                                                                                   tmp_path, capsys):
+    """``restart_on_failure: 1``. Engine 0 is killed before step 1 samples: it is replaced, synced and step 1's groups
+    are sampled again with their own seeds (the step equals the reference's). Rank 1 crashes at step 2: the job
+    restarts from the step-1 checkpoint. Rank 0 crashes at step 3 of the restarted job: the restart is used up, so
+    the job stops with ``TrainWorkerFailure`` naming the rank (as without restarts); ``--resume`` (``resume=True``)
+    from step 2 finishes it. The run matches the reference step by step.
+
+    The engine is killed by the first job's fleet (:class:`tests.ray_faults.FaultyFleet`, given to the restart loop
+    as ``first_job``); the crashing ranks are a train backend registered under a test name
+    (:func:`tests.faults.crashing_backend`), so the restarted jobs, which the restart loop builds itself, get it too.
+    (Formerly test_restart_on_failure_resumes_exactly, test_train_failure_names_rank_then_resume and
+    test_engine_killed_is_replaced_and_resampled, three jobs; the restart bound of engines is checked with fake
+    engines in test_rollout_pool_dispatch.py.)"""
+    from cluster.driver import GRPOJob
     from cluster.ray_shell.pools import TrainWorkerFailure
     from cluster.ray_shell.restarts import run_with_restarts
     from cluster.ray_shell.runtime import build_job
+    from cluster.ray_shell.train_pool import RayTrainer
     from train_workers.registry import TRAIN_BACKENDS, register_train_backend
 
     markers = tmp_path / "crashes"
@@ -91,41 +99,24 @@ def test_train_failures_restart_then_stop_naming_the_rank_then_resume(make_spec,
                             lambda: register_train_backend("fsdp_crashing", backend)):
         spec = make_spec("restart", "train.strategy=fsdp_crashing", "restart_on_failure=1",
                          "checkpoint.every_steps=1")
+        fleet = FaultyFleet(spec, {1: kill_engine(0)})
+        first = GRPOJob(spec, fleet=fleet, trainer=RayTrainer(spec), progress=False)
         with pytest.raises(TrainWorkerFailure, match="train rank 0 failed during train step"):
-            run_with_restarts(spec, progress=False)
+            run_with_restarts(spec, progress=False, first_job=first)
         messages = capsys.readouterr().err
-        assert crashed(markers) == [(2, 1), (3, 0)]
+        assert fleet.faults == {} and crashed(markers) == [(2, 1), (3, 0)]
+        replaced = [line for line in messages.splitlines() if "rollout engine(s) [0] failed" in line]
+        assert len(replaced) == 1 and "replacing and re-sampling 2 group(s)" in replaced[0], messages
         restarted = [line for line in messages.splitlines() if "restarting from the latest checkpoint" in line]
         assert len(restarted) == 1 and "train rank 1" in restarted[0], messages
         root = Path(spec.output_dir) / "checkpoints"
         assert f"ready from {root / 'step_000001'} (step 1, policy version 1)" in messages, messages
         assert (root / "step_000002").is_dir() and not (root / "step_000003").exists()
-        _assert_same_run(spec, reference_run, steps=2)  # the automatic restart's step 2 (step 3 failed: not logged)
+        rows = _metrics(spec.output_dir)
+        assert rows[0]["workers/restarts"] == 1 and all(r["sync/verified"] for r in rows)
+        _assert_same_run(spec, reference_run, steps=2)  # step 1 re-sampled; the restart's step 2 (3 failed)
         with stopped_after(build_job(spec, progress=False, resume=True)) as resumed:
             assert resumed.step == 2 and resumed.policy_version == 2
             resumed.run()
     assert crashed(markers) == [(2, 1), (3, 0)]  # each planned crash once
     _assert_same_run(spec, reference_run)  # the manual resume's step 3
-
-
-def test_engine_killed_is_replaced_and_resampled_then_the_restart_bound_stops_the_job(make_spec, reference_run,
-                                                                                      local_ray):
-    """Engine 0 killed before step 2 samples: replaced, synced, and step 2's groups sampled again with their own
-    seeds, so steps 1-3 equal the reference's. Killed again before step 4: a second replacement would pass
-    ``rollout.max_engine_restarts: 1``, so the job stops with ``EngineFailure`` naming the bound. (Formerly
-    test_engine_killed_is_replaced_and_resampled and test_engine_failures_beyond_bound_stop_the_job, each with a job
-    of its own; ``total_steps: 4`` changes none of steps 1-3.)"""
-    from cluster.driver import GRPOJob
-    from cluster.ray_shell.pools import EngineFailure
-    from cluster.ray_shell.train_pool import RayTrainer
-
-    spec = make_spec("engine_kill", "total_steps=4", "rollout.max_engine_restarts=1")
-    fleet = FaultyFleet(spec, {2: kill_engine(0), 4: kill_engine(0)})
-    with stopped_after(GRPOJob(spec, fleet=fleet, trainer=RayTrainer(spec), progress=False)) as job:
-        with pytest.raises(EngineFailure, match=r"1 replacement\(s\) already made and rollout.max_engine_restarts=1"):
-            job.run()
-        assert fleet.restarts == 1 and job.step == 4
-    rows = _metrics(spec.output_dir)
-    assert [r["workers/restarts"] for r in rows] == [0, 1, 1]
-    assert all(r["sync/verified"] for r in rows)
-    _assert_same_run(spec, reference_run)

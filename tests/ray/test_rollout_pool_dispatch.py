@@ -1,6 +1,7 @@
 """``RolloutPool.generate`` on a local Ray cluster with fake engine actors (no vLLM): load-based dispatch of whole
 groups, results in request order, ``on_groups`` called per engine as each finishes (fast engine first), the
-``engine_idle_fraction`` formula, and the timeout.
+``engine_idle_fraction`` formula, and the timeout; and the fleet over such a pool (``EngineFleet``): an engine that
+dies past ``rollout.max_engine_restarts`` stops it with ``EngineFailure``.
 
 A fake engine sleeps a fixed number of seconds per call and reports them as its busy seconds, so the expected idle
 fraction is 1 − Σ sleeps / (num_engines × wall seconds).
@@ -46,11 +47,13 @@ def fake_engine_class():
     return FakeEngine
 
 
-def make_pool(ray, delays: list[float], timeout_s: float = 60.0) -> RolloutPool:
+def make_pool(ray, delays: list[float], timeout_s: float = 60.0, max_engine_restarts: int = 3) -> RolloutPool:
     """A RolloutPool whose engines are fake actors (``__init__`` would start vLLM engines)."""
     pool = RolloutPool.__new__(RolloutPool)
     pool.spec = SimpleNamespace(rollout=SimpleNamespace(group_size=2, max_response_tokens=MAX_RESPONSE_TOKENS,
-                                                        timeout_s=timeout_s))
+                                                        timeout_s=timeout_s, max_engine_restarts=max_engine_restarts,
+                                                        max_staleness=0))
+    pool.infos, pool.restarts = [], 0
     actor = ray.remote(num_cpus=0)(fake_engine_class())
     pool.engines = [actor.remote(f"engine{k}", d) for k, d in enumerate(delays)]
     ray.get([e.ready.remote() for e in pool.engines], timeout=60)  # started: timings below exclude actor start-up
@@ -110,3 +113,22 @@ def test_timeout_names_the_operation(local_ray):
     pool = make_pool(local_ray, [3.0, 0.1], timeout_s=0.8)
     with pytest.raises(WorkerTimeout, match=r"generating 5 groups did not finish within 0.8 s \(1 engine call"):
         pool.generate(requests())
+
+
+def test_engine_failures_beyond_the_restart_bound_stop_the_fleet(local_ray):
+    """An engine dies with ``rollout.max_engine_restarts: 0``: the fleet's generate finds it dead and, with no
+    replacement allowed, stops with ``EngineFailure`` naming the engine and the bound (the loop lets it end the job).
+    (Formerly a whole job in test_reliability.py; the replacement itself, with a real engine, is checked there.)"""
+    from cluster.ray_shell.fleet import EngineFleet
+    from cluster.ray_shell.pools import EngineFailure
+    from contract.versions import PolicyVersionLedger
+
+    pool = make_pool(local_ray, [0.1], max_engine_restarts=0)
+    messages: list[str] = []
+    fleet = EngineFleet(pool.spec)
+    fleet.attach(pool, None, PolicyVersionLedger(), messages.append)
+    local_ray.kill(pool.engines[0], no_restart=True)
+    with pytest.raises(EngineFailure, match=r"rollout engine\(s\) \[0\] failed .*0 replacement\(s\) already made and "
+                                            r"rollout.max_engine_restarts=0: stopping"):
+        fleet.generate(requests())
+    assert pool.restarts == 0 and fleet.restarts == 0
