@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 from tests.tier_guard import EmptyTiersReport, check_tiers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,15 +107,8 @@ def gsm8k_train_path() -> Path:
     return path
 
 
-def parity_reward(completions: list[str], references: list[str]) -> list[float]:
-    """1.0 for a completion with an even number of characters, else 0.0 (a random tiny model never solves GSM8K;
-    parity gives its groups unequal rewards, so a learning signal). ``tests/parity_reward.py`` registers the same
-    function on import (for submitted jobs); :func:`parity_registered` only while a module needs it."""
-    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
-
-
 @pytest.fixture(scope="module")
 def parity_registered():
-    """Register the test reward ``parity`` unless it is there; removed again after the module when this fixture
-    added it, so the rest of the session sees the builtin registry."""
+    """Register the test reward ``parity`` (:func:`tests.registered.parity_reward`) unless it is there; removed again
+    after the module when this fixture added it, so the rest of the session sees the builtin registry."""
     yield from temporarily_registered("parity", parity_reward)

@@ -8,8 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.conftest import parity_reward
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 
 
 @pytest.fixture(scope="module")
