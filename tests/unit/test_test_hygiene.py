@@ -227,3 +227,15 @@ def test_cost_markers_by_folder(path, name, expected):
     from tests.conftest import cost_markers
 
     assert cost_markers(TESTS / path, name) == expected
+
+
+def test_test_modules_have_unique_names():
+    """The tier folders are not packages, so pytest imports each test module by its file name: two modules of one name
+    in two tiers stop a run over the whole suite at collection ("import file mismatch")."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(TESTS)} and {path.relative_to(TESTS)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "test modules with the same file name: " + "; ".join(clashes)
