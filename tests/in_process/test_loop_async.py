@@ -33,7 +33,7 @@ class SlowProducerFleet(LocalFleet):
     """A :class:`LocalFleet` whose overlapped (interruptible) calls pause ``delay_s`` before every token step, so that
     a producer call outlasts the train step it overlaps."""
 
-    delay_s = 0.05
+    delay_s = 0.08
 
     def interrupted(self, interrupt_epoch: int | None) -> bool:
         if interrupt_epoch is not None:

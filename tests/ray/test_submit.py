@@ -115,7 +115,7 @@ def _trained_lines(path: Path) -> list[dict]:
 
 def test_submitted_job_is_followed_scraped_and_scaled_1_2_1(head, client, tiny_model_dir, gsm8k_train_path,
                                                            tmp_path):
-    out, port, steps, prompts_per_step = tmp_path / "out", free_port(), 60, 2  # tiny steps take ≈ 0.5–1 s
+    out, port, steps, prompts_per_step = tmp_path / "out", free_port(), 40, 2  # tiny steps take ≈ 0.5–1 s
     submitted = cli("submit", EXAMPLE, "--set", f"model.path={tiny_model_dir}", "--set", f"output_dir={out}",
                     "--set", PARITY, "--set", f"metrics.port={port}", "--set", f"total_steps={steps}",
                     "--set", f"rollout.prompts_per_step={prompts_per_step}", "--import", "tests.parity_reward",
