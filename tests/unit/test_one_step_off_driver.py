@@ -2,7 +2,7 @@
 with the version the last sync gave them, one version per train step). Checks the driver's wiring of the schedule:
 staleness 0 then 1, the next batch generated in the worker thread while the step trains, the audit in
 ``trained_prompts.jsonl``, the checkpoint's data position of the trained batches only, and the resume that draws the
-in-flight prompts again (none lost, none trained twice). ``tests/ray/test_one_step_off_loop.py`` runs the real loop."""
+in-flight prompts again (none lost, none trained twice). ``tests/ray/test_loop_modes.py`` runs the real loop."""
 
 from __future__ import annotations
 
