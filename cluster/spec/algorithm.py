@@ -3,8 +3,8 @@
 Every option maps to a pure function in ``grpo/`` (formulas and sources in the README's "Algorithm" section and in
 those functions' docstrings). Checks that involve other sections (``rollout.max_response_tokens``,
 ``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs. The fields that select a
-registered variant (``advantage_estimator``, ``loss_agg``, ``kl_estimator``, ``tis_level``, ``mis.level``) are
-checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
+registered variant (``advantage_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``, ``tis_level``,
+``mis.level``) are checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
 
-from cluster.spec.variants import ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, TIS_LEVEL
+from cluster.spec.variants import (ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, POLICY_LOSS,
+                                   TIS_LEVEL)
 
 __all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec", "algorithm_conflicts", "reward_names"]
 
@@ -82,6 +83,11 @@ class AlgorithmSpec(BaseModel):
     adv_eps: float = Field(1e-6, strict=True, gt=0, description="Added to the group std before dividing (grpo).")
     adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
     # ---- policy loss
+    policy_loss: Annotated[str, POLICY_LOSS.validator] = Field("ppo", strict=True, description=POLICY_LOSS.describe(
+        "The policy-gradient term (formulas in grpo.policy_losses)", "ppo (token-level clipped surrogate), gspo "
+        "(GSPO: the sequence's geometric-mean ratio, clipped per sequence; needs one advantage per sequence), "
+        "gspo_token (GSPO-token: equal to gspo with per-sequence advantages, also takes kl_in_reward's per-token "
+        "ones), cispo (CISPO: clipped, stop-gradient importance weight times the logprob; no dual_clip_c)"))
     loss_agg: Annotated[str, LOSS_AGGREGATION.validator] = Field(
         "seq-mean-token-mean", strict=True, description=LOSS_AGGREGATION.describe(
             "How per-token losses are reduced to one scalar", "token-mean, seq-mean-token-mean, "
@@ -184,6 +190,22 @@ class AlgorithmSpec(BaseModel):
         if self.tis_level != "token" and self.tis_cap is None:
             raise FieldConflict("algorithm.tis_level", (
                 f"tis_level={self.tis_level!r} needs algorithm.tis_cap (the truncation cap), got null"))
+        return self
+
+    @model_validator(mode="after")
+    def _policy_loss_combinations(self) -> AlgorithmSpec:
+        from grpo.policy_losses import sequence_advantages, supports_dual_clip
+
+        if self.kl_in_reward and sequence_advantages(self.policy_loss):
+            raise FieldConflict("algorithm.policy_loss", (
+                f"policy_loss={self.policy_loss!r} needs one advantage per sequence, but algorithm.kl_in_reward=true "
+                f"makes them per token; expected policy_loss 'gspo_token' (GSPO-token takes per-token advantages) or "
+                f"kl_in_reward false"))
+        if self.dual_clip_c is not None and not supports_dual_clip(self.policy_loss):
+            raise FieldConflict("algorithm.dual_clip_c", (
+                f"dual_clip_c={self.dual_clip_c!r} bounds a clipped surrogate's loss, and policy_loss="
+                f"{self.policy_loss!r} has none (its clipped weight is bounded already); expected dual_clip_c null "
+                f"with policy_loss {self.policy_loss!r}"))
         return self
 
     @model_validator(mode="after")
