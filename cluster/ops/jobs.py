@@ -263,7 +263,7 @@ def _job_id_for(name: str) -> str:
 
 def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] = (), pip: Sequence[str] = (),
                 env: Mapping[str, str] = {}, working_dir: str | Path | None = None,
-                submission_id: str | None = None, source: str = "") -> str:
+                submission_id: str | None = None, source: str = "", extra_files: Mapping[str, str] = {}) -> str:
     """Submit a validated JobSpec as a Ray job; returns the submission id.
 
     Args:
@@ -279,6 +279,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
         working_dir: folder to upload instead of the project root.
         submission_id: the job id to use (default ``<spec name>-<8 hex>``).
         source: where the spec came from (stored in the metadata, shown by ``status``).
+        extra_files: files added to the working dir (relative path → text): the spec's reward files
+            (:func:`cluster.ops.reward_files.reward_files`).
     Raises JobsError when the upload is too big or the server refuses the job (e.g. a duplicate id).
     """
     from cluster.spec import spec_to_yaml
@@ -292,7 +294,8 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
         runtime_env["pip"] = list(pip)
     metadata = {"job_name": spec.name, METADATA_SPEC: spec.model_dump_json(), "grpo_cluster_spec_source": source}
     with tempfile.TemporaryDirectory(prefix="grpo-submit-") as tmp:
-        runtime_env["working_dir"] = str(stage_working_dir(root, Path(tmp) / "job", {SPEC_FILE: spec_to_yaml(spec)}))
+        files = {**extra_files, SPEC_FILE: spec_to_yaml(spec)}
+        runtime_env["working_dir"] = str(stage_working_dir(root, Path(tmp) / "job", files))
         try:
             with _quiet_upload():
                 return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, metadata=metadata,
