@@ -344,13 +344,13 @@ def linear_logprobs(
     """Logprobs of ``targets`` (and entropies) under softmax((hidden Wᵀ + b) / τ), without materialising [M, V].
 
     Equal, within float32 rounding, to ``logprobs_from_logits(linear(hidden, weight, bias), targets, τ, top_k=...,
-    top_p=..., min_p=...)`` and ``entropy_from_logits`` of the same (filtered) logits, in value and in gradient
-    (w.r.t. ``hidden``, ``weight``, ``bias``), for both outputs. With filters set, the distribution is the one the engine sampled
-    from (module docstring) and the entropy is that distribution's; the filters cost a sort of each chunk's logits
-    (top-p) or a top-k, in the forward and again in a recomputing backward, and top-p's sort (values + int64
-    indices) transiently needs about 5× the chunk's float32 logits (measured on 2 CPU threads, M = 256, V = 49152,
-    H = 576, forward + backward: ≈ 0.6 s unfiltered, ≈ +0.5 s with top-p, ≈ +0.1 s with top-k or min-p). Without
-    filters the path is unchanged.
+    top_p=..., min_p=...)`` and ``entropy_from_logits`` of the same (filtered) logits, in value and in gradient (w.r.t.
+    ``hidden``, ``weight``, ``bias``), for both outputs. With filters set, the distribution is the one the engine
+    sampled from (module docstring) and the entropy is that distribution's; the filters cost a sort of each chunk's
+    logits (top-p) or a top-k, in the forward and again in a recomputing backward, and top-p's sort (values + int64
+    indices) transiently needs about 5× the chunk's float32 logits (measured on 2 CPU threads, M = 256, V = 49152, H =
+    576, forward + backward: ≈ 0.6 s unfiltered, ≈ +0.5 s with top-p, ≈ +0.1 s with top-k or min-p). Without filters the
+    path is unchanged.
 
     Args:
         hidden: [M, H] float, the final hidden states at the M positions that predict ``targets``.

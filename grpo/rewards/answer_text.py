@@ -11,8 +11,8 @@ The kinds and the rule for each (every member is enumerated by ``tests/unit/test
   "10–3" and "pages 3–5" are a range or a difference, never -3. The em dash U+2014 is punctuation, never a sign.
 - **Currency prefixes** (:data:`CURRENCY_SYMBOLS`, :data:`CURRENCY_CODES`, :data:`LATEX_CURRENCY`): every Unicode
   currency symbol (category Sc: $ € £ ¥ ₹ ₩ ₽ ¢ ...), a dollar with a country prefix (US$, C$, A$, HK$, R$, ...),
-  the codes USD EUR GBP JPY CNY INR CAD AUD CHF Rs Rs. ("Rs.5" is Rs. 5), and the LaTeX macros \\$ \\euro \\texteuro \\pounds
-  \\textsterling \\yen \\textyen \\textdollar \\textcent, written before a number, are not part of it and are
+  the codes USD EUR GBP JPY CNY INR CAD AUD CHF Rs Rs. ("Rs.5" is Rs. 5), and the LaTeX macros \\$ \\euro \\texteuro
+  \\pounds \\textsterling \\yen \\textyen \\textdollar \\textcent, written before a number, are not part of it and are
   dropped: "$5", "€ 5", "USD 5", "Rs.5" are 5. A sign touching the prefix is the number's: "-$5", "−€5", "–£5",
   "-US$5", "-USD 5", "+$5" are -5, -5, -5, -5, -5, 5; so is a sign after the prefix ("$-5", "€ −5"). A sign glued
   to a preceding digit is subtraction ("10-$5" is 10 then 5), and a sign separated from the prefix by a space is no

@@ -3,11 +3,11 @@ or on 2 gloo data-parallel ranks, give the same loss and the same gradients (wit
 (``algorithm.policy_loss``: ppo, gspo, gspo_token, cispo) and every aggregation.
 
 Model: a tiny linear LM head (features [N, T, H] → logits [N, T, V]) whose weight is the only parameter; the loss is
-``grpo.losses.policy_loss`` with every term on (clip-higher, dual clip but with cispo, which refuses it, k3 KL,
-entropy bonus with gradient, truncated importance weights) and the global token/sequence counts. The proximal
-("old") logprobs differ from the current ones, so the ratios (GSPO's per sequence) clip for some sequences. Data-parallel reduction as in the FSDP2 worker: each rank
-backpropagates world_size × its micro-batch losses and gradients are averaged over ranks (FSDP's reduce-scatter
-average), so the average of the scaled per-rank sums is the full-batch gradient.
+``grpo.losses.policy_loss`` with every term on (clip-higher, dual clip but with cispo, which refuses it, k3 KL, entropy
+bonus with gradient, truncated importance weights) and the global token/sequence counts. The proximal ("old") logprobs
+differ from the current ones, so the ratios (GSPO's per sequence) clip for some sequences. Data-parallel reduction as in
+the FSDP2 worker: each rank backpropagates world_size × its micro-batch losses and gradients are averaged over ranks
+(FSDP's reduce-scatter average), so the average of the scaled per-rank sums is the full-batch gradient.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def loss_of(weight: torch.Tensor, data: dict, rows: list[int], agg: str, mode: s
     tis = truncated_importance_weights(data["old"][idx], data["engine"][idx], mask, cap=1.5)
     loss, _ = policy_loss(
         logp, data["old"][idx], data["adv"][idx], mask, clip_eps_low=0.2, clip_eps_high=0.28,
-        dual_clip_c=3.0 if supports_dual_clip(mode) else None, loss_agg=agg, loss_mode=mode, ref_logprobs=data["ref"][idx], kl_coef=0.05, kl_estimator="k3", entropy=ent,
-        entropy_coef=0.01, tis_weights=tis, num_tokens=int(data["mask"].sum()),
-        num_sequences=int(data["mask"].any(-1).sum()), max_response_tokens=T)
+        dual_clip_c=3.0 if supports_dual_clip(mode) else None, loss_agg=agg, loss_mode=mode,
+        ref_logprobs=data["ref"][idx], kl_coef=0.05, kl_estimator="k3", entropy=ent, entropy_coef=0.01,
+        tis_weights=tis, num_tokens=int(data["mask"].sum()), num_sequences=int(data["mask"].any(-1).sum()),
+        max_response_tokens=T)
     return loss
 
 

@@ -257,7 +257,8 @@ class MegatronResponseLogprobs(nn.Module):
         """Run this rank's stage of the model on ``batch`` (positions 0..S-1 of each row, causal mask).
 
         Returns:
-            on the last pipeline stage (and at pp = 1), ``(logprobs [M] float32, entropy [M] float32 or None)``; on other stages the hidden states [S, R, H] for the next stage (the stage's input comes from
+            on the last pipeline stage (and at pp = 1), ``(logprobs [M] float32, entropy [M] float32 or None)``; on
+            other stages the hidden states [S, R, H] for the next stage (the stage's input comes from
             ``GPTModel.set_input_tensor``, which megatron-core's schedule calls).
         """
         ids = batch.ids
