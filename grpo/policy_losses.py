@@ -37,7 +37,9 @@ already).
 
 Composition with the aggregations: every term is a per-token loss (gspo's ℓ_i at each token of sequence i), so
 every ``algorithm.loss_agg`` applies: ``seq-mean-token-mean`` gives GSPO's 1/G Σ_i ℓ_i; ``token-mean`` weighs each
-sequence by its length (TRL's GSPO with ``loss_type="dapo"``); ``seq-mean-token-sum-norm`` by length / cap.
+sequence by its length (TRL's GSPO with ``loss_type="dapo"``); ``seq-mean-token-sum-norm`` by length / cap. The KL
+penalty and the entropy bonus add to any term per token; truncated IS weights multiply it per token; with
+``algorithm.mis`` the mask is the kept tokens, so gspo's s_i is the geometric mean over a sequence's kept tokens.
 
 The terms are named registries' entries (:data:`POLICY_LOSSES`); ``@register_policy_loss("name")`` adds one, with
 ``sequence_advantages=True`` when it needs one advantage per sequence and ``dual_clip=False`` when it refuses a dual
