@@ -98,6 +98,7 @@ def test_entropy_gradcheck_float64(filters, chunk_size):
 
     def f(h, w):
         lp, ent = linear_logprobs(h, w, targets, 0.9, chunk_size=chunk_size, with_entropy=True, **filters)
+        assert ent.requires_grad  # gradcheck skips an output without a graph
         return lp, ent
 
     assert torch.autograd.gradcheck(f, (hidden, weight), eps=1e-6, atol=1e-6, rtol=1e-5)
