@@ -46,7 +46,7 @@ from cluster.ops.metrics import MetricSinks, MetricsLogger, format_console_line
 from cluster.spec import JobSpec, spec_to_yaml
 from contract.protocols import ControlChannel, Fleet, MetricSink, Trainer
 from contract.versions import PolicyVersionLedger
-from grpo.kl import AdaptiveKLController, FixedKLController
+from grpo.kl import make_kl_controller
 
 
 class GRPOJob:
@@ -100,8 +100,7 @@ class GRPOJob:
         self.scoring = Scoring(alg, spec.rollout.max_response_tokens, model_eos_ids(self.model_path, tokenizer))
         self.group_size = GroupSizeController(spec.rollout.group_size, alg.group_size_schedule, alg.group_size_max,
                                               alg.group_size_rise_threshold)
-        self.kl_controller = (AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon_sequences)
-                              if alg.kl_controller == "adaptive" else FixedKLController(alg.kl_coef))
+        self.kl_controller = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon_sequences)
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
         self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status)

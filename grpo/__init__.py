@@ -30,6 +30,7 @@ from grpo.kl import (
     KLEstimatorName,
     kl_penalty,
     kl_reward_advantages,
+    make_kl_controller,
     register_kl_estimator,
 )
 from grpo.logprobs import entropy_from_logits, logprobs_from_logits
@@ -58,6 +59,7 @@ from grpo.off_policy import (
     staleness_histogram,
 )
 from grpo.monitor import DETECTORS, DetectorName, Monitor, MonitorConfig, Trip
+from grpo.policy_losses import POLICY_LOSSES, PolicyLossName, register_policy_loss
 from grpo.registry import Registry
 from grpo.rewards import (
     REWARD_FUNCTIONS,
@@ -75,6 +77,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "MIS_LEVELS",
+    "POLICY_LOSSES",
     "REWARD_FUNCTIONS",
     "TIS_LEVELS",
     "AccuracyEstimate",
@@ -90,6 +93,7 @@ __all__ = [
     "Monitor",
     "MonitorConfig",
     "OffPolicyLevel",
+    "PolicyLossName",
     "Registry",
     "RewardCombineName",
     "RewardFunctionName",
@@ -111,6 +115,7 @@ __all__ = [
     "importance_weights",
     "kl_penalty",
     "kl_reward_advantages",
+    "make_kl_controller",
     "logprobs_from_logits",
     "masked_fraction",
     "mean_at_k",
@@ -124,6 +129,7 @@ __all__ = [
     "register_kl_estimator",
     "register_loss_aggregation",
     "register_mis_level",
+    "register_policy_loss",
     "register_reward_function",
     "register_tis_level",
     "response_valid_lengths",

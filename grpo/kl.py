@@ -36,6 +36,7 @@ __all__ = [
     "KLEstimatorName",
     "kl_penalty",
     "kl_reward_advantages",
+    "make_kl_controller",
     "register_kl_estimator",
 ]
 
@@ -229,3 +230,17 @@ class AdaptiveKLController:
 
     state_dict = FixedKLController.state_dict
     load_state_dict = FixedKLController.load_state_dict
+
+
+def make_kl_controller(kind: str, kl_coef: float, target_kl: float, horizon: float) -> KLController:
+    """The β controller ``algorithm.kl_controller`` names: "fixed" (:class:`FixedKLController` at ``kl_coef``) or
+    "adaptive" (:class:`AdaptiveKLController` from ``kl_coef`` towards ``target_kl`` over ``horizon`` sequences).
+
+    Raises:
+        ValueError: another kind, or the controller's own argument errors.
+    """
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    if kind == "adaptive":
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"kl_controller must be 'fixed' or 'adaptive', got {kind!r}")

@@ -193,7 +193,9 @@ def entropy_from_logits(
         chunk_size: as in `logprobs_from_logits`.
 
     Returns:
-        [...] float32 entropies in nats (≥ 0 up to rounding), differentiable w.r.t. `logits`.
+        [...] float32 entropies in nats (≥ 0 up to rounding), differentiable w.r.t. `logits`; a −inf logit gets
+        gradient 0 (its p · log p term is formed with log p floored at −1e4, where p is exactly 0, so no 0 · ∞ enters
+        the backward whatever the incoming gradient).
     """
     _check_temperature(temperature)
     if logits.dim() < 1:
@@ -206,73 +208,72 @@ def entropy_from_logits(
         if temperature != 1.0:
             z = z / temperature
         z = z.clamp(min=torch.finfo(z.dtype).min)
-        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        out.append(-(logp.exp() * logp).sum(-1))
+        out.append(_entropy_of(z - torch.logsumexp(z, dim=-1, keepdim=True)))
     return torch.cat(out).reshape(logits.shape[:-1])
 
 
 class _LinearLogprobs(torch.autograd.Function):
-    """Autograd of :func:`linear_logprobs`. Saves the hidden states, the head weight and each position's logsumexp;
-    with one chunk also its softmax (no recompute), with several chunks recomputes each chunk's logits in backward.
+    """Autograd of :func:`linear_logprobs`. Saves the hidden states, the head weight and each position's logsumexp
+    (and entropy); with one chunk also its softmax, or its log-softmax when entropies are returned (no recompute),
+    with several chunks recomputes each chunk's logits in backward.
 
-    d logp_i / d z_ij = 1[j = y_i] − p_ij and z = (h Wᵀ + b) / τ, so with g_i the incoming gradient:
-    dz = g ⊙ (onehot − p) / τ, dh = dz W, dW = dzᵀ h, db = Σ_i dz_i. With sampling filters, p is the softmax
-    renormalised over the kept set (0 outside it), which the backward recomputes per chunk like the logits.
+    With z = (h Wᵀ + b) / τ, p = softmax(z), incoming gradients g (logprobs) and e (entropies):
+    d logp_i / d z_ij = 1[j = y_i] − p_ij and d H_i / d z_ij = −p_ij (log p_ij + H_i), so
+    dz = g ⊙ (onehot − p) − e ⊙ p ⊙ (log p + H), all divided by τ; dh = dz W, dW = dzᵀ h, db = Σ_i dz_i. With sampling
+    filters, p is the softmax renormalised over the kept set (0 outside it), which the backward recomputes per chunk
+    like the logits. An output the loss does not use gets no gradient term (``set_materialize_grads(False)``): without
+    an entropy term the backward is the logprobs-only one.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, with_entropy, filters):
+        ctx.set_materialize_grads(False)
         m = hidden.shape[0]
         chunks = _chunks(m, chunk_size)
         dt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         logprobs = torch.empty(m, dtype=dt, device=hidden.device)
         lse = torch.empty(m, dtype=dt, device=hidden.device)
         entropy = torch.empty(m, dtype=dt, device=hidden.device) if with_entropy else None
-        probs = None
+        kept = None
         for s in chunks:
             z = _chunk_logits(hidden[s], weight, bias, temperature, targets[s], filters)
             lse[s] = torch.logsumexp(z, dim=-1)
             logprobs[s] = z.gather(-1, targets[s].unsqueeze(-1)).squeeze(-1) - lse[s]
             if with_entropy or len(chunks) == 1:
                 logp = z.sub_(lse[s].unsqueeze(-1))  # z is not needed again
-                p = logp.exp()
                 if with_entropy:
-                    plogp = p * logp
-                    if filters is not None:  # removed tokens: 0 · (−inf)
-                        plogp.masked_fill_(p == 0, 0.0)
-                    entropy[s] = -plogp.sum(-1)
+                    entropy[s] = _entropy_of(logp)
                 if len(chunks) == 1:
-                    probs = p
+                    kept = logp if with_entropy else logp.exp_()
         ctx.temperature, ctx.chunk_size, ctx.has_bias = temperature, chunk_size, bias is not None
         ctx.filters = filters
         # an intermediate, kept on ctx (not saved): the first backward consumes it in place, a repeated backward
-        # (retain_graph, gradcheck) recomputes it like the chunked path
-        ctx.probs = probs
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        if entropy is None:
-            return logprobs, None
-        ctx.mark_non_differentiable(entropy)
+        # (retain_graph, gradcheck) recomputes it like the chunked path. The softmax, or with entropies the
+        # log-softmax (the entropy's gradient needs both).
+        ctx.kept, ctx.kept_is_log = kept, with_entropy
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        probs, ctx.probs = ctx.probs, None
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None
         tau = ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         acc = lse.dtype  # float32 (float64 for float64 inputs)
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) \
             if ctx.has_bias and ctx.needs_input_grad[2] else None
-        g = grad_logprobs.to(acc)
+        g = None if grad_logprobs is None else grad_logprobs.to(acc)
+        e = None if grad_entropy is None else grad_entropy.to(acc)
         for s in _chunks(hidden.shape[0], ctx.chunk_size):
-            if probs is not None:
-                p = probs
+            if kept is not None:
+                logp_or_p, is_log = kept, ctx.kept_is_log
             else:
-                z = _chunk_logits(hidden[s], weight, bias, tau, targets[s], ctx.filters)
-                p = z.sub_(lse[s].unsqueeze(-1)).exp_()
-            dz = p.mul_(-g[s].unsqueeze(-1))  # in place: p is not needed again
-            dz.scatter_add_(-1, targets[s].unsqueeze(-1), g[s].unsqueeze(-1))
+                logp_or_p = _chunk_logits(hidden[s], weight, bias, tau, targets[s], ctx.filters)
+                logp_or_p, is_log = logp_or_p.sub_(lse[s].unsqueeze(-1)), True
+            dz = _logit_grad(logp_or_p, is_log, targets[s], None if g is None else g[s],
+                             None if e is None else e[s], None if e is None else entropy[s])
             if tau != 1.0:
                 dz.div_(tau)
             dz = dz.to(hidden.dtype)
@@ -287,6 +288,34 @@ class _LinearLogprobs(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+#: Log-probabilities below this are probabilities of exactly 0 in float32 and float64 (exp(−1e4) underflows both),
+#: so clamping to it changes no p · log p term while keeping −inf (filtered tokens) out of the products.
+_LOG_FLOOR = -1e4
+
+
+def _entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """Entropies [c] of rows of log-probabilities [c, V] (−inf allowed: a removed token adds 0)."""
+    return -(logp.exp() * logp.clamp(min=_LOG_FLOOR)).sum(-1)
+
+
+def _logit_grad(logp_or_p: torch.Tensor, is_log: bool, targets: torch.Tensor, g: torch.Tensor | None,
+                e: torch.Tensor | None, entropy: torch.Tensor | None) -> torch.Tensor:
+    """d loss / d z of one chunk (before the 1/τ), consuming ``logp_or_p`` [c, V] in place: g ⊙ (onehot − p) from the
+    logprobs' gradient g [c] and −e ⊙ p ⊙ (log p + H) from the entropies' gradient e [c] (either may be None)."""
+    if e is None:
+        p = logp_or_p.exp_() if is_log else logp_or_p
+        dz = p.mul_(-g.unsqueeze(-1)) if g is not None else p.zero_()
+    else:
+        p = logp_or_p.exp()
+        dz = logp_or_p.clamp_(min=_LOG_FLOOR).add_(entropy.unsqueeze(-1)).mul_(e.unsqueeze(-1))
+        if g is not None:
+            dz.add_(g.unsqueeze(-1))
+        dz.mul_(p).neg_()
+    if g is not None:
+        dz.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1))
+    return dz
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
@@ -315,13 +344,13 @@ def linear_logprobs(
     """Logprobs of ``targets`` (and entropies) under softmax((hidden Wᵀ + b) / τ), without materialising [M, V].
 
     Equal, within float32 rounding, to ``logprobs_from_logits(linear(hidden, weight, bias), targets, τ, top_k=...,
-    top_p=..., min_p=...)`` and (unfiltered) ``entropy_from_logits`` of the same logits, in value and in gradient
-    (w.r.t. ``hidden``, ``weight``, ``bias``). With filters set, the distribution is the one the engine sampled
-    from (module docstring) and the entropy is that distribution's; the filters cost a sort of each chunk's logits
-    (top-p) or a top-k, in the forward and again in a recomputing backward, and top-p's sort (values + int64
-    indices) transiently needs about 5× the chunk's float32 logits (measured on 2 CPU threads, M = 256, V = 49152,
-    H = 576, forward + backward: ≈ 0.6 s unfiltered, ≈ +0.5 s with top-p, ≈ +0.1 s with top-k or min-p). Without
-    filters the path is unchanged.
+    top_p=..., min_p=...)`` and ``entropy_from_logits`` of the same (filtered) logits, in value and in gradient (w.r.t.
+    ``hidden``, ``weight``, ``bias``), for both outputs. With filters set, the distribution is the one the engine
+    sampled from (module docstring) and the entropy is that distribution's; the filters cost a sort of each chunk's
+    logits (top-p) or a top-k, in the forward and again in a recomputing backward, and top-p's sort (values + int64
+    indices) transiently needs about 5× the chunk's float32 logits (measured on 2 CPU threads, M = 256, V = 49152, H =
+    576, forward + backward: ≈ 0.6 s unfiltered, ≈ +0.5 s with top-p, ≈ +0.1 s with top-k or min-p). Without filters the
+    path is unchanged.
 
     Args:
         hidden: [M, H] float, the final hidden states at the M positions that predict ``targets``.
@@ -331,11 +360,13 @@ def linear_logprobs(
         chunk_size: positions per chunk; at most chunk_size × V float32 logits exist at once (forward and backward).
             None or chunk_size ≥ M: one chunk, whose softmax is kept for the backward (no recompute). With several
             chunks the backward recomputes each chunk's logits: + 2·M·H·V FLOPs.
-        with_entropy: also return the entropies H = −Σ p·log p [M] float32 (not differentiable).
+        with_entropy: also return the entropies H = −Σ p·log p [M] float32, differentiable like the logprobs (an
+            entropy bonus in the loss trains the policy through them; the backward then holds one more [chunk, V]
+            float32 buffer).
         top_k, top_p, min_p: the rollout's sampling filters (vLLM semantics, see `filter_logits_`); defaults: off.
 
     Returns:
-        (logprobs [M] float32, differentiable; entropy [M] float32 detached, or None).
+        (logprobs [M] float32, differentiable; entropy [M] float32, differentiable, or None).
 
     Raises:
         ValueError: shapes that do not match, non-integer targets, temperature ≤ 0, chunk_size < 1, a filter out of

@@ -1,14 +1,17 @@
-"""Clipped policy-gradient loss for GRPO-style training, and token/sequence loss aggregation.
+"""The GRPO policy loss (a policy-gradient term, truncated IS weights, KL penalty, entropy bonus) and token/sequence
+loss aggregation.
 
 Shapes:
     N   sequences in the micro-batch, T response tokens (padded)
 
 Per token (masked positions excluded everywhere with `torch.where`, so NaN/Inf in padding never reaches the loss
 or its gradient):
-    log_ratio = clamp(logp − old_logp, −20, 20),  ratio = exp(log_ratio)
-    pg = −min(ratio·A, clip(ratio, 1 − clip_eps_low, 1 + clip_eps_high)·A)
-        PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms");
-        asymmetric "clip-higher" bounds from DAPO (Yu et al. 2025).
+    pg = the policy-gradient term named by ``loss_mode`` (``algorithm.policy_loss``; `grpo.policy_losses`):
+        ppo (default): −min(ratio·A, clip(ratio, 1 − clip_eps_low, 1 + clip_eps_high)·A),
+            ratio = exp(clamp(logp − old_logp, −20, 20)), PPO clipped surrogate (Schulman et al. 2017, "Proximal
+            Policy Optimization Algorithms"); asymmetric "clip-higher" bounds from DAPO (Yu et al. 2025);
+        gspo / gspo_token: the sequence-level ratio (GSPO, Zheng et al. 2025); cispo: the clipped, stop-gradient
+            importance weight times the logprob (MiniMax-M1, 2025); formulas in `grpo.policy_losses`.
     dual clip, A < 0 only:  pg = min(pg, dual_clip_c·|A|)   (Ye et al. 2020, "Mastering Complex Control in MOBA
         Games with Deep Reinforcement Learning"), bounding the loss of a token whose ratio has exploded.
     pg ← pg · tis_weights (truncated importance-sampling weights, detached; truncation is the caller's job)
@@ -31,13 +34,12 @@ from typing import Literal, Protocol
 import torch
 
 from grpo.kl import KLEstimatorName, kl_penalty
+from grpo import policy_losses
+from grpo.policy_losses import LOG_RATIO_CLAMP, supports_dual_clip
 from grpo.registry import Registry
 
 LossAggregationName = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Count = int | torch.Tensor
-
-#: The log importance ratio is clamped to ±LOG_RATIO_CLAMP before exp.
-LOG_RATIO_CLAMP = 20.0
 
 __all__ = [
     "LOG_RATIO_CLAMP",
@@ -257,8 +259,10 @@ def policy_loss(
     num_sequences: Count | None = None,
     max_response_tokens: int | None = None,
     tis_weights: torch.Tensor | None = None,
+    loss_mode: str = "ppo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-surrogate policy loss with optional KL penalty, entropy bonus and dual clip (formulas: module doc).
+    """Policy loss: the ``loss_mode`` policy-gradient term with optional KL penalty, entropy bonus, dual clip and
+    truncated IS weights (formulas: module doc).
 
     Args:
         logprobs: [N, T] float32, natural-log probs of the response tokens under the current policy (grad flows).
@@ -281,14 +285,17 @@ def policy_loss(
         max_response_tokens: required by "seq-mean-token-sum-norm".
         tis_weights: [N, T] float32 truncated importance weights multiplying the pg term; detached
             (`truncated_importance_weights`).
+        loss_mode: a name in `grpo.policy_losses.POLICY_LOSSES` (``algorithm.policy_loss``): "ppo", "gspo",
+            "gspo_token", "cispo" or a registered one.
 
     Returns:
         loss: 0-d float32, aggregated with the global counts (micro-batch and rank losses add up).
         metrics: detached 0-d float32 tensors (no device sync; call `.item()` when logging):
             pg_loss          pg term aggregated like the loss (global normalisation, so it adds up too)
-            clip_fraction    fraction of valid tokens where the clipped term was strictly smaller (active)
+            clip_fraction    fraction of valid tokens where the clip was active (gspo: tokens of clipped
+                             sequences; cispo: tokens whose weight was truncated)
             dual_clip_fraction  fraction of valid tokens where the dual-clip bound was active (if dual_clip_c)
-            ratio_mean       masked mean of the importance ratio
+            ratio_mean       masked mean of the importance ratio (gspo: of each token's sequence ratio)
             kl               masked mean of the KL estimate (only if ref_logprobs is given)
             entropy          masked mean entropy (only if entropy is given)
             num_tokens_local, num_sequences_local   valid tokens / sequences with ≥ 1 valid token here
@@ -297,7 +304,8 @@ def policy_loss(
 
     Raises:
         ValueError: shapes, out-of-range coefficients, kl_coef ≠ 0 without ref_logprobs, entropy_coef ≠ 0
-            without entropy, plus the errors of `aggregate_loss`.
+            without entropy, an unknown ``loss_mode``, a ``dual_clip_c`` with a loss mode that refuses it (cispo),
+            per-token advantages with one that needs them per sequence (gspo), plus the errors of `aggregate_loss`.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [N, T], got shape {tuple(logprobs.shape)}")
@@ -306,6 +314,9 @@ def policy_loss(
                     ("tis_weights", tis_weights)):
         _check_same_shape(name, x, shape)
     _check_coefs(clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, entropy_coef, ref_logprobs, entropy)
+    if dual_clip_c is not None and not supports_dual_clip(loss_mode):
+        raise ValueError(f"policy loss {loss_mode!r} takes no dual_clip_c (got {dual_clip_c!r}; "
+                         f"algorithm.dual_clip_c must be null with algorithm.policy_loss {loss_mode!r})")
     mask = _as_bool_mask(response_mask, shape)
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
 
@@ -314,19 +325,13 @@ def policy_loss(
 
     logp = clean(logprobs)
     adv = clean(_broadcast_advantages(advantages.detach(), shape))
-    log_ratio = (logp - clean(old_logprobs.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    surr_unclipped = ratio * adv
-    surr_clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
-    pg = -torch.minimum(surr_unclipped, surr_clipped)
-    clipped = mask & (surr_clipped < surr_unclipped)
-
+    term_of = policy_losses.POLICY_LOSSES.lookup(loss_mode)
+    term = term_of(logp, clean(old_logprobs.detach()), adv, mask, clip_eps_low=clip_eps_low,
+                   clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c)
+    pg = term.pg
     metrics: dict[str, torch.Tensor] = {}
-    if dual_clip_c is not None:
-        bound = -dual_clip_c * adv
-        dual_active = mask & (adv < 0) & (bound < pg)
-        pg = torch.where(dual_active, bound, pg)
-        metrics["dual_clip_fraction"] = _masked_mean(dual_active.to(torch.float32), mask)
+    if term.dual_active is not None:
+        metrics["dual_clip_fraction"] = _masked_mean(term.dual_active.to(torch.float32), mask)
     if tis_weights is not None:
         pg = pg * clean(tis_weights.detach())
 
@@ -345,8 +350,8 @@ def policy_loss(
     counts = dict(num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=max_response_tokens)
     loss = aggregate_loss(total, mask, loss_agg, **counts)
     metrics["pg_loss"] = aggregate_loss(pg.detach(), mask, loss_agg, **counts)
-    metrics["clip_fraction"] = _masked_mean(clipped.to(torch.float32), mask)
-    metrics["ratio_mean"] = _masked_mean(ratio, mask)
+    metrics["clip_fraction"] = _masked_mean(term.clipped.to(torch.float32), mask)
+    metrics["ratio_mean"] = _masked_mean(term.ratio, mask)
     metrics["num_tokens_local"] = mask.sum().to(torch.float32)
     metrics["num_sequences_local"] = _num_valid_sequences(mask).to(torch.float32)
     return loss, metrics

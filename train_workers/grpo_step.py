@@ -7,8 +7,9 @@ Both workers hold one of each (``worker.step``, ``worker.engine``). Seams a test
 (``tests/faults.py`` does, to inject non-finite steps): :meth:`GRPOStep._microbatch_loss` and
 :meth:`GRPOStep._forward_backward`.
 
-Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): PPO clipped surrogate per token (clip-higher, dual
-clip, truncated importance weights against the engine's logprobs) + β · KL to the reference policy (in the loss, or
+Loss (``grpo.losses.policy_loss``; options from ``AlgorithmSpec``): the policy-gradient term of ``policy_loss`` (PPO
+clipped surrogate per token by default; GSPO, GSPO-token, CISPO: ``grpo.policy_losses``) with clip-higher, dual
+clip, truncated importance weights against the engine's logprobs + β · KL to the reference policy (in the loss, or
 in the advantages with ``kl_in_reward``) − entropy bonus, aggregated with global token/sequence counts so micro-batch
 and rank splits do not change it. β is the spec's ``kl_coef`` until the driver sets another (adaptive controller).
 Each micro-batch's loss is this rank's share of the batch loss; the engine scales it for its gradient reduction
@@ -318,7 +319,7 @@ class GRPOStep:
             logprobs, old, advantages, loss_mask,
             clip_eps_low=alg.clip_eps_low, clip_eps_high=alg.clip_eps_high, dual_clip_c=alg.dual_clip_c,
             loss_agg=alg.loss_agg, ref_logprobs=ref_lp, kl_coef=kl_coef, kl_estimator=alg.kl_estimator,
-            entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis,
+            entropy=entropy, entropy_coef=alg.entropy_coef, tis_weights=tis, loss_mode=alg.policy_loss,
             num_tokens=num_tokens, num_sequences=num_sequences, max_response_tokens=self.max_response_tokens,
         )
         n_tok = float(loss_mask.sum())

@@ -16,7 +16,8 @@ from grpo.logprobs import linear_logprobs
 
 class ResponseLogprobModel(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
-    ``(logprobs [M] float32, entropy [M] float32 detached or None)`` under the rollout's sampling distribution.
+    ``(logprobs [M] float32, entropy [M] float32 or None)``, both differentiable, under the rollout's sampling
+    distribution (an entropy bonus in the loss trains the policy through the fused head).
 
     Args:
         model: an HF ``*ForCausalLM`` (``get_decoder()`` backbone + ``get_output_embeddings()`` linear head).

@@ -15,6 +15,10 @@ row of its own with step 0):
   ``eval/accuracy_ci_low`` / ``eval/accuracy_ci_high``: its 95 % Wilson interval over the P prompts
   (:func:`grpo.stats.accuracy_estimate`: exact for k = 1, conservative for k > 1).
 - ``eval/n``: completions scored (P · k); ``eval/problems``: P.
+- ``eval/dropped``: held-out rows read but not evaluated: over ``data.max_prompt_tokens``, unreadable rows skipped
+  (``data.on_bad_row: skip``) and, for a reasoning-gym held-out split, problems also in the training split
+  (``eval.limit``'s cut is not counted). Two runs' ``eval/accuracy`` are over the same problems only if their
+  ``eval/problems`` and ``eval/dropped`` agree (and their files and limits do).
 - ``eval/response_length_mean``: mean completion length, tokens; ``eval/truncated_fraction``: fraction of completions
   cut at ``eval.max_tokens``; ``eval/format_rate``: mean ``eval.format_reward`` score (absent when it is null).
 - ``eval/seconds``: wall seconds of the evaluation (generate + score); not counted in ``timing/*``.
@@ -214,7 +218,8 @@ class HeldOutEval:
         self._new_best_at = None
         if self.best_accuracy is None or metrics["eval/accuracy"] > self.best_accuracy:
             self.best_step, self.best_accuracy, self._new_best_at = step, metrics["eval/accuracy"], step
-        return {**metrics, "eval/seconds": time.perf_counter() - t0, "eval/best_accuracy": self.best_accuracy,
+        return {**metrics, "eval/dropped": float(self.evalset.filtered + self.evalset.bad_rows),
+                "eval/seconds": time.perf_counter() - t0, "eval/best_accuracy": self.best_accuracy,
                 "eval/best_step": float(self.best_step)}
 
     def checkpoint_wanted(self, step: int) -> bool:

@@ -98,6 +98,7 @@ METRIC_HELP: dict[str, str] = {
     "eval/accuracy_ci_low": "Lower bound of the held-out accuracy's 95% Wilson interval.",
     "eval/accuracy_ci_high": "Upper bound of the held-out accuracy's 95% Wilson interval.",
     "eval/n": "Completions scored by the latest held-out evaluation (prompts x samples).",
+    "eval/dropped": "Held-out rows read but not evaluated (over data.max_prompt_tokens, unreadable, or in training).",
     "eval/best_accuracy": "Best held-out accuracy so far.",
     "monitor/tripped": "1 on a step where a reward-hacking detector of the monitor section fired, else 0.",
     "monitor/rollbacks": "Rollbacks to the last good checkpoint made by the reward-hacking guard so far.",
@@ -116,7 +117,7 @@ CONSOLE_FIELDS: tuple[tuple[tuple[str, str], ...], ...] = (
     (("perf/rollout_tokens_per_s", "{:.0f} tok/s"),),
     (("sync/verified", "verified|NOT VERIFIED"),),
     (("eval/accuracy", "eval {:.3f}"), ("eval/accuracy_ci_low", "[{:.3f},"), ("eval/accuracy_ci_high", "{:.3f}]"),
-     ("eval/n", "n={:.0f}")),
+     ("eval/n", "n={:.0f}"), ("eval/dropped", "dropped {:.0f}")),
     (("monitor/tripped", "GUARD TRIPPED|guard ok"),),
 )
 """Console line layout: groups separated by ' | ', each a (metric key, format) list; a bool's format is

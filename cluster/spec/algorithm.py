@@ -3,8 +3,8 @@
 Every option maps to a pure function in ``grpo/`` (formulas and sources in the README's "Algorithm" section and in
 those functions' docstrings). Checks that involve other sections (``rollout.max_response_tokens``,
 ``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs. The fields that select a
-registered variant (``advantage_estimator``, ``loss_agg``, ``kl_estimator``, ``tis_level``, ``mis.level``) are
-checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
+registered variant (``advantage_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``, ``tis_level``,
+``mis.level``) are checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Annotated, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
-from cluster.spec.variants import ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, TIS_LEVEL
+from cluster.spec.fields import MAX_COEFFICIENT, MAX_RATIO
+from cluster.spec.variants import (ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, POLICY_LOSS,
+                                   TIS_LEVEL)
 
 __all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec", "algorithm_conflicts", "check_reward_key",
            "reward_names"]
@@ -81,8 +83,10 @@ class MisSpec(BaseModel):
     level: Annotated[str, MIS_LEVEL.validator] = Field(strict=True, description=MIS_LEVEL.describe(
         "Which tokens the band drops", "token (drop single tokens whose ratio is outside the band), sequence (drop "
         "every token of a sequence whose geometric-mean ratio exp(mean of log ratios) is outside the band)"))
-    low: float = Field(strict=True, gt=0, description="Lower end of the kept ratio band (inclusive), in (0, 1).")
-    high: float = Field(strict=True, gt=0, description="Upper end of the kept ratio band (inclusive), > 1.")
+    low: float = Field(strict=True, ge=1 / MAX_RATIO, description=(
+        "Lower end of the kept ratio band (inclusive), in [e^-20, 1) (the ratio is clamped at e^-20)."))
+    high: float = Field(strict=True, gt=0, le=MAX_RATIO, description=(
+        "Upper end of the kept ratio band (inclusive), in (1, e^20] (the ratio is clamped at e^20)."))
 
     @model_validator(mode="after")
     def _band(self) -> MisSpec:
@@ -108,25 +112,35 @@ class AlgorithmSpec(BaseModel):
     advantage_estimator: Annotated[str, ADVANTAGE_ESTIMATOR.validator] = Field(
         "grpo", strict=True, description=ADVANTAGE_ESTIMATOR.describe(
             "Group advantage", "grpo (mean/std), dr_grpo (mean only), rloo (leave-one-out mean)"))
-    adv_eps: float = Field(1e-6, strict=True, gt=0, description="Added to the group std before dividing (grpo).")
+    adv_eps: float = Field(1e-6, strict=True, gt=0, le=MAX_COEFFICIENT, description=(
+        "Added to the group std before dividing (grpo); at most 1e6."))
     adv_std: Literal["unbiased", "biased"] = Field("unbiased", description="Group std with N-1 or N denominator.")
     # ---- policy loss
+    policy_loss: Annotated[str, POLICY_LOSS.validator] = Field("ppo", strict=True, description=POLICY_LOSS.describe(
+        "The policy-gradient term (formulas in grpo.policy_losses)", "ppo (token-level clipped surrogate), gspo "
+        "(GSPO: the sequence's geometric-mean ratio, clipped per sequence; needs one advantage per sequence), "
+        "gspo_token (GSPO-token: equal to gspo with per-sequence advantages, also takes kl_in_reward's per-token "
+        "ones), cispo (CISPO: clipped, stop-gradient importance weight times the logprob; no dual_clip_c)"))
     loss_agg: Annotated[str, LOSS_AGGREGATION.validator] = Field(
         "seq-mean-token-mean", strict=True, description=LOSS_AGGREGATION.describe(
             "How per-token losses are reduced to one scalar", "token-mean, seq-mean-token-mean, "
             "seq-mean-token-sum-norm"))
     clip_eps_low: float = Field(0.2, strict=True, ge=0, lt=1, description=(
         "Lower ratio clip: ratio >= 1 - clip_eps_low."))
-    clip_eps_high: float = Field(0.2, strict=True, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high.")
-    dual_clip_c: float | None = Field(None, strict=True, gt=1, description=(
-        "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|; null disables."))
-    entropy_coef: float = Field(0.0, strict=True, ge=0, description="Weight of the entropy bonus.")
+    clip_eps_high: float = Field(0.2, strict=True, ge=0, le=MAX_RATIO - 1, description=(
+        "Upper ratio clip: ratio <= 1 + clip_eps_high; at most e^20 - 1 (the ratio is clamped at e^20)."))
+    dual_clip_c: float | None = Field(None, strict=True, gt=1, le=MAX_RATIO, description=(
+        "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|, c in (1, e^20]; null "
+        "disables."))
+    entropy_coef: float = Field(0.0, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
+        "Weight of the entropy bonus, subtracted from the loss (the entropy's gradient trains the policy); at most "
+        "1e6."))
     num_iterations: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Optimizer steps per rollout batch; the behaviour logprobs of all of them are the trainer's, before the "
         "first step."))
-    tis_cap: float | None = Field(None, strict=True, gt=0, description=(
-        "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap); "
-        "null disables."))
+    tis_cap: float | None = Field(None, strict=True, gt=0, le=MAX_RATIO, description=(
+        "Truncated importance sampling: weight each token by min(pi_old_trainer / pi_engine, tis_cap), tis_cap in "
+        "(0, e^20] (the ratio is clamped at e^20); null disables."))
     tis_level: Annotated[str, TIS_LEVEL.validator] = Field("token", strict=True, description=TIS_LEVEL.describe(
         "With tis_cap, how the truncated ratios weight the tokens (grpo.off_policy.importance_weights)",
         "token (each token by its own truncated ratio), sequence (every token of a sequence by min(product of its "
@@ -136,8 +150,9 @@ class AlgorithmSpec(BaseModel):
         "low, high}; tokens or sequences whose ratio pi_old_trainer / pi_engine is outside [low, high] leave the "
         "loss. null disables."))
     # ---- KL to the reference policy
-    kl_coef: float = Field(0.04, strict=True, ge=0, description=(
-        "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive)."))
+    kl_coef: float = Field(0.04, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
+        "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive); at "
+        "most 1e6."))
     kl_estimator: Annotated[str, KL_ESTIMATOR.validator] = Field("k3", strict=True, description=KL_ESTIMATOR.describe(
         "KL estimator", "k1, k2, k3 (Schulman's)"))
     kl_in_reward: bool = Field(False, description=(
@@ -172,8 +187,8 @@ class AlgorithmSpec(BaseModel):
     overlong_buffer_tokens: int | None = Field(None, ge=1, strict=True, description=(
         "DAPO soft overlong punishment: penalty ramps from 0 to -overlong_penalty_factor over the last this-many "
         "tokens before max_response_tokens; null disables."))
-    overlong_penalty_factor: float = Field(1.0, strict=True, ge=0, description=(
-        "Scale of the overlong penalty (reward units)."))
+    overlong_penalty_factor: float = Field(1.0, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
+        "Scale of the overlong penalty (reward units); at most 1e6."))
     # ---- sampling
     dynamic_sampling: bool = Field(False, description=(
         "DAPO dynamic sampling: drop groups whose advantages are all zero and sample more prompts until "
@@ -207,6 +222,10 @@ class AlgorithmSpec(BaseModel):
                              f"{HOW_TO_NAME_A_REWARD}")
         for key in rewards:
             check_reward_key(key, info)
+        heavy = {k: w for k, w in rewards.items() if abs(w) > MAX_COEFFICIENT}
+        if heavy:
+            raise ValueError(f"expected reward weights in [-{MAX_COEFFICIENT:g}, {MAX_COEFFICIENT:g}] (they scale "
+                             f"float32 rewards), got {heavy}")
         if not rewards:
             raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
         return rewards
@@ -227,6 +246,22 @@ class AlgorithmSpec(BaseModel):
         if self.tis_level != "token" and self.tis_cap is None:
             raise FieldConflict("algorithm.tis_level", (
                 f"tis_level={self.tis_level!r} needs algorithm.tis_cap (the truncation cap), got null"))
+        return self
+
+    @model_validator(mode="after")
+    def _policy_loss_combinations(self) -> AlgorithmSpec:
+        from grpo.policy_losses import sequence_advantages, supports_dual_clip
+
+        if self.kl_in_reward and sequence_advantages(self.policy_loss):
+            raise FieldConflict("algorithm.policy_loss", (
+                f"policy_loss={self.policy_loss!r} needs one advantage per sequence, but algorithm.kl_in_reward=true "
+                f"makes them per token; expected policy_loss 'gspo_token' (GSPO-token takes per-token advantages) or "
+                f"kl_in_reward false"))
+        if self.dual_clip_c is not None and not supports_dual_clip(self.policy_loss):
+            raise FieldConflict("algorithm.dual_clip_c", (
+                f"dual_clip_c={self.dual_clip_c!r} bounds a clipped surrogate's loss, and policy_loss="
+                f"{self.policy_loss!r} has none (its clipped weight is bounded already); expected dual_clip_c null "
+                f"with policy_loss {self.policy_loss!r}"))
         return self
 
     @model_validator(mode="after")

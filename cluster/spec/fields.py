@@ -1,7 +1,9 @@
 """Field types, bounds and validators shared by the job spec's sections.
 
 - :data:`SPEC_CONFIG`: every spec model rejects unknown keys, is frozen after validation and refuses inf/NaN.
-- Bounds (``MAX_*``, :data:`MIN_TEMPERATURE`) that catch a mistyped extra digit before any resource is reserved.
+- Bounds (``MAX_*``, :data:`MIN_TEMPERATURE`) that catch a mistyped extra digit before any resource is reserved, and
+  the bounds of the numbers that reach the train step's float32 tensors (:data:`MAX_RATIO`, :data:`MAX_COEFFICIENT`):
+  no accepted value overflows float32 there.
 - :data:`ByteSize` (``"64MiB"`` → 67108864 via :func:`parse_byte_size`) and :data:`CustomResources` (a pool's custom
   Ray resources per actor, checked by :func:`check_custom_resources`).
 - :data:`CpuCores` (a pool's CPU core ids, ``rollout.cpu_affinity`` / ``train.cpu_affinity``, checked by
@@ -12,6 +14,7 @@ Imports only pydantic and the standard library.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -20,7 +23,7 @@ from pydantic import BeforeValidator, ConfigDict, Field
 __all__ = [
     "SPEC_CONFIG", "MAX_SEQUENCE_TOKENS", "MAX_SEED", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TIMEOUT_S",
     "MAX_CUSTOM_RESOURCE", "CustomResources", "check_custom_resources", "parse_byte_size", "ByteSize",
-    "MAX_CPU_ID", "CpuCores", "check_cpu_cores",
+    "MAX_CPU_ID", "CpuCores", "check_cpu_cores", "MAX_RATIO", "MAX_COEFFICIENT",
 ]
 
 #: Model config of every spec section: unknown keys rejected, frozen after validation, no inf/NaN.
@@ -38,6 +41,14 @@ MAX_TOP_K = 16_777_216  # far above any vocabulary; catches a mistyped extra dig
 MIN_TEMPERATURE = 0.01
 #: Upper bound of every timeout (7 days): larger values overflow datetime.timedelta in torch.distributed.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: Largest importance ratio the train step forms: e^20 ≈ 4.85e8, the log ratio being clamped to ±20
+#: (``grpo.policy_losses.LOG_RATIO_CLAMP``). A ratio bound above it (``tis_cap``, ``clip_eps_high``, ``dual_clip_c``,
+#: ``mis.high``; ``mis.low`` below 1 / MAX_RATIO) never acts, and one far above it (1e39) is no float32 at all.
+MAX_RATIO = math.exp(20.0)
+#: Largest coefficient or scale that multiplies a float32 loss term, reward or weight (``kl_coef``, ``entropy_coef``,
+#: reward weights, ``lr``, ...): with per-token terms at most ~e^20 (k3 at the ratio clamp) the products stay below
+#: 1e15, far from float32's 3.4e38, and no useful setting comes near it.
+MAX_COEFFICIENT = 1e6
 
 #: Ray's builtin resources (lower case) → the field that sets each per actor; None: not settable per pool.
 _BUILTIN_RESOURCES = {"cpu": "num_cpus", "gpu": "num_gpus", "memory": None, "object_store_memory": None}

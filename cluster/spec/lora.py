@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 
 from cluster.spec.algorithm import FieldConflict
-from cluster.spec.fields import SPEC_CONFIG
+from cluster.spec.fields import MAX_COEFFICIENT, SPEC_CONFIG
 
 __all__ = ["LoraSpec", "ALL_LINEAR", "lora_conflicts"]
 
@@ -44,8 +44,8 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1, le=MAX_LORA_RANK, strict=True, description=(
         "r: rank of each adapter (A is [r, in_features], B is [out_features, r]); at most the smaller dimension of "
         "every targeted layer."))
-    alpha: float | None = Field(None, gt=0, strict=True, description=(
-        "LoRA alpha: the adapter's output is scaled by alpha / rank; null means alpha = rank (scale 1)."))
+    alpha: float | None = Field(None, gt=0, le=MAX_COEFFICIENT, strict=True, description=(
+        "LoRA alpha: the adapter's output is scaled by alpha / rank; null means alpha = rank (scale 1); at most 1e6."))
     dropout: float = Field(0.0, ge=0, lt=1, strict=True, description=(
         "Dropout on the adapters' input in the policy's training forward (PEFT's lora_dropout); not applied to the "
         "reference or merged weights, so > 0 makes the trainer's logprobs noisier than the engine's. 0: off."))

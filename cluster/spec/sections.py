@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, StrictFloat, field_validator, model_valid
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
 from cluster.spec.data import DEFAULT_SYSTEM_PROMPT, DataSpec, HubDatasetSpec, ReasoningGymSpec
 from cluster.spec.fields import (
-    MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CpuCores,
+    MAX_COEFFICIENT, MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CpuCores,
     CustomResources, check_cpu_cores, check_custom_resources,
 )
 from cluster.spec.lora import LoraSpec
@@ -172,10 +172,13 @@ class TrainSpec(BaseModel):
         "(set num_threads to split them); a core the rank's process may not use stops it at start, naming this "
         "field. Give train ranks and engines disjoint cores (rollout.cpu_affinity) so that rollout.mode "
         "one_step_off/async really overlap training and generation on one machine."))
-    lr: float = Field(1e-6, strict=True, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, strict=True, ge=0, description="AdamW decoupled weight decay.")
+    lr: float = Field(1e-6, strict=True, gt=0, le=MAX_COEFFICIENT, description="AdamW learning rate; at most 1e6.")
+    weight_decay: float = Field(0.0, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
+        "AdamW decoupled weight decay: each step multiplies the weights by 1 - lr·weight_decay, which must stay in "
+        "(0, 1] (lr·weight_decay < 1)."))
     betas: tuple[StrictFloat, StrictFloat] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
-    max_grad_norm: float = Field(1.0, strict=True, gt=0, description="Global gradient-norm clip.")
+    max_grad_norm: float = Field(1.0, strict=True, gt=0, le=MAX_COEFFICIENT, description=(
+        "Global gradient-norm clip; at most 1e6."))
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description=(
         "dtype in which FSDP2 reduces (averages) gradients over the train ranks. With model.dtype bfloat16/float16 "
         "the policy trains in mixed precision: float32 parameters and AdamW state, forward/backward in model.dtype, "
@@ -226,6 +229,15 @@ class TrainSpec(BaseModel):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"expected each beta in [0, 1), got {list(betas)}")
         return betas
+
+    @model_validator(mode="after")
+    def _decay_factor(self) -> TrainSpec:
+        if self.lr * self.weight_decay >= 1.0:
+            raise FieldConflict("train.weight_decay", (
+                f"AdamW multiplies the weights by 1 - lr·weight_decay each step; expected lr·weight_decay < 1, got "
+                f"{self.lr:g}·{self.weight_decay:g} = {self.lr * self.weight_decay:g} (weights that flip sign and "
+                f"grow every step overflow float32)"))
+        return self
 
     @model_validator(mode="after")
     def _backend_matches_devices(self) -> TrainSpec:

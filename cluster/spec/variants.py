@@ -29,8 +29,8 @@ from typing import Any
 from pydantic import AfterValidator
 
 __all__ = [
-    "ADVANTAGE_ESTIMATOR", "KL_ESTIMATOR", "LOSS_AGGREGATION", "MIS_LEVEL", "SELECTORS", "TIS_LEVEL", "TRAIN_BACKEND",
-    "Registered", "model_parallel_strategies",
+    "ADVANTAGE_ESTIMATOR", "KL_ESTIMATOR", "LOSS_AGGREGATION", "MIS_LEVEL", "POLICY_LOSS", "SELECTORS", "TIS_LEVEL",
+    "TRAIN_BACKEND", "Registered", "model_parallel_strategies",
 ]
 
 
@@ -109,6 +109,12 @@ def _loss_aggregations() -> Mapping[str, Any]:
     return LOSS_AGGREGATIONS
 
 
+def _policy_losses() -> Mapping[str, Any]:
+    from grpo.policy_losses import POLICY_LOSSES
+
+    return POLICY_LOSSES
+
+
 def _kl_estimators() -> Mapping[str, Any]:
     from grpo.kl import KL_ESTIMATORS
 
@@ -138,6 +144,8 @@ ADVANTAGE_ESTIMATOR = Registered("algorithm.advantage_estimator", "advantage est
                                  '@register_advantage_estimator("NAME") from grpo.advantages', _advantage_estimators)
 LOSS_AGGREGATION = Registered("algorithm.loss_agg", "loss aggregation", "grpo.losses.LOSS_AGGREGATIONS",
                               '@register_loss_aggregation("NAME") from grpo.losses', _loss_aggregations)
+POLICY_LOSS = Registered("algorithm.policy_loss", "policy loss", "grpo.policy_losses.POLICY_LOSSES",
+                         '@register_policy_loss("NAME") from grpo.policy_losses', _policy_losses)
 KL_ESTIMATOR = Registered("algorithm.kl_estimator", "KL estimator", "grpo.kl.KL_ESTIMATORS",
                           '@register_kl_estimator("NAME") from grpo.kl', _kl_estimators)
 TIS_LEVEL = Registered("algorithm.tis_level", "TIS level", "grpo.off_policy.TIS_LEVELS",
@@ -149,8 +157,8 @@ TRAIN_BACKEND = Registered("train.strategy", "train backend", "train_workers.reg
                            _train_backends)
 
 #: Every spec field that selects a registered variant, with its registry.
-SELECTORS: tuple[Registered, ...] = (ADVANTAGE_ESTIMATOR, LOSS_AGGREGATION, KL_ESTIMATOR, TIS_LEVEL, MIS_LEVEL,
-                                     TRAIN_BACKEND)
+SELECTORS: tuple[Registered, ...] = (ADVANTAGE_ESTIMATOR, POLICY_LOSS, LOSS_AGGREGATION, KL_ESTIMATOR, TIS_LEVEL,
+                                     MIS_LEVEL, TRAIN_BACKEND)
 
 
 def model_parallel_strategies() -> list[str]:

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+from grpo.rewards.answer_text import normalize_signs
+
 __all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "encode_reference",
            "extract_final_answer",
            "generate_entries", "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
@@ -166,7 +168,9 @@ def check_reference(reference: str) -> None:
 def extract_final_answer(completion: str, answer_extraction: str = "marker") -> str | None:
     """The answer a completion gives: the first line after its last ``####``, stripped; else the last
     ``<answer>…</answer>`` tag's content (reasoning_gym.utils.extract_answer's rule); else, with
-    ``answer_extraction="last_number"``, its last number (commas removed); else None.
+    ``answer_extraction="last_number"``, its last number (commas removed); else None. A sign written with another
+    sign character (``grpo.rewards.answer_text.MINUS_SIGNS``, ``PLUS_SIGNS``: Unicode minus, en dash, ...) reads as
+    "-"/"+" in a numeric answer and in the last-number fallback ("−7" is "-7").
 
     >>> extract_final_answer("2 + 3 = 5\\n#### 5")
     '5'
@@ -178,14 +182,22 @@ def extract_final_answer(completion: str, answer_extraction: str = "marker") -> 
     head, marker, tail = completion.rpartition(ANSWER_MARKER)
     if marker:
         line = tail.strip().split("\n", 1)[0].strip()
-        return line or None
+        return _ascii_signed_number(line) or None
     tags = re.findall(r"<answer>\s?(.*?)\s?</answer>", completion, flags=re.DOTALL)
     if tags:
-        return tags[-1].strip()
+        return _ascii_signed_number(tags[-1].strip())
     if answer_extraction == "last_number":
-        numbers = _NUMBER.findall(completion)
+        numbers = _NUMBER.findall(normalize_signs(completion))
         return numbers[-1].replace(",", "") if numbers else None
     return None
+
+
+def _ascii_signed_number(answer: str) -> str:
+    """``answer`` with its sign written "-"/"+" when it is a number signed with another sign character (Unicode
+    minus, en dash, ...: ``grpo.rewards.answer_text.MINUS_SIGNS``), so a task's string comparison sees "-7" for
+    "−7"; any other answer unchanged."""
+    normalized = normalize_signs(answer)
+    return normalized if normalized != answer and _NUMBER.fullmatch(normalized.lstrip("+")) else answer
 
 
 def score_completion(completion: str, reference: str) -> float:

@@ -121,8 +121,8 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
     _, responses, _ = make_batch()
     num_tokens = sum(len(r) for r in responses)
     for run, port in zip(runs, ports):
-        algorithm = AlgorithmSpec(kl_coef=0.04, tis_cap=2.0, clip_eps_low=0.2, clip_eps_high=0.2,
-                                  **run.get("algorithm", {}))
+        algorithm = AlgorithmSpec(**{"kl_coef": 0.04, "tis_cap": 2.0, "clip_eps_low": 0.2, "clip_eps_high": 0.2,
+                                     **run.get("algorithm", {})})
         strategy = "megatron" if run["backend"] == "megatron" else "fsdp"
         train = TrainSpec(world_size=world, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
                           strategy=strategy, tensor_parallel_size=run.get("tp", 1),

@@ -230,7 +230,7 @@ def test_async_spec_defaults_are_todays_behaviour():
 
 @pytest.mark.parametrize(("sets", "field", "message"), [
     (["algorithm.mis.level=token", "algorithm.mis.low=0", "algorithm.mis.high=2"], "algorithm.mis.low",
-     "greater than 0"),
+     "greater than or equal to 0.00000000206"),  # e^-20: the ratio is clamped there
     (["algorithm.mis.level=token", "algorithm.mis.low=0.5", "algorithm.mis.high=-1"], "algorithm.mis.high",
      "greater than 0"),
     (["algorithm.mis.level=token", "algorithm.mis.low=0.5", "algorithm.mis.high=.inf"], "algorithm.mis.high",

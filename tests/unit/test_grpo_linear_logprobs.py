@@ -1,11 +1,12 @@
 """grpo.logprobs.linear_logprobs (LM head fused with the log-softmax, chunked) equals the unfused computation:
-``logprobs_from_logits(linear(h, W, b))`` and ``entropy_from_logits`` — values and gradients w.r.t. h, W, b — for one
-chunk (softmax kept) and several chunks (logits recomputed in backward), with and without temperature."""
+``logprobs_from_logits(linear(h, W, b))`` and ``entropy_from_logits`` — values and gradients w.r.t. h, W, b, of the
+logprobs and of the entropies (an entropy bonus trains the policy through the fused head) — for one chunk (softmax
+kept) and several chunks (logits recomputed in backward), with and without temperature and sampling filters."""
 
 import pytest
 import torch
 
-from grpo.logprobs import entropy_from_logits, linear_logprobs, logprobs_from_logits
+from grpo.logprobs import entropy_from_logits, filter_logits_, linear_logprobs, logprobs_from_logits
 
 M, H, V = 13, 8, 50
 
@@ -39,13 +40,79 @@ def test_values_and_gradients_match_unfused(chunk_size, temperature, with_bias):
     (lp_ref * upstream).sum().backward()
     ent_ref = entropy_from_logits(logits.detach(), temperature)
 
-    assert lp.dtype == torch.float32 and lp.shape == (M,) and not ent.requires_grad
+    assert lp.dtype == torch.float32 and lp.shape == (M,)
     torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(h1.grad, h2.grad, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(w1.grad, w2.grad, atol=1e-5, rtol=1e-5)
     if with_bias:
         torch.testing.assert_close(b1.grad, b2.grad, atol=1e-5, rtol=1e-5)
+
+
+FILTERS = [{}, {"top_k": 7}, {"top_p": 0.8}, {"min_p": 0.05, "top_k": 20}]
+
+
+def _unfused_entropy(logits, targets, temperature, filters):
+    """Entropy of the sampling distribution from full logits, differentiable; the kept set fixed (as the fused
+    backward treats it)."""
+    z = logits / temperature
+    with torch.no_grad():
+        removed = torch.isneginf(filter_logits_(z.detach().float().clone(), targets, **filters))
+    return entropy_from_logits(z.masked_fill(removed, float("-inf")))
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=[str(f) for f in FILTERS])
+@pytest.mark.parametrize("chunk_size", [None, 4])
+@pytest.mark.parametrize("temperature, with_bias", [(1.0, False), (0.6, True)])
+def test_entropy_gradient_matches_unfused(filters, chunk_size, temperature, with_bias):
+    """A loss of both outputs, Σ u·logp − Σ v·H (the policy loss with an entropy bonus), and of the entropies alone:
+    the fused head's gradients equal those through the full logits (entropy_from_logits of the filtered logits)."""
+    hidden, weight, bias, targets, upstream = _inputs(4, with_bias)
+    v = torch.rand(M, generator=torch.Generator().manual_seed(5)) + 0.5
+    for use_logprobs in (True, False):
+        h1, w1, b1 = _leaves(hidden, weight, bias)
+        lp, ent = linear_logprobs(h1, w1, targets, temperature, bias=b1, chunk_size=chunk_size, with_entropy=True,
+                                  **filters)
+        assert ent.requires_grad
+        ((lp * upstream).sum() * use_logprobs - (ent * v).sum()).backward()
+
+        h2, w2, b2 = _leaves(hidden, weight, bias)
+        logits = torch.nn.functional.linear(h2, w2, b2)
+        lp_ref = logprobs_from_logits(logits, targets, temperature, **filters)
+        ent_ref = _unfused_entropy(logits, targets, temperature, filters)
+        ((lp_ref * upstream).sum() * use_logprobs - (ent_ref * v).sum()).backward()
+
+        torch.testing.assert_close(ent, ent_ref, atol=1e-5, rtol=1e-5)
+        assert w2.grad.abs().max() > 1e-2
+        for got, ref in ((h1.grad, h2.grad), (w1.grad, w2.grad)) + (((b1.grad, b2.grad),) if with_bias else ()):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("filters", FILTERS[:2], ids=[str(f) for f in FILTERS[:2]])
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_entropy_gradcheck_float64(filters, chunk_size):
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 9, (5,), generator=gen)
+
+    def f(h, w):
+        lp, ent = linear_logprobs(h, w, targets, 0.9, chunk_size=chunk_size, with_entropy=True, **filters)
+        assert ent.requires_grad  # gradcheck skips an output without a graph
+        return lp, ent
+
+    assert torch.autograd.gradcheck(f, (hidden, weight), eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_a_retained_graph_gives_the_same_entropy_gradient_twice():
+    """One chunk keeps its log-softmax for the first backward (consumed in place); a second backward recomputes."""
+    hidden, weight, _, targets, _ = _inputs(7, False)
+    h = hidden.clone().requires_grad_()
+    lp, ent = linear_logprobs(h, weight, targets, with_entropy=True)
+    loss = lp.sum() - 0.1 * ent.sum()
+    (first,) = torch.autograd.grad(loss, h, retain_graph=True)
+    (second,) = torch.autograd.grad(loss, h)
+    torch.testing.assert_close(first, second, atol=1e-6, rtol=1e-6)
 
 
 def test_gradcheck_float64_several_chunks():

@@ -245,3 +245,31 @@ def test_the_engine_samples_eval_requests_with_their_override_and_training_ones_
     assert train == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 64}
     held = RolloutEngine._sampling(engine, GroupRequest(0, [1], seed=5, sampling=SamplingOverride(0.0, 32)))
     assert held == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 32}
+
+
+def test_dropped_held_out_rows_are_an_eval_metric_and_in_the_console_line(tmp_path, monkeypatch):
+    """A held-out file of 5 rows: one too long for data.max_prompt_tokens, one unreadable (skipped): the evaluation
+    scores 3 and says it dropped 2 (``eval/dropped``), on its metrics row and in the console line; a file that drops
+    nothing says 0."""
+    import cluster.loop.evaluation as evaluation
+    from cluster.ops.metrics import format_console_line
+
+    monkeypatch.setattr(evaluation, "prompt_ids",
+                        lambda data, tok, examples, what: [[0] * len(e.question) for e in examples])
+    held = tmp_path / "held.jsonl"
+    rows = [json.dumps({"question": q, "answer": f"#### {i}"}) for i, q in
+            enumerate(["short", "a question that is too long", "tiny", "mid one"])]
+    held.write_text("\n".join([*rows, "not json"]) + "\n")
+    spec = load_spec_text(f"output_dir: {tmp_path / 'out'}\ntotal_steps: 2\ndata: {{train_path: "
+                          f"{tmp_path / 'train.jsonl'}, max_prompt_tokens: 12, on_bad_row: skip}}\n"
+                          f"eval: {{data_path: {held}}}\n")
+    evalset = load_eval_set(spec.eval, spec.data, CharTokenizer())
+    assert (len(evalset.examples), evalset.filtered, evalset.bad_rows) == (3, 1, 1)
+    run = HeldOutEval(spec.eval, evalset, seed=3, total_steps=2, max_tokens=32)
+    answers = {i: [(WORKED.format(ex.reference), 3, "stop")] for i, ex in enumerate(evalset.examples)}
+    metrics = run.run(1, FakeFleet(answers).generate)
+    assert metrics["eval/dropped"] == 2.0 and metrics["eval/problems"] == 3.0
+    line = format_console_line(1, metrics)
+    assert "n=3 dropped 2" in line, line
+    assert make_eval(2).run(0, FakeFleet({i: [(WORKED.format(i), 3, "stop")] for i in range(2)}).generate)[
+        "eval/dropped"] == 0.0

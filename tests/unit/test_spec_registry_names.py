@@ -53,6 +53,12 @@ def _sum_over_tokens(masked_loss, mask, *, num_tokens, num_sequences, max_respon
     return masked_loss.sum()
 
 
+def _reinforce(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_high, dual_clip_c):
+    from grpo.policy_losses import PolicyTerm
+
+    return PolicyTerm(pg=-advantages * logprobs, ratio=torch.ones_like(logprobs), clipped=torch.zeros_like(mask))
+
+
 def _abs_k1(logprobs, ref_logprobs):
     return (logprobs - ref_logprobs).abs()
 
@@ -80,6 +86,15 @@ def _run_loss(name):
     loss = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
     mask = torch.tensor([[True, True], [True, False]])
     return aggregate_loss(loss, mask, name).item() == 6.0
+
+
+def _run_policy_loss(name):
+    from grpo.losses import policy_loss
+
+    logp, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[True, True]])
+    loss, _ = policy_loss(logp, logp, torch.tensor([1.0]), mask, clip_eps_low=0.2, clip_eps_high=0.2,
+                          loss_agg="token-mean", loss_mode=name)
+    return loss.item() == 1.5
 
 
 def _run_kl(name):
@@ -137,6 +152,12 @@ def _register_loss(name):
     return register_loss_aggregation(name)(_sum_over_tokens)
 
 
+def _register_policy_loss(name):
+    from grpo.policy_losses import register_policy_loss
+
+    return register_policy_loss(name)(_reinforce)
+
+
 def _register_kl(name):
     from grpo.kl import register_kl_estimator
 
@@ -164,6 +185,8 @@ def _register_train(name):
 CASES = [
     Case(variants.ADVANTAGE_ESTIMATOR, _register_advantage, lambda v: [f"algorithm.advantage_estimator={v}"],
          lambda v: f"algorithm:\n  advantage_estimator: {v}\n", "rlo", "rloo", _run_advantage),
+    Case(variants.POLICY_LOSS, _register_policy_loss, lambda v: [f"algorithm.policy_loss={v}"],
+         lambda v: f"algorithm:\n  policy_loss: {v}\n", "cispoo", "cispo", _run_policy_loss),
     Case(variants.LOSS_AGGREGATION, _register_loss, lambda v: [f"algorithm.loss_agg={v}"],
          lambda v: f"algorithm:\n  kl_coef: 0.1\n  loss_agg: {v}\n", "token_mean", "token-mean", _run_loss),
     Case(variants.KL_ESTIMATOR, _register_kl, lambda v: [f"algorithm.kl_estimator={v}"],
@@ -310,6 +333,7 @@ def literal_copies(model: type[BaseModel], names: dict[str, set[str]], prefix: s
 def test_no_spec_field_copies_a_registrys_names_into_a_literal():
     names = registries()
     assert {"grpo.advantages.ADVANTAGE_ESTIMATORS", "grpo.losses.LOSS_AGGREGATIONS", "grpo.kl.KL_ESTIMATORS",
+            "grpo.policy_losses.POLICY_LOSSES",
             "grpo.off_policy.TIS_LEVELS", "grpo.off_policy.MIS_LEVELS", "grpo.rewards.REWARD_FUNCTIONS",
             "train_workers.registry.TRAIN_BACKENDS"} <= set(names)
     assert literal_copies(JobSpec, names, allowed=COINCIDENCES) == []

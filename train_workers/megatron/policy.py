@@ -30,9 +30,13 @@ predict response tokens (a forward pre-hook on ``output_layer`` picks their hidd
 - tp > 1: each rank holds Vp/tp vocabulary columns (``ColumnParallelLinear`` with ``parallel_output=True``);
   log p(y) = −``vocab_parallel_cross_entropy``(z, y) (``megatron/core/tensor_parallel/cross_entropy.py``: max, Σ exp
   and the target's logit all-reduced over the TP group, gradient softmax − one-hot on each rank's columns); the
-  entropy H = log Σ e − Σ e·(z − max) / Σ e with e = exp(z − max), reduced the same way, without gradient (as
-  ``grpo.logprobs.linear_logprobs`` returns it). The sampling filters need the whole distribution per position and
-  are refused at tp > 1 (:class:`MegatronResponseLogprobs` raises).
+  entropy H = log Σ e − Σ e·(z − max) / Σ e with e = exp(z − max), reduced the same way, differentiable
+  (:class:`_VocabParallelEntropy`), as ``grpo.logprobs.linear_logprobs`` returns it. The sampling filters need the
+  whole distribution per position and are refused at tp > 1 (:class:`MegatronResponseLogprobs` raises).
+
+The entropy carries its gradient (an entropy bonus in the loss trains the policy) when ``entropy_grad`` is set, which
+the worker does when ``algorithm.entropy_coef`` > 0; otherwise it is computed without a graph (it is then a metric
+only), saving the [M, V] softmax its backward would keep.
 """
 
 from __future__ import annotations
@@ -87,9 +91,9 @@ def causal_mask(n: int, s: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None].expand(n, 1, s, s)
 
 
-def _vocab_parallel_entropy(z: torch.Tensor, group) -> torch.Tensor:
-    """Entropy [M] float32 (nats, no gradient) of softmax(z) where z [M, Vp/tp] float32 is this rank's share of the
-    columns (−inf entries allowed) and ``group`` the tensor-parallel group holding the others."""
+def _vocab_parallel_entropy(z: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy [M], logsumexp [M]) float32, no gradient, of softmax(z) where z [M, Vp/tp] float32 is this rank's share
+    of the columns (−inf entries allowed) and ``group`` the tensor-parallel group holding the others."""
     with torch.no_grad():
         zmax = z.max(dim=-1).values
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
@@ -97,7 +101,27 @@ def _vocab_parallel_entropy(z: torch.Tensor, group) -> torch.Tensor:
         e = shifted.exp()
         sums = torch.stack([e.sum(-1), torch.where(e > 0, e * shifted, 0.0).sum(-1)])
         dist.all_reduce(sums, group=group)
-        return sums[0].log() - sums[1] / sums[0]
+        return sums[0].log() - sums[1] / sums[0], zmax + sums[0].log()
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Differentiable :func:`_vocab_parallel_entropy`. d H / d z_j = −p_j (log p_j + H) involves only this rank's
+    columns once p (through the global logsumexp) and H are known from the forward's all-reduces, so the backward is
+    local; the column-parallel output layer's backward all-reduces its input gradient over the TP group, as for
+    ``vocab_parallel_cross_entropy``. −inf columns (padding) get gradient 0 (log p floored at −1e4, where p = 0)."""
+
+    @staticmethod
+    def forward(ctx, z, group):
+        entropy, lse = _vocab_parallel_entropy(z, group)
+        ctx.save_for_backward(z, lse, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, lse, entropy = ctx.saved_tensors
+        logp = z - lse[:, None]
+        p = logp.exp()
+        return -(grad[:, None] * p * (logp.clamp(min=-1e4) + entropy[:, None])), None
 
 
 def refuse_vocab_parallel_filters(tp: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> None:
@@ -149,7 +173,7 @@ def stage_batch(input_ids: torch.Tensor, position_ids: torch.Tensor, logit_posit
 
 class MegatronResponseLogprobs(nn.Module):
     """``forward(input_ids [1, L], position_ids [1, L], logit_positions [M], targets [M])`` →
-    ``(logprobs [M] float32, entropy [M] float32 detached, or None)``: the signature of
+    ``(logprobs [M] float32, entropy [M] float32, or None)``: the signature of
     ``train_workers.policy.ResponseLogprobModel``, so ``train_workers.grpo_step``'s loss code runs unchanged.
 
     With pipeline parallelism the schedule calls :meth:`stage_forward` on each stage instead of ``forward``.
@@ -161,18 +185,20 @@ class MegatronResponseLogprobs(nn.Module):
         top_k, top_p, min_p: the rollout's sampling filters (``grpo.logprobs.filter_logits_``), tp = 1 only.
         compute_dtype: None runs the model in its parameters' dtype; bfloat16/float16 runs it on casts of the
             (float32) parameters to that dtype (:meth:`run_model`). Logprobs and entropies are float32 either way.
+        entropy_grad: the entropy carries its gradient under autograd (module docstring); False: a metric only.
 
     Raises:
         ValueError: a sampling filter is set with tensor parallelism (the message names the ``rollout.*`` field).
     """
 
     def __init__(self, model: nn.Module, vocab_size: int, temperature: float, *, top_k: int = 0, top_p: float = 1.0,
-                 min_p: float = 0.0, compute_dtype: torch.dtype | None = None):
+                 min_p: float = 0.0, compute_dtype: torch.dtype | None = None, entropy_grad: bool = True):
         super().__init__()
         from megatron.core import parallel_state as ps
 
         self.model = model
         self.compute_dtype = compute_dtype
+        self.entropy_grad = bool(entropy_grad)
         self.vocab_size = int(vocab_size)
         self.temperature = float(temperature)
         self.top_k, self.top_p, self.min_p = int(top_k), float(top_p), float(min_p)
@@ -231,8 +257,8 @@ class MegatronResponseLogprobs(nn.Module):
         """Run this rank's stage of the model on ``batch`` (positions 0..S-1 of each row, causal mask).
 
         Returns:
-            on the last pipeline stage (and at pp = 1), ``(logprobs [M] float32, entropy [M] float32 detached or
-            None)``; on other stages the hidden states [S, R, H] for the next stage (the stage's input comes from
+            on the last pipeline stage (and at pp = 1), ``(logprobs [M] float32, entropy [M] float32 or None)``; on
+            other stages the hidden states [S, R, H] for the next stage (the stage's input comes from
             ``GPTModel.set_input_tensor``, which megatron-core's schedule calls).
         """
         ids = batch.ids
@@ -253,22 +279,28 @@ class MegatronResponseLogprobs(nn.Module):
 
     def _response_logprobs(self, picked: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
         """Logits [M, Vp/tp] of the picked positions → (logprobs [M], entropy [M] or None) (module docstring)."""
+        grad = self.entropy_grad and torch.is_grad_enabled()
         if self.tp == 1:
             z = picked[:, : self.vocab_size]
             lp = logprobs_from_logits(z, targets, self.temperature, top_k=self.top_k, top_p=self.top_p,
                                       min_p=self.min_p)
             ent = None
             if with_entropy:  # of the distribution the tokens were sampled from: after the filters, as FSDP2's
-                with torch.no_grad():
-                    zs = z.detach().float() / self.temperature
-                    zs = filter_logits_(zs, targets, self.top_k, self.top_p, self.min_p)
-                    ent = entropy_from_logits(zs)
+                with torch.set_grad_enabled(grad):
+                    zs = z.float() / self.temperature
+                    with torch.no_grad():
+                        removed = torch.isneginf(filter_logits_(zs.detach().clone(), targets, self.top_k,
+                                                                self.top_p, self.min_p))
+                    ent = entropy_from_logits(zs.masked_fill(removed, float("-inf")))
             return lp, ent
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         part = picked.shape[-1]
         columns = torch.arange(self.tp_rank * part, (self.tp_rank + 1) * part, device=picked.device)
         z = (picked.float() / self.temperature).masked_fill(columns >= self.vocab_size, float("-inf"))
-        ent = _vocab_parallel_entropy(z.detach(), self.tp_group) if with_entropy else None
-        # vocab_parallel_cross_entropy subtracts the max from its input in place: z is not read afterwards
-        return -vocab_parallel_cross_entropy(z, targets), ent
+        ent = None
+        if with_entropy:
+            ent = _VocabParallelEntropy.apply(z, self.tp_group) if grad else \
+                _vocab_parallel_entropy(z.detach(), self.tp_group)[0]
+        # vocab_parallel_cross_entropy subtracts the max from its input in place: a copy when the entropy saved z
+        return -vocab_parallel_cross_entropy(z.clone() if ent is not None and grad else z, targets), ent

@@ -236,7 +236,8 @@ class MegatronTrainWorker:
         model.train(trainable)
         mixed = trainable and dtype != torch.float32
         return MegatronResponseLogprobs(model, layout.vocab_size, self.ctx.temperature, **self.ctx.sampling_filters,
-                                        compute_dtype=dtype if mixed else None)
+                                        compute_dtype=dtype if mixed else None,
+                                        entropy_grad=trainable and self.ctx.algorithm.entropy_coef > 0)
 
     def _same_tp_rank_group(self):
         """The process group of the ranks with this rank's tensor-parallel rank, over every pipeline stage and
