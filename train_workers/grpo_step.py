@@ -164,9 +164,11 @@ class GRPOStep:
                            kl=metrics["actor/kl"])
 
     def _correcting(self) -> bool:
-        """Whether an off-policy correction is on (``algorithm.tis_cap`` or ``algorithm.mis``): its metrics are
-        reported then only, so a job without one logs exactly the metrics it always did."""
-        return self.algorithm.tis_cap is not None or self.algorithm.mis is not None
+        """Whether the off-policy metrics are reported: with a correction on (``algorithm.tis_cap`` or
+        ``algorithm.mis``), or one turned off explicitly (``algorithm.off_policy_correction: none``, so the gap it
+        leaves is measured); a job without either logs exactly the metrics it always did."""
+        alg = self.algorithm
+        return alg.tis_cap is not None or alg.mis is not None or alg.off_policy_correction == "none"
 
     def _mis_keep(self, microbatches: list[PackedMicroBatch], saved: list[Saved]) -> tuple[int, int]:
         """Record ``algorithm.mis``'s keep mask in each micro-batch's :class:`Saved` (from the proximal logprobs of
