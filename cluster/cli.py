@@ -1,6 +1,7 @@
 """``grpo-cluster`` command line.
 
     grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
+        # reward functions the spec names ('file.py:function', 'module:function') are imported from the spec's folder
     grpo-cluster run SPEC.yaml --resume [--resume-past-trip]   # continue; past a reward-hacking guard stop only if told
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
@@ -49,8 +50,10 @@ def _cmd_run(args) -> int:
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    from cluster.loop.scoring import InfraFailureError
     from cluster.ray_shell.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
     from cluster.ray_shell.sync import SyncMemberError
+    from grpo.rewards import RewardError
     from weight_sync.verify import SyncVerificationError
 
     try:
@@ -60,7 +63,7 @@ def _cmd_run(args) -> int:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
     except (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, NumericsError, StaleSamplesError,
-            SyncVerificationError, ray.exceptions.RayError) as exc:
+            SyncVerificationError, InfraFailureError, RewardError, ray.exceptions.RayError) as exc:
         print(f"grpo-cluster: job failed: {type(exc).__name__}: {exc}\n"
               f"grpo-cluster: checkpoints written so far are kept; continue with `grpo-cluster run {args.spec} "
               f"--resume`", file=sys.stderr)

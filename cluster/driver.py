@@ -88,7 +88,7 @@ class GRPOJob:
                 part.check(self.model_path)
         tokenizer = load_tokenizer(self.model_path)
         d = spec.data
-        prompts = load_prompts(d, tokenizer)
+        prompts = load_prompts(d, tokenizer, spec.algorithm.rewards)  # rows checked for the rewards in use
         self.prompt_ids, self.bad_rows, self.prompts_filtered = prompts.ids, prompts.bad_rows, prompts.filtered
         self.sampler = PromptSampler(prompts.examples, spec.rollout.prompts_per_step, spec.seed, shuffle=d.shuffle)
         self.requests = PromptQueue(self.sampler, self.prompt_ids, spec.seed)

@@ -7,11 +7,7 @@ Submitted jobs load it with ``grpo-cluster submit ... --import tests.parity_rewa
 from __future__ import annotations
 
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-
-
-def parity_reward(completions: list[str], references: list[str]) -> list[float]:
-    """1.0 for a completion with an even number of characters, else 0.0."""
-    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]
+from tests.registered import parity_reward
 
 
 if "parity" not in REWARD_FUNCTIONS:

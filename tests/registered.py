@@ -32,3 +32,10 @@ def variant_registered(registry, name: str, register):
     finally:
         registry.pop(name, None)
         MODEL_PARALLEL_BACKENDS.discard(name)
+
+
+def parity_reward(completions: list[str], references: list[str]) -> list[float]:
+    """The test reward ``parity``: 1.0 for a completion with an even number of characters, else 0.0 (a random tiny
+    model never solves GSM8K; parity gives its groups unequal rewards, so a learning signal). Registered by
+    ``tests/parity_reward.py`` on import (submitted jobs), or for a module with :func:`temporarily_registered`."""
+    return [1.0 if len(c) % 2 == 0 else 0.0 for c in completions]

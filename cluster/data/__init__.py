@@ -1,18 +1,21 @@
-"""Prompt data: GSM8K-style jsonl loading, a deterministic resumable prompt sampler, chat prompts and their token ids.
+"""Prompt data: jsonl loading, a deterministic resumable prompt sampler, chat prompts and their token ids.
 
-Row format (one JSON object per line, UTF-8; blank lines ignored)::
+Row format (one JSON object per line, UTF-8; blank lines ignored), e.g. GSM8K's::
 
     {"question": "Natalia sold clips to 48 ...", "answer": "Natalia sold 48/2 = 24 ...\\n#### 72"}
 
-The reference (final) answer is the text after the last ``####`` in the answer, stripped (``"72"``); it must hold a
-number (``grpo.rewards.gsm8k.parse_reference``, which the accuracy reward uses), else the row is bad. GSM8K (MIT)
-is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project machines, or from
-https://github.com/openai/grade-school-math (``grade_school_math/data/``).
+or a task of one's own, with a chat prompt and extra columns every whole-row reward receives::
 
-The package also holds the other prompt sources (``sources``: local Hugging Face ``datasets`` files, reasoning-gym
-tasks), model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation (``evaluate``: pass@1 with
-the engine). May import ``grpo.rewards`` (answer parsing), ``cluster.spec``, transformers
-and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
+    {"prompt": [{"role": "user", "content": "What is 7 + 5?"}], "answer": "12", "difficulty": 1}
+
+How a row becomes an :class:`Example` (the prompt column, the other columns, the reference, what the job's rewards
+check) is :mod:`cluster.data.rows`. GSM8K (MIT) is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project
+machines, or from https://github.com/openai/grade-school-math (``grade_school_math/data/``).
+
+The package also holds the other prompt sources (``sources``: ``datasets`` files and hub ids, reasoning-gym tasks),
+model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation (``evaluate``: pass@1 with the
+engine). May import ``grpo.rewards``, ``cluster.spec``, transformers and, inside ``evaluate``, vLLM and
+``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
 """
 
 from __future__ import annotations
@@ -20,56 +23,26 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo.rewards.gsm8k import parse_reference
+from cluster.data.rows import (ANSWER_MARKER, BadRows, DataError, Example, RowFormat, as_example, extract_reference,
+                               parse_record, reference_of, row_columns)
 
-__all__ = ["DataError", "Example", "extract_reference", "load_jsonl_examples", "parse_record", "PromptSampler",
-           "build_chat_prompt", "chat_prompt_ids"]
-
-ANSWER_MARKER = "####"
+__all__ = ["ANSWER_MARKER", "BadRows", "DataError", "Example", "RowFormat", "as_example", "extract_reference",
+           "load_jsonl_examples", "parse_record", "reference_of", "row_columns", "PromptSampler",
+           "build_chat_prompt", "chat_prompt_ids", "chat_template_text"]
 
 _HOW_TO_GET_DATA = (
-    "Point data.train_path (and data.test_path) at a GSM8K-style jsonl file with one JSON object per line and "
-    "fields 'question' and 'answer' (the answer ending in '#### <final answer>'), e.g. "
-    "../shared/data/gsm8k/train.jsonl, or download GSM8K from https://github.com/openai/grade-school-math "
-    "(grade_school_math/data/train.jsonl) or the Hugging Face dataset 'openai/gsm8k' (config 'main')."
+    "Point data.train_path (and data.test_path) at a jsonl file with one JSON object per line: a prompt column "
+    "(data.prompt_field) and any other columns your rewards read, e.g. GSM8K's 'question' and 'answer' (the answer "
+    "ending in '#### <final answer>'): ../shared/data/gsm8k/train.jsonl, "
+    "https://github.com/openai/grade-school-math (grade_school_math/data/train.jsonl) or the Hugging Face dataset "
+    "'openai/gsm8k' (data.source: hf_hub). See docs/own_task.md."
 )
 
 
-class DataError(ValueError):
-    """A data file is missing or holds a malformed row; the message names ``file:line``."""
-
-
-@dataclass(frozen=True)
-class Example:
-    """One prompt row.
-
-    index: 0-based position of the row among the file's non-blank lines (stable whether bad rows are skipped or
-    not; use it as the prompt id). question: the question text. answer: the full answer field. reference: the
-    final answer after the last '####', stripped.
-    """
-
-    index: int
-    question: str
-    answer: str
-    reference: str
-
-
-def extract_reference(answer: str) -> str:
-    """The final answer after the last '####' in ``answer``, stripped; raises ValueError if there is none."""
-    head, marker, tail = answer.rpartition(ANSWER_MARKER)
-    if not marker:
-        raise ValueError(f"answer has no {ANSWER_MARKER!r} marker (expected '... {ANSWER_MARKER} <final answer>')")
-    reference = tail.strip()
-    if not reference:
-        raise ValueError(f"answer has nothing after its {ANSWER_MARKER!r} marker")
-    return reference
-
-
-def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -> Example:
+def _parse_line(raw: bytes, index: int, fmt: RowFormat) -> Example:
     """One non-blank line → Example; raises ValueError with the reason (no location)."""
     try:
         text = raw.decode("utf-8")
@@ -81,80 +54,62 @@ def _parse_row(raw: bytes, index: int, question_field: str, answer_field: str) -
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} at column {exc.pos + 1}") from None
     if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object with fields {question_field!r} and {answer_field!r}, "
+        raise ValueError(f"expected a JSON object with a prompt column {fmt.prompt_field!r} ({fmt.prompt_setting}), "
                          f"got {type(row).__name__}")
-    return parse_record(row, index, question_field, answer_field)
-
-
-def parse_record(row: dict[str, Any], index: int, question_field: str, answer_field: str) -> Example:
-    """One row as a dict (a JSON object, or a row of a Hugging Face dataset) → Example; raises ValueError with the
-    reason (no location): missing/non-string field, not valid Unicode, empty question, answer without '####' or
-    without a number after it."""
-    values = []
-    for field in (question_field, answer_field):
-        if field not in row:
-            raise ValueError(f"missing field {field!r}; the row has {sorted(row) or 'no fields'}")
-        if not isinstance(row[field], str):
-            raise ValueError(f"field {field!r}: expected a string, got {type(row[field]).__name__}")
-        try:  # JSON escapes can spell lone surrogates ("\ud800"): valid JSON, but no text a tokenizer can encode
-            row[field].encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"field {field!r}: not valid Unicode text (a lone surrogate at character "
-                             f"{exc.start})") from None
-        values.append(row[field])
-    question, answer = values
-    if not question.strip():
-        raise ValueError(f"field {question_field!r} is empty")
-    reference = extract_reference(answer)
-    try:
-        parse_reference(reference)  # what the driver hands the reward functions
-    except ValueError:
-        raise ValueError(f"field {answer_field!r}: expected a number after the last {ANSWER_MARKER!r} (the accuracy "
-                         f"reward compares numbers), got {_short(reference)}") from None
-    return Example(index=index, question=question, answer=answer, reference=reference)
-
-
-def _short(text: str, limit: int = 60) -> str:
-    return repr(text) if len(text) <= limit else repr(text[:limit - 3] + "...")
+    return parse_record(row, index, fmt)
 
 
 def load_jsonl_examples(path: str | Path, *, question_field: str = "question", answer_field: str = "answer",
-                        on_bad_row: Literal["error", "skip"] = "error") -> tuple[list[Example], int]:
-    """Read a GSM8K-style jsonl file.
+                        on_bad_row: Literal["error", "skip"] = "error", prompt_field: str | None = None,
+                        checks: Sequence = ()) -> tuple[list[Example], int]:
+    """Read a jsonl file of rows (module docstring; :func:`cluster.data.rows.parse_record`).
 
-    Returns (examples, skipped): skipped counts bad rows dropped with ``on_bad_row="skip"``. Raises DataError for a
-    missing/unreadable file, a file without usable rows, or (``on_bad_row="error"``) the first bad row as
-    ``file:line: reason`` (invalid UTF-8 or JSON, not an object, missing/non-string field, empty question, answer
-    without '####' or without a number after it, see ``grpo.rewards.gsm8k.parse_reference``).
+    Args:
+        path: the file.
+        question_field: the prompt column when ``prompt_field`` is None (the GSM8K name). answer_field: the answer
+            column. prompt_field: the prompt column (wins over ``question_field``).
+        on_bad_row: ``error`` stops at the end of the file naming the first bad row; ``skip`` drops and counts them.
+        checks: the row checks of the rewards the job uses (``grpo.rewards.checks.row_checks``); none by default, so
+            no row is refused for its answer's format.
+
+    Returns:
+        (examples, skipped): skipped counts bad rows dropped with ``on_bad_row="skip"``.
+
+    Raises:
+        DataError: a missing/unreadable file, a file without usable rows, or (``on_bad_row="error"``) a bad row as
+            ``file:line: reason (advice)``: invalid UTF-8 or JSON, not an object, no prompt column (the row's keys
+            listed, data.prompt_field suggested), an unusable prompt, or a row a reward the job uses refuses. The
+            advice says how many rows are bad and suggests ``data.on_bad_row: skip`` only when some rows are good.
     """
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row: expected 'error' or 'skip', got {on_bad_row!r}")
+    fmt = (RowFormat(prompt_field, answer_field, tuple(checks)) if prompt_field is not None else
+           RowFormat(question_field, answer_field, tuple(checks),
+                     f"data.prompt_field (unset, so data.question_field {question_field!r})"))
     path = Path(path)
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "not found"
         raise DataError(f"data file {path} {what} (absolute: {path.absolute()}). {_HOW_TO_GET_DATA}")
     examples: list[Example] = []
-    skipped = 0
-    index = 0
+    bad = BadRows(str(path))
     try:
         with path.open("rb") as fh:
             for line_no, raw in enumerate(fh, start=1):
                 if not raw.strip():
                     continue
                 try:
-                    examples.append(_parse_row(raw, index, question_field, answer_field))
+                    examples.append(_parse_line(raw, bad.total, fmt))
                 except ValueError as exc:
-                    if on_bad_row == "error":
-                        hint = "set data.on_bad_row: skip to drop bad rows"
-                        raise DataError(f"{path}:{line_no}: {exc} ({hint})") from None
-                    skipped += 1
-                index += 1
+                    bad.add(f"{path}:{line_no}", str(exc))
+                bad.total += 1
     except OSError as exc:
         raise DataError(f"{path}: cannot read data file: {exc}") from None
-    if not examples:
-        raise DataError(f"{path}: no usable rows ({skipped} bad rows skipped, {index} rows in all). "
-                        f"{_HOW_TO_GET_DATA}")
-    return examples, skipped
+    if bad.count and on_bad_row == "error":
+        raise bad.error()
+    empty = bad.empty(len(examples))
+    if empty is not None:
+        raise DataError(f"{empty} {_HOW_TO_GET_DATA}")
+    return examples, bad.count
 
 
 class PromptSampler:
@@ -223,22 +178,50 @@ class PromptSampler:
 
 
 def build_chat_prompt(example: Example, system_prompt: str | None, prompt_suffix: str = "") -> list[dict[str, str]]:
-    """Chat messages for one example: an optional system message, then the user message question + suffix.
+    """Chat messages for one example.
 
-    The suffix is appended as is (include any separating newline in it). The caller applies the tokenizer's chat
-    template.
+    A text prompt: an optional system message (``system_prompt``), then the user message prompt + suffix. A chat
+    prompt (a list of messages): its messages, with the ``system_prompt`` message put first unless it has a system
+    message of its own, and the suffix appended to its last user message. The suffix is appended as is (include any
+    separating newline in it). The caller applies the tokenizer's chat template.
     """
-    messages = []
-    if system_prompt:
-        messages.append({"role": "system", "content": system_prompt})
-    messages.append({"role": "user", "content": example.question + prompt_suffix})
+    prompt = example.prompt_as_given
+    if isinstance(prompt, str):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt + prompt_suffix})
+        return messages
+    messages = [dict(m) for m in prompt]
+    if system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if prompt_suffix:
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] += prompt_suffix
     return messages
 
 
+def chat_template_text(data) -> str | None:
+    """The chat template ``data.chat_template`` names: the text itself when it holds Jinja tags (``{%`` or ``{{``),
+    else the content of that file (a relative path was resolved against the spec file's folder when the spec was
+    loaded, like data paths); None when unset (the tokenizer's own template).
+
+    Raises:
+        DataError: naming ``data.chat_template``, when the file cannot be read.
+    """
+    value = getattr(data, "chat_template", None)
+    if value is None or "{%" in value or "{{" in value:
+        return value
+    path = Path(value).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"data.chat_template: {value!r} is neither a Jinja template (no '{{%' or '{{{{' in it) nor a "
+                        f"readable file ({type(exc).__name__}: {exc})") from None
+
+
 def chat_prompt_ids(tokenizer, examples: Sequence[Example], system_prompt: str | None,
-                    prompt_suffix: str = "") -> list[list[int]]:
-    """Token ids of each example's chat prompt (`build_chat_prompt` + the tokenizer's chat template with the
-    generation prompt): the one place prompts become token ids, for training (the driver), eval and the engine.
+                    prompt_suffix: str = "", chat_template: str | None = None) -> list[list[int]]:
+    """Token ids of each example's chat prompt (`build_chat_prompt` + the chat template with the generation
+    prompt): the one place prompts become token ids, for training (the driver), eval and the engine.
 
     The chat template writes every special token the prompt needs, BOS included; the text is then tokenized with
     ``add_special_tokens=False``, as ``apply_chat_template(tokenize=True)`` does. Tokenizing it with special tokens
@@ -247,15 +230,18 @@ def chat_prompt_ids(tokenizer, examples: Sequence[Example], system_prompt: str |
     the engine adds nothing either.
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template.
+        tokenizer: a Hugging Face tokenizer with a chat template (or any, with ``chat_template``).
         examples: the rows to render.
         system_prompt, prompt_suffix: as in `build_chat_prompt`.
+        chat_template: a Jinja chat template used instead of the tokenizer's (``data.chat_template``,
+            :func:`chat_template_text`); None keeps the tokenizer's.
 
     Returns:
         one list of int token ids per example, in order.
     """
+    extra = {} if chat_template is None else {"chat_template": chat_template}
     texts = [tokenizer.apply_chat_template(build_chat_prompt(ex, system_prompt, prompt_suffix), tokenize=False,
-                                           add_generation_prompt=True) for ex in examples]
+                                           add_generation_prompt=True, **extra) for ex in examples]
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -12,9 +12,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.data import chat_prompt_ids, load_jsonl_examples
+from cluster.data import Example, chat_prompt_ids, load_jsonl_examples
 from cluster.spec import DEFAULT_SYSTEM_PROMPT
+from grpo.rewards.checks import row_checks
 from grpo.rewards.gsm8k import accuracy_reward, format_reward
+
+
+def _gsm8k_rows(data: str) -> list[Example]:
+    """The rows of a GSM8K jsonl file, each checked for the accuracy reward (an answer ending in '#### <number>')."""
+    examples, _ = load_jsonl_examples(data, checks=row_checks({"accuracy": "--data"}))
+    return examples
 
 
 def check_eval_args(limit: int | None, max_tokens: int) -> None:
@@ -60,7 +67,7 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
 
     from cluster.data.models import resolve_model_path
 
-    examples, _ = load_jsonl_examples(data)
+    examples = _gsm8k_rows(data)
     examples = examples if limit is None else examples[:limit]
     path = resolve_model_path(model)
     if not torch.cuda.is_available():
@@ -104,7 +111,7 @@ def eval_questions(data: str, limit: int | None) -> list[str]:
         ValueError: ``limit`` not None or an int >= 1. DataError: the data file is missing or malformed.
     """
     check_eval_args(limit, 1)
-    examples, _ = load_jsonl_examples(data)
+    examples = _gsm8k_rows(data)
     return [e.question for e in (examples if limit is None else examples[:limit])]
 
 

@@ -3,8 +3,10 @@
 The held-out prompts run on the rollout engines, which hold the trainer's current weights after each step's sync, as
 :class:`contract.messages.GroupRequest` s with a :class:`contract.messages.SamplingOverride` (greedy by default, the
 eval's own length cap) and a fixed seed per prompt (:func:`eval_seed`: the same at every evaluation, so two
-evaluations differ only by the weights). Completions are scored with the registered reward functions
-(``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``; ``eval.format_reward``, default ``format``).
+evaluations differ only by the weights). Completions are scored with reward functions called as in training
+(``grpo.rewards.combine_rewards``: whole-row functions get the prompts and every column of the rows):
+``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``, and ``eval.format_reward``, default ``format``; the
+held-out rows must pass those rewards' row checks when they are loaded.
 
 Metrics (``eval/*``, on the metrics row of the step the evaluation ran after; the starting weights' evaluation is a
 row of its own with step 0):
@@ -37,12 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
+from cluster.data import DataError, Example, as_example, load_jsonl_examples, row_columns
 from cluster.data.sources import load_examples, load_hf_examples
 from cluster.loop.checkpoints import TRAINER_STATE
-from cluster.loop.setup import SetupError
+from cluster.loop.setup import SetupError, prompt_ids, reward_checks
 from contract.messages import GroupRequest, GroupResult, SamplingOverride
-from grpo.rewards import REWARD_FUNCTIONS
+from grpo.rewards import combine_rewards
 from grpo.stats import accuracy_estimate
 
 __all__ = ["EvalSet", "HeldOutEval", "eval_seed", "load_eval_set", "load_evaluation", "restore_best", "score_eval"]
@@ -77,32 +79,44 @@ class EvalSet:
     filtered: int
 
 
+def _held_out_split(data, checks) -> tuple[str, str, list[Example], int]:
+    """(field, what, examples, bad rows) of the source's own held-out split: ``data.test_path``, ``data.hub.
+    test_split`` or a ``reasoning_gym`` source's held-out seeds (its DataError names the data field already)."""
+    field, path = {"reasoning_gym": ("data.reasoning_gym", "reasoning-gym held-out split"),
+                   "hf_hub": ("data.hub.test_split", f"{data.hub.name}[{data.hub.test_split}]")}.get(
+        data.source, ("data.test_path", data.test_path))
+    examples, bad_rows = load_examples(data, "held_out", checks)
+    return field, path, examples, bad_rows
+
+
 def load_eval_set(ev, data, tokenizer) -> EvalSet:
-    """Read the held-out prompts with ``data``'s fields and prompt (system prompt, suffix), drop prompts over
-    ``data.max_prompt_tokens`` and keep the first ``eval.limit``. ``eval.data_path`` is read in the format of
-    ``data.source`` (jsonl, or the ``hf_datasets`` file format); without it, the source's own held-out split
-    (``data.test_path``, or a ``reasoning_gym`` source's held-out seeds).
+    """Read the held-out prompts with ``data``'s fields and prompt (system prompt, suffix, chat template), drop
+    prompts over ``data.max_prompt_tokens`` and keep the first ``eval.limit``. ``eval.data_path`` is read in the
+    format of ``data.source`` (jsonl, or the ``hf_datasets`` file format; a jsonl file for ``hf_hub``); without it,
+    the source's own held-out split (``data.test_path``, ``data.hub.test_split``, or a ``reasoning_gym`` source's
+    held-out seeds). Rows must pass the row checks of ``eval.accuracy_reward`` and ``eval.format_reward``.
 
     Args:
         ev: the spec's ``eval`` section. data: its ``data`` section. tokenizer: the model's tokenizer.
 
     Raises:
-        DataError: the file is missing, unreadable or has no usable rows, or every prompt is too long; prefixed with
-            the field that named the file.
+        DataError: the file is missing, unreadable or has no usable rows, a row the eval's rewards refuse, or every
+            prompt is too long; prefixed with the field that named the file.
     """
-    if ev.data_path is None:  # the source's own held-out split: data.test_path, or reasoning-gym's held-out seeds
-        field = "data.reasoning_gym" if data.source == "reasoning_gym" else "data.test_path"
-        path = "reasoning-gym held-out split" if data.source == "reasoning_gym" else data.test_path
-        examples, bad_rows = load_examples(data, "held_out")  # its DataError names the data field already
+    checks = (*reward_checks([ev.accuracy_reward], "eval.accuracy_reward"),
+              *reward_checks([ev.format_reward] if ev.format_reward else [], "eval.format_reward"))
+    if ev.data_path is None:
+        field, path, examples, bad_rows = _held_out_split(data, checks)
     else:
         field, path = "eval.data_path", ev.data_path
-        fields = dict(question_field=data.question_field, answer_field=data.answer_field, on_bad_row=data.on_bad_row)
+        fields = dict(question_field=data.question_field, answer_field=data.answer_field, on_bad_row=data.on_bad_row,
+                      prompt_field=data.prompt_field, checks=checks)
         try:
             examples, bad_rows = (load_hf_examples(path, file_format=data.file_format, split=data.split, **fields)
                                   if data.source == "hf_datasets" else load_jsonl_examples(path, **fields))
         except DataError as exc:
             raise DataError(f"{field}: {exc}") from None
-    ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
+    ids = prompt_ids(data, tokenizer, examples, str(path))
     kept = [(ex, list(tok)) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
     if not kept:
         raise DataError(f"{field}: {path}: all {len(examples)} prompts are longer than data.max_prompt_tokens="
@@ -112,36 +126,42 @@ def load_eval_set(ev, data, tokenizer) -> EvalSet:
                    bad_rows=bad_rows, filtered=len(examples) - len(kept))
 
 
-def _scores(name: str, texts: list[str], references: list[str]) -> list[float]:
-    """Reward function ``name`` on the completions; None/NaN → 0.0.
+def _scores(name: str, texts: list[str], rows: list[Example]) -> list[float]:
+    """Reward function ``name`` on the completions, one row (its Example) each, called as in training
+    (``grpo.rewards.combine_rewards``); None/NaN → 0.0.
 
     Raises:
         ValueError: a score outside [0, 1] (eval rates need 1 = pays, 0 = does not), naming the function.
+        RewardError: the function raised, or returned the wrong number of values or non-numbers.
     """
+    result = combine_rewards(texts, [ex.reference for ex in rows], {name: 1.0},
+                             prompts=[ex.prompt_as_given for ex in rows], columns=row_columns(rows))
     out = []
-    for value in REWARD_FUNCTIONS[name](texts, references):
-        value = 0.0 if value is None or math.isnan(value) else float(value)
+    for value in result.per_function[name].tolist():
+        value = 0.0 if math.isnan(value) else float(value)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"eval: reward function {name!r} gave {value!r}; eval needs scores in [0, 1]")
         out.append(value)
     return out
 
 
-def score_eval(groups: list[GroupResult], references: list[str], accuracy_reward: str,
+def score_eval(groups: list[GroupResult], rows: list[Example] | list[str], accuracy_reward: str,
                format_reward: str | None) -> dict[str, float]:
     """The ``eval/*`` figures of P groups of k completions (module docstring), without timing and best-step keys.
 
     Args:
-        groups: P results, one per held-out prompt, each with k completions. references: P final answers.
-        accuracy_reward, format_reward: registered reward function names (``format_reward`` None: no format rate).
+        groups: P results, one per held-out prompt, each with k completions.
+        rows: P held-out rows (their Examples; a bare reference string stands for a row with only a reference).
+        accuracy_reward, format_reward: reward function names (``format_reward`` None: no format rate).
 
     Raises:
         ValueError: no groups, groups of different k, or a score outside [0, 1].
     """
+    rows = [as_example(r) for r in rows]
     # correct = full credit: a partial score (reasoning-gym's decimal scorer pays 0.75 for "-191" against 191) is a
     # wrong answer, so pass@1 and its Wilson interval are of 0/1 outcomes
-    per_problem = [[1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, g.texts, [ref] * len(g.texts))]
-                   for g, ref in zip(groups, references, strict=True)]
+    per_problem = [[1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, g.texts, [ex] * len(g.texts))]
+                   for g, ex in zip(groups, rows, strict=True)]
     est = accuracy_estimate(per_problem)
     lengths = [len(ids) for g in groups for ids in g.response_ids]
     reasons = [r for g in groups for r in g.finish_reasons]
@@ -151,8 +171,8 @@ def score_eval(groups: list[GroupResult], references: list[str], accuracy_reward
                "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
     if format_reward is not None:
         texts = [t for g in groups for t in g.texts]
-        refs = [ref for g, ref in zip(groups, references) for _ in g.texts]
-        metrics["eval/format_rate"] = sum(_scores(format_reward, texts, refs)) / len(texts)
+        per_row = [ex for g, ex in zip(groups, rows) for _ in g.texts]
+        metrics["eval/format_rate"] = sum(_scores(format_reward, texts, per_row)) / len(texts)
     return metrics
 
 
@@ -170,7 +190,7 @@ class HeldOutEval:
         sampling = SamplingOverride(temperature=ev.temperature, max_tokens=max_tokens)
         self.requests = [GroupRequest(group_id=i, prompt_ids=ids, group_size=ev.samples, seed=eval_seed(seed, i),
                                       sampling=sampling) for i, ids in enumerate(evalset.prompt_ids)]
-        self.references = [ex.reference for ex in evalset.examples]
+        self.rows = list(evalset.examples)
         self.best_step: int | None = None
         self.best_accuracy: float | None = None
         self._new_best_at: int | None = None  # step of the last evaluation, when it set a new best
@@ -190,7 +210,7 @@ class HeldOutEval:
         """
         t0 = time.perf_counter()
         groups = generate(self.requests)
-        metrics = score_eval(groups, self.references, self.ev.accuracy_reward, self.ev.format_reward)
+        metrics = score_eval(groups, self.rows, self.ev.accuracy_reward, self.ev.format_reward)
         self._new_best_at = None
         if self.best_accuracy is None or metrics["eval/accuracy"] > self.best_accuracy:
             self.best_step, self.best_accuracy, self._new_best_at = step, metrics["eval/accuracy"], step

@@ -22,7 +22,7 @@ import torch
 
 from contract.batches import RolloutBatch
 
-__all__ = ["GroupSizeController", "SamplingResult", "informative_group_ids", "sample_groups"]
+__all__ = ["GroupSizeController", "SamplingResult", "informative_group_ids", "sample_groups", "scored_group_count"]
 
 
 def informative_group_ids(advantages: torch.Tensor, group_ids: torch.Tensor) -> list[int]:
@@ -33,10 +33,17 @@ def informative_group_ids(advantages: torch.Tensor, group_ids: torch.Tensor) -> 
     return [gid for gid, informative in seen.items() if informative]
 
 
+def scored_group_count(rewards: torch.Tensor, group_ids: torch.Tensor) -> int:
+    """Groups with at least one completion that has a reward (not NaN): a group whose every completion is an
+    infrastructure failure (``cluster.loop.scoring``) counts as if it had not been sampled."""
+    return int(torch.unique(group_ids[~rewards.isnan()]).numel())
+
+
 @dataclass
 class SamplingResult:
     """batch: the groups to train on. sampled: every group sampled this step (for reward/length metrics).
-    rounds: sampling rounds used. all_equal_fraction: fraction of sampled groups whose advantages are all zero."""
+    rounds: sampling rounds used. all_equal_fraction: fraction of sampled groups whose advantages are all zero
+    (groups without any reward, all infrastructure failures, are not counted)."""
 
     batch: RolloutBatch
     sampled: RolloutBatch
@@ -82,7 +89,7 @@ def sample_groups(sample_round: Callable[[int], RolloutBatch], prompts_per_step:
         batch = sample_round(k)
         rounds.append(batch)
         groups = informative_group_ids(batch.advantages, batch.group_ids)
-        sampled_groups += int(torch.unique(batch.group_ids).numel())
+        sampled_groups += scored_group_count(batch.rewards, batch.group_ids)
         informative_seen += len(groups)
         gids = batch.group_ids.tolist()
         for gid in groups[:max(0, missing)]:

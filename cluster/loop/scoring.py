@@ -2,16 +2,26 @@
 
 Notation: B groups, G completions each, N = B·G rows. Rewards are per completion, so scoring each engine's groups as
 soon as that engine finishes (:class:`RoundScorer`) and joining them in request order gives the same batch as scoring
-all groups at once.
+all groups at once. Reward functions see each completion's whole row (``grpo.rewards.combine_rewards``: its prompt as
+given and every column of its :class:`cluster.data.Example`).
+
+Infrastructure failures are not policy failures. A completion without a reward (a weighted function gave None, raised
+with ``algorithm.reward_on_error: none``, or timed out in a reward pool) has total reward NaN: it is left out of its
+group's mean and std (``grpo.advantages``: advantage 0), out of the loss (``valid_lengths`` 0: none of its tokens
+count, nor does it count as a sequence) and out of the step's reward, length and group metrics
+(``cluster.loop.step_metrics``), which therefore equal those of the same round without it; it is counted in
+``reward/infra_failed``. A round where more than ``algorithm.max_infra_failed_fraction`` of the completions (or all of
+them) have none raises :class:`InfraFailureError` before anything is trained.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
-from cluster.data import Example
+from cluster.data import Example, as_example, row_columns
 from contract.batches import RolloutBatch
 from contract.messages import GroupRequest, GroupResult
 from grpo.advantages import compute_multi_reward_advantages
@@ -20,6 +30,36 @@ from grpo.rewards import OVERLONG_PENALTY_KEY, CombinedRewards, combine_rewards,
 
 #: Key of the DAPO overlong penalty among the reward components (``reward/overlong_penalty``).
 OVERLONG = OVERLONG_PENALTY_KEY
+
+
+class InfraFailureError(RuntimeError):
+    """Too many completions of a sampling round got no reward (``algorithm.max_infra_failed_fraction``); the
+    message names the field, the counts and the functions that gave none."""
+
+
+def check_infra_failures(total: torch.Tensor, per_function: dict[str, torch.Tensor], weights: dict[str, float],
+                         limit: float) -> int:
+    """The number of completions without a reward (NaN ``total``); raises when there are too many.
+
+    Args:
+        total: [N] float32 total rewards. per_function: name → [N] unweighted rewards.
+        weights: name → weight in use.
+        limit: ``algorithm.max_infra_failed_fraction``.
+
+    Raises:
+        InfraFailureError: the failed fraction exceeds ``limit``, or every completion failed (nothing to train on).
+    """
+    n, failed = total.numel(), int(total.isnan().sum())
+    if not failed or (failed < n and failed / n <= limit):
+        return failed
+    by_function = ", ".join(f"{name} {int(values.isnan().sum())}" for name, values in per_function.items()
+                            if weights.get(name, 0.0) != 0.0 and values.isnan().any())
+    what = "every completion" if failed == n else f"{failed} of {n} completions ({failed / n:.1%})"
+    raise InfraFailureError(
+        f"algorithm.max_infra_failed_fraction: {what} of this sampling round got no reward (no score from "
+        f"{by_function or 'the reward functions'}: None, a raise with algorithm.reward_on_error 'none', or a timeout), "
+        f"over the allowed {limit:g}. These are infrastructure failures (the verifier could not run), not the "
+        f"policy's: fix the reward function or its service, or raise algorithm.max_infra_failed_fraction")
 
 
 def flatten_groups(groups: list[GroupResult], references: list[str]) -> dict:
@@ -72,41 +112,53 @@ class Scoring:
         self.algorithm, self.max_response_tokens, self.eos_ids = algorithm, max_response_tokens, eos_ids
         self.weights = dict(algorithm.rewards)
 
-    def rewards(self, texts: list[str], references: list[str]) -> CombinedRewards:
-        """The reward functions on N completions (one reference each).
+    def rewards(self, texts: list[str], rows: Sequence[Example | str]) -> CombinedRewards:
+        """The reward functions on N completions, one row each (its Example: prompt, columns and reference; a bare
+        reference string stands for a row with nothing else).
 
         Raises:
-            RuntimeError: a reward function raised and ``algorithm.reward_on_error`` is ``raise``.
+            RewardError: a reward function raised and ``algorithm.reward_on_error`` is ``raise``, or broke its
+                contract (wrong count, non-numbers).
         """
-        alg = self.algorithm
-        return combine_rewards(texts, references, self.weights, on_error=alg.reward_on_error)
+        rows = [as_example(r) for r in rows]
+        return combine_rewards(texts, [r.reference for r in rows], self.weights,
+                               on_error=self.algorithm.reward_on_error, prompts=[r.prompt_as_given for r in rows],
+                               columns=row_columns(rows))
 
-    def score(self, groups: list[GroupResult], references: list[str],
+    def score(self, groups: list[GroupResult], rows: Sequence[Example | str],
               scored_groups: list[CombinedRewards] | None = None) -> RolloutBatch:
-        """Score ``groups`` (one reference each, in order) into a batch with rewards, masks and advantages.
+        """Score ``groups`` (one row each, in order: its Example, or a bare reference string) into a batch with
+        rewards, masks and advantages.
 
         ``scored_groups`` are the groups' reward-function results when they were already computed as the groups
         arrived (one per group, in ``groups`` order); rewards are per completion, so joining them is exact.
 
         Only the response ids count for EOS (a prompt holding an EOS id terminates nothing); tokens after the first
         EOS are masked; with ``mask_truncated`` a completion without EOS is masked whole but keeps its place (and
-        reward) in its group.
+        reward) in its group. A completion without a reward (NaN total) is masked whole and has advantage 0
+        (module docstring).
+
+        Raises:
+            InfraFailureError: too many completions without a reward (``algorithm.max_infra_failed_fraction``).
         """
         alg = self.algorithm
-        rows = flatten_groups(groups, references)
+        examples = [as_example(r) for r in rows]
+        rows = flatten_groups(groups, [ex.reference for ex in examples])
         valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids)
-        scored = (self.rewards(rows["texts"], rows["references"]) if scored_groups is None
-                  else join_rewards(scored_groups))
+        per_row = [ex for g, ex in zip(groups, examples) for _ in g.texts]
+        scored = self.rewards(rows["texts"], per_row) if scored_groups is None else join_rewards(scored_groups)
         per_function, weights, total = dict(scored.per_function), dict(self.weights), scored.total
         if alg.overlong_buffer_tokens is not None:
             penalty = overlong_penalty(valid_lengths, self.max_response_tokens, alg.overlong_buffer_tokens,
                                        alg.overlong_penalty_factor)
             per_function[OVERLONG], weights[OVERLONG], total = penalty, 1.0, total + penalty
+        check_infra_failures(total, per_function, weights, alg.max_infra_failed_fraction)
         advantages = compute_multi_reward_advantages(
             per_function, weights, rows["group_ids"], alg.advantage_estimator, combine=alg.reward_combine,
             eps=alg.adv_eps, std=alg.adv_std)
-        if alg.mask_truncated:
-            valid_lengths = [v if t else 0 for v, t in zip(valid_lengths, terminated)]
+        failed = total.isnan().tolist()
+        valid_lengths = [0 if f or (alg.mask_truncated and not t) else v
+                         for v, t, f in zip(valid_lengths, terminated, failed)]
         return RolloutBatch(**rows, valid_lengths=valid_lengths, terminated=terminated, rewards=total,
                             per_function=per_function, advantages=advantages,
                             num_failed=sum(scored.num_failed.values()))
@@ -126,8 +178,8 @@ class RoundScorer:
 
     def __init__(self, scoring: Scoring, requests: list[GroupRequest], examples: list[Example]):
         self.scoring = scoring
-        self.references = [ex.reference for ex in examples]
-        self._by_group = {q.group_id: ex.reference for q, ex in zip(requests, examples)}
+        self.examples = list(examples)
+        self._by_group = {q.group_id: ex for q, ex in zip(requests, examples)}
         self._early: dict[int, CombinedRewards] = {}
         self.seconds = 0.0
 
@@ -143,4 +195,4 @@ class RoundScorer:
 
     def batch(self, groups: list[GroupResult]) -> RolloutBatch:
         """The round's batch; ``groups`` in request order, every one seen by :meth:`on_groups`."""
-        return self.scoring.score(groups, self.references, [self._early[g.group_id] for g in groups])
+        return self.scoring.score(groups, self.examples, [self._early[g.group_id] for g in groups])

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.data import DataError, Example, chat_prompt_ids
+from cluster.data import DataError, Example, chat_prompt_ids, chat_template_text
 from cluster.data.models import ModelError
 from cluster.data.sources import describe_source, load_examples
 from grpo.eos import eos_token_ids
+from grpo.rewards.checks import row_checks
 
 
 class SetupError(RuntimeError):
@@ -84,20 +86,52 @@ def model_eos_ids(model_path: str, tokenizer) -> frozenset[int]:
     return eos_token_ids(config_eos, tokenizer.eos_token_id)
 
 
-def load_prompts(data, tokenizer) -> Prompts:
+def reward_checks(names: Sequence[str], field: str) -> tuple:
+    """The row checks (``grpo.rewards.checks``) of the rewards ``names``, which the spec field ``field`` names.
+
+    Raises:
+        DataError: naming ``field``, when a reward's function cannot be used (its signature).
+    """
+    from grpo.rewards import RewardError
+
+    try:
+        return row_checks({name: field for name in names})
+    except (RewardError, ValueError) as exc:
+        raise DataError(f"{field}: {exc}") from None
+
+
+def prompt_ids(data, tokenizer, examples: Sequence[Example], what: str) -> list[list[int]]:
+    """:func:`cluster.data.chat_prompt_ids` of ``examples`` with ``data``'s system prompt, suffix and chat template.
+
+    Raises:
+        DataError: naming ``data.chat_template`` when the template cannot render a prompt (``what``: the prompts'
+            source, for the message).
+    """
+    template = chat_template_text(data)
+    try:
+        return chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix, template)
+    except Exception as exc:  # noqa: BLE001 - jinja2 and the tokenizer raise many types; the template is the cause
+        if template is None:
+            raise
+        raise DataError(f"data.chat_template: cannot render the prompts of {what}: {type(exc).__name__}: {exc}") \
+            from None
+
+
+def load_prompts(data, tokenizer, rewards: Mapping[str, float] | Sequence[str] = ()) -> Prompts:
     """Read the training prompts from ``data.source`` (``data.train_path`` by default), chat-template and tokenize
     every prompt once, and drop (and count) those over ``data.max_prompt_tokens``.
 
     Args:
         data: the spec's ``data`` section.
-        tokenizer: the model's tokenizer (its chat template builds the prompts).
+        tokenizer: the model's tokenizer (its chat template builds the prompts, unless ``data.chat_template``).
+        rewards: the rewards that score these prompts (``algorithm.rewards``): each row must pass their checks.
 
     Raises:
-        DataError: the source cannot be read (prefixed with its spec field, ``data.train_path:``), or every prompt is
-            too long.
+        DataError: the source cannot be read (prefixed with its spec field, ``data.train_path:``), a row a reward
+            refuses, an unusable chat template, or every prompt is too long.
     """
-    examples, bad_rows = load_examples(data, "train")
-    ids = chat_prompt_ids(tokenizer, examples, data.system_prompt, data.prompt_suffix)
+    examples, bad_rows = load_examples(data, "train", reward_checks(list(rewards), "algorithm.rewards"))
+    ids = prompt_ids(data, tokenizer, examples, describe_source(data))
     kept = [(ex, tok) for ex, tok in zip(examples, ids) if len(tok) <= data.max_prompt_tokens]
     if not kept:
         raise DataError(f"{describe_source(data)}: all {len(examples)} prompts are longer than "

@@ -104,16 +104,21 @@ class StepBatch:
 
 def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_train: int) -> dict:
     """Rewards, group, length and sampling figures of every group sampled (``sampling.sampled``) and of the groups
-    trained on (``sampling.batch``); staleness is the trainer's version at train time minus each row's."""
+    trained on (``sampling.batch``); staleness is the trainer's version at train time minus each row's. Completions
+    without a reward (infrastructure failures, NaN total: ``cluster.loop.scoring``) are counted in
+    ``reward/infra_failed`` and left out of the ``reward/*``, ``response_length/*`` and ``groups/*`` figures, which
+    equal those of the same step without them."""
     sampled, batch = sampling.sampled, sampling.batch
-    lengths = torch.tensor([len(r) for r in sampled.response_ids], dtype=torch.float32)
+    scored = [i for i, failed in enumerate(sampled.rewards.isnan().tolist()) if not failed]  # infra failures left out
+    lengths = torch.tensor([len(sampled.response_ids[i]) for i in scored], dtype=torch.float32)
     staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
     return {
         **reward_metrics(sampled.rewards, sampled.per_function, sampled.num_failed),
         "groups/all_equal_fraction": sampling.all_equal_fraction,
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": 1.0 - sum(sampled.terminated) / len(sampled),
+        "response_length/mean": float(lengths.mean()) if scored else float("nan"),
+        "response_length/max": float(lengths.max()) if scored else float("nan"),
+        "response_length/clip_ratio": (1.0 - sum(sampled.terminated[i] for i in scored) / len(scored)) if scored
+        else float("nan"),
         "rollout/group_size": group_size,
         "rollout/sampling_rounds": sampling.rounds,
         "rollout/groups_sampled": sampling.num_groups_sampled,

@@ -77,11 +77,17 @@ def _cmd_submit(args) -> int:
               f"job's temporary working dir; use an absolute path on shared storage to keep it "
               f"(--set output_dir=/path)", file=sys.stderr)
     try:
+        from pathlib import Path
+
+        from cluster.ops.reward_files import reward_files
+
+        root = Path(args.working_dir) if args.working_dir else jobs.project_root()
+        shipped = reward_files(spec, Path(args.spec).resolve().parent, root)  # refused here, before connecting
         client = jobs.connect(args.address)  # checks the address before anything is derived from it
         python = _python(args)
         job_id = jobs.submit_spec(client, spec, python=python, imports=args.imports or (), pip=args.pip or (),
                                   env=env, working_dir=args.working_dir, submission_id=args.job_id,
-                                  source=args.spec)
+                                  source=args.spec, extra_files=shipped)
     except jobs.JobsError as exc:
         return _fail("submit", str(exc))
     print(job_id)

@@ -74,6 +74,16 @@ def held_out_summary(data) -> str:
             f"problems)")
 
 
+def reward_summary(spec) -> str:
+    """Each weighted reward function with its weight and where it is defined (file:line), e.g.
+    ``reward.py:correct x1 (examples/own_task/reward.py:14)``."""
+    from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.rewards.calling import where_defined
+
+    return ", ".join(f"{name} x{weight:g} ({where_defined(REWARD_FUNCTIONS[name])})"
+                     for name, weight in spec.algorithm.rewards.items())
+
+
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
@@ -102,6 +112,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
          + (f"; on cores {t.cpu_affinity}" if t.cpu_affinity is not None else "") + (
             f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
             f"{t.lora.sync}" if t.lora is not None else "")),
+        ("rewards", reward_summary(s)),
         ("off-policy", describe_off_policy(s.algorithm, r)),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
         ("cluster", cluster),

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
+                      model_validator)
 
 from cluster.spec.variants import ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, TIS_LEVEL
 
 __all__ = ["DEFAULT_TIS_CAP", "OFF_POLICY_MODES", "REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec",
-           "algorithm_conflicts", "describe_off_policy", "effective_algorithm", "off_policy_warning", "reward_names"]
+           "algorithm_conflicts", "check_reward_key", "describe_off_policy", "effective_algorithm",
+           "off_policy_warning", "reward_names"]
 
 MAX_GROUP_SIZE = 1024
 """Largest G (completions per prompt) any setting may ask for; ``rollout.group_size`` has the same bound."""
@@ -36,16 +38,43 @@ You Off-Policy RL Training") and of the peers that ship it (verl's and slime's T
 OFF_POLICY_MODES = ("one_step_off", "async")
 """``rollout.mode`` values whose samples come from an older policy than the one that trains on them."""
 
-REWARD_NAMES: tuple[str, ...] = ("accuracy", "format")
+REWARD_NAMES: tuple[str, ...] = ("accuracy", "format", "math")
 """Builtin reward functions a spec may weight in ``algorithm.rewards`` (more may be registered, see reward_names)."""
 
 
 def reward_names() -> tuple[str, ...]:
-    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format), read at validation time so
-    functions registered by user code before the spec is loaded are accepted."""
+    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format, math, reasoning_gym), read
+    at validation time so functions registered by user code before the spec is loaded are accepted; keys a spec named
+    by location (``file.py:function``), registered when it was loaded, are not listed."""
     from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.rewards.loading import is_location
 
-    return tuple(sorted(REWARD_FUNCTIONS))
+    return tuple(sorted(name for name in REWARD_FUNCTIONS if not is_location(name)))  # not keys a spec loaded
+
+
+def check_reward_key(key: str, info: ValidationInfo | None = None) -> str:
+    """A reward key of the spec: a registered name, or ``module:function`` / ``path/to/file.py:function``, which
+    is imported now (relative to the spec file's folder, the validation context's ``base_dir``, else the working
+    folder) and registered under the key (``grpo.rewards.loading.register_spec_reward``).
+
+    Raises:
+        ValueError: an unknown name (listing the registered ones and how to add one), or a function that cannot be
+            loaded (the message names the file and line).
+    """
+    from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.rewards.calling import RewardError
+    from grpo.rewards.loading import HOW_TO_NAME_A_REWARD, is_location, register_spec_reward
+
+    if not is_location(key):
+        if key in REWARD_FUNCTIONS:
+            return key
+        raise ValueError(f"unknown reward {key!r}; allowed: {', '.join(reward_names())}; {HOW_TO_NAME_A_REWARD}")
+    base_dir = (info.context or {}).get("base_dir") if info is not None else None
+    try:
+        register_spec_reward(key, base_dir)
+    except RewardError as exc:
+        raise ValueError(str(exc)) from None
+    return key
 
 
 class FieldConflict(ValueError):
@@ -142,14 +171,23 @@ class AlgorithmSpec(BaseModel):
         "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
     # ---- rewards
     rewards: dict[str, StrictFloat] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
-        f"Reward function name -> weight; names from {', '.join(REWARD_NAMES)}."))
+        f"Reward function -> weight. A key is a registered name (builtins: {', '.join(REWARD_NAMES)}, "
+        "reasoning_gym), 'module:function', or 'path/to/file.py:function' (relative to the spec file); the "
+        "function is called fn(prompts=..., completions=..., **columns) or fn(completions, references) and returns "
+        "one float or None (no score) per completion (docs/own_task.md)."))
     reward_combine: Literal["sum-then-normalise", "normalise-then-sum"] = Field(
         "sum-then-normalise", description=(
             "sum-then-normalise: advantage of the weighted reward sum; normalise-then-sum: weighted sum of each "
             "reward's own group advantage."))
     reward_on_error: Literal["raise", "none"] = Field("raise", description=(
         "A reward function that raises: 'raise' fails the step naming it; 'none' gives its completions no reward "
-        "(counted in reward/failed)."))
+        "(counted in reward/failed), an infrastructure failure like a None score."))
+    max_infra_failed_fraction: float = Field(0.5, strict=True, ge=0, le=1, description=(
+        "Completions without a reward (a function returned None, or raised with reward_on_error 'none': an "
+        "infrastructure failure, not the policy's) are left out of their group's statistics, of the loss and of "
+        "the step's metrics, and counted in reward/infra_failed. A sampling round (the step's batch, without "
+        "dynamic sampling) where more than this fraction of completions have none stops the job naming this field; "
+        "one where every completion has none always stops it. 0 stops at the first."))
     # ---- truncated completions
     mask_truncated: bool = Field(False, description=(
         "Completions without EOS (cut at max_response_tokens) are masked out of the loss (DAPO overlong filtering)."))
@@ -175,7 +213,7 @@ class AlgorithmSpec(BaseModel):
 
     @field_validator("rewards")
     @classmethod
-    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+    def _known_rewards(cls, rewards: dict[str, float], info: ValidationInfo) -> dict[str, float]:
         from grpo.rewards import RESERVED_REWARD_NAMES
 
         reserved = sorted(set(rewards) & RESERVED_REWARD_NAMES)
@@ -183,9 +221,14 @@ class AlgorithmSpec(BaseModel):
             raise ValueError(f"reward name {reserved[0]!r} is reserved: reward/{reserved[0]} is a metric the driver "
                              f"reports (reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))}); rename the function")
         allowed = reward_names()
-        unknown = sorted(set(rewards) - set(allowed))
+        from grpo.rewards.loading import HOW_TO_NAME_A_REWARD, is_location
+
+        unknown = sorted(k for k in set(rewards) - set(allowed) if not is_location(k))
         if unknown:
-            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}")
+            raise ValueError(f"unknown reward {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}; "
+                             f"{HOW_TO_NAME_A_REWARD}")
+        for key in rewards:
+            check_reward_key(key, info)
         if not rewards:
             raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
         return rewards

@@ -12,9 +12,9 @@ registered reward names).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-from cluster.spec.algorithm import FieldConflict, reward_names
+from cluster.spec.algorithm import FieldConflict, check_reward_key
 from cluster.spec.fields import MAX_SEQUENCE_TOKENS, MIN_TEMPERATURE, SPEC_CONFIG
 
 __all__ = ["MAX_EVAL_SAMPLES", "EvalSpec", "eval_conflicts"]
@@ -49,10 +49,11 @@ class EvalSpec(BaseModel):
         "Sampling temperature; 0 is greedy decoding. A value in (0, 0.01) is refused (vLLM would raise it to "
         "0.01). Sampling uses top_p 1, top_k off and a fixed seed per prompt and sample, the same at every eval."))
     accuracy_reward: str = Field("accuracy", min_length=1, description=(
-        "Registered reward function (grpo.rewards) whose score, in [0, 1] with 1 = correct, is eval/accuracy."))
+        "Reward function (a registered name, 'module:function' or 'path/to/file.py:function', as in "
+        "algorithm.rewards) whose score, in [0, 1] with 1 = correct, is eval/accuracy."))
     format_reward: str | None = Field("format", min_length=1, description=(
-        "Registered reward function reported as eval/format_rate (the fraction of completions it pays, mean "
-        "score); null reports none."))
+        "Reward function (as accuracy_reward) reported as eval/format_rate (the fraction of completions it pays, "
+        "mean score); null reports none."))
 
     @field_validator("temperature")
     @classmethod
@@ -64,11 +65,8 @@ class EvalSpec(BaseModel):
 
     @field_validator("accuracy_reward", "format_reward")
     @classmethod
-    def _known_reward(cls, name: str | None) -> str | None:
-        allowed = reward_names()
-        if name is not None and name not in allowed:
-            raise ValueError(f"unknown reward {name!r}; allowed: {', '.join(allowed)}")
-        return name
+    def _known_reward(cls, name: str | None, info: ValidationInfo) -> str | None:
+        return None if name is None else check_reward_key(name, info)
 
     @model_validator(mode="after")
     def _samples_need_sampling(self) -> EvalSpec:
@@ -89,9 +87,11 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
     accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
     out = []
     generated = data.source == "reasoning_gym"
-    if ev.data_path is None and data.test_path is None and not generated:
+    hub_split = data.source == "hf_hub" and data.hub.test_split is not None
+    if ev.data_path is None and data.test_path is None and not generated and not hub_split:
+        split = " or data.hub.test_split" if data.source == "hf_hub" else " (or data.test_path)"
         out.append(FieldConflict("eval.data_path", (
-            "expected a held-out file: set eval.data_path (or data.test_path), got neither")))
+            f"expected a held-out file: set eval.data_path{split}, got neither")))
     if generated and ev.data_path is None and ev.accuracy_reward != "reasoning_gym":
         out.append(FieldConflict("eval.accuracy_reward", (
             "the held-out split of data.source 'reasoning_gym' is scored by the task's own scorer: expected "

@@ -6,11 +6,15 @@ Loading (:func:`load_spec`)::
 
 - Overrides are ``dotted.key=value``; the value is parsed as YAML (``4`` → int, ``true`` → bool, ``[1, 2]`` →
   list, an empty value → null). An unknown dotted key is an error that lists the valid keys at that level.
-- Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` written in the YAML file are
-  resolved against the YAML file's folder when the file exists there (so a spec can name data next to it),
-  otherwise they are left as written, relative to the working directory. ``model.path`` likewise, when it names an
-  existing folder next to the spec. Everything else (``output_dir``, ``checkpoint.dir``, ``model.cache_dir``) is
-  relative to the working directory, as for any CLI tool. Values given with ``--set`` are never rewritten.
+- Relative paths: ``data.train_path`` / ``data.test_path`` / ``eval.data_path`` / ``data.chat_template`` (a file)
+  written in the YAML file are resolved against the YAML file's folder when the file exists there (so a spec can
+  name data next to it), otherwise they are left as written, relative to the working directory. ``model.path``
+  likewise, when it names an existing folder next to the spec. Reward functions named by file (``algorithm.rewards``
+  keys ``path/to/file.py:function``) are found relative to the YAML file's folder too, and imported while the spec is
+  validated (``cluster.spec.algorithm.check_reward_key``; the folder is the validation context's ``base_dir``); the
+  key stays as written (it is the metric name). Everything else (``output_dir``, ``checkpoint.dir``,
+  ``model.cache_dir``) is relative to the working directory, as for any CLI tool. Values given with ``--set`` are
+  never rewritten.
 - Every problem is reported in one :class:`SpecError`, one line each:
   ``<file>:<line>: <dotted.field>: <message> (got <value>)``, with ``--set <key>`` in place of the line for
   values that came from an override (of the field, a section above it, or a key inside it).
@@ -106,7 +110,7 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
         data[section] = {}  # a section whose keys are all commented out means "all defaults" (optional ones: off)
     set_by = _apply_overrides(data, overrides)
     try:
-        return JobSpec.model_validate(data)
+        return JobSpec.model_validate(data, context={"base_dir": str(base_dir) if base_dir is not None else None})
     except ValidationError as exc:
         raise SpecError(_format_errors(exc, source, lines, set_by)) from None
 
@@ -180,13 +184,15 @@ def _collect_lines(node: yaml.Node, prefix: Loc, lines: dict[Loc, int], source: 
 
 
 def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
-    """Rewrite data.*_path and eval.data_path (existing files) and model.path (existing folders) found next to the
-    spec file."""
+    """Rewrite data.*_path, data.chat_template and eval.data_path (existing files) and model.path (existing folders)
+    found next to the spec file."""
     for section, key, exists in (("data", "train_path", Path.is_file), ("data", "test_path", Path.is_file),
-                                 ("eval", "data_path", Path.is_file), ("model", "path", Path.is_dir)):
+                                 ("eval", "data_path", Path.is_file), ("model", "path", Path.is_dir),
+                                 ("data", "chat_template", Path.is_file)):
         block = data.get(section)
         value = block.get(key) if isinstance(block, dict) else None
-        if isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("builtin:"):
+        if (isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("builtin:")
+                and "{" not in value and "\n" not in value):
             candidate = base_dir / os.path.expanduser(value)
             if exists(candidate):
                 block[key] = os.path.normpath(os.path.abspath(candidate))

@@ -1,10 +1,9 @@
-"""The job spec's sections other than ``algorithm`` (see :mod:`cluster.spec.algorithm`): model, data, rollout,
-train, sync, metrics, checkpoint and Ray.
+"""The job spec's sections other than ``algorithm`` (see :mod:`cluster.spec.algorithm`) and ``data`` (see
+:mod:`cluster.spec.data`, re-exported here): model, rollout, train, sync, metrics, checkpoint and Ray.
 
 Each section is a frozen pydantic model that rejects unknown keys; its own field checks are here, checks across
-sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules, and lazily
-``grpo.rewards.reasoning_gym`` (task names, only with ``data.source: reasoning_gym``) and, through
-:mod:`cluster.spec.variants`, ``train_workers.registry`` (``train.strategy`` names).
+sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules and,
+through :mod:`cluster.spec.variants`, ``train_workers.registry`` (``train.strategy`` names).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, Field, StrictFloat, field_validator, model_validator
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
+from cluster.spec.data import DEFAULT_SYSTEM_PROMPT, DataSpec, HubDatasetSpec, ReasoningGymSpec
 from cluster.spec.fields import (
     MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, ByteSize, CpuCores,
     CustomResources, check_cpu_cores, check_custom_resources,
@@ -22,14 +22,9 @@ from cluster.spec.lora import LoraSpec
 from cluster.spec.variants import TRAIN_BACKEND, model_parallel_strategies
 
 __all__ = [
-    "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "ReasoningGymSpec", "RolloutSpec", "TrainSpec", "SyncSpec",
-    "MetricsSpec", "CheckpointSpec", "RaySpec",
+    "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "HubDatasetSpec", "ReasoningGymSpec", "RolloutSpec",
+    "TrainSpec", "SyncSpec", "MetricsSpec", "CheckpointSpec", "RaySpec",
 ]
-
-DEFAULT_SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem by reasoning step by step. "
-    "End your reply with a final line of the form '#### <number>', where <number> is the final answer."
-)
 
 
 class ModelSpec(BaseModel):
@@ -45,113 +40,6 @@ class ModelSpec(BaseModel):
             "the engines in this dtype); the frozen reference policy is held in this dtype."))
     cache_dir: str | None = Field(None, description=(
         "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
-
-
-class ReasoningGymSpec(BaseModel):
-    """A procedurally generated task from reasoning-gym (``data.source: reasoning_gym``), scored by the task's own
-    ``score_answer`` through the ``reasoning_gym`` reward (grpo/rewards/reasoning_gym.py)."""
-
-    model_config = SPEC_CONFIG
-    task: str | None = Field(None, min_length=1, description=(
-        "reasoning-gym dataset name, e.g. 'chain_sum' or 'basic_arithmetic' (reasoning_gym.factory.DATASETS); "
-        "required with data.source: reasoning_gym."))
-    config: dict[str, int | float | str | bool | list[int | float | str]] = Field(
-        default_factory=dict, description=(
-            "The task's config fields (its config dataclass, e.g. {min_terms: 2, max_terms: 2} for chain_sum) "
-            "besides seed and size; {} keeps the task's defaults."))
-    size: int = Field(2000, ge=1, le=10_000_000, strict=True, description=(
-        "Training problems generated (items 0..size-1 of the task with this seed)."))
-    seed: int = Field(0, ge=0, le=2**32 - 1, strict=True, description=(
-        "Generator seed of the training split; item i is generated from random.Random(seed + i)."))
-    held_out_size: int = Field(200, ge=1, le=1_000_000, strict=True, description=(
-        "Held-out problems generated for evaluation."))
-    held_out_seed: int | None = Field(None, ge=0, le=2**32 - 1, strict=True, description=(
-        "Generator seed of the held-out split; null means seed + size, the first seed after the training range. "
-        "Its range [held_out_seed, held_out_seed + held_out_size) must not overlap [seed, seed + size); held-out "
-        "problems whose question also appears in training are dropped."))
-
-    answer_extraction: Literal["marker", "last_number"] = Field("marker", description=(
-        "How the reasoning_gym reward reads a completion's answer: 'marker' (the line after the last '####', else "
-        "an <answer> tag, else no answer: score 0) or 'last_number' (the same, else the completion's last number, "
-        "lm-evaluation-harness's flexible-extract; for small models that rarely write the marker). Training and "
-        "held-out problems are scored alike."))
-    partial_credit: bool = Field(False, description=(
-        "Pass the task scorer's partial scores through as reward (e.g. chain_sum pays 0.75 for '-191' against 191). "
-        "false (default): 1.0 for a full score, else 0.0. Held-out pass@1 counts full scores only either way."))
-
-    @property
-    def eval_seed(self) -> int:
-        """The held-out split's generator seed (``held_out_seed``, or ``seed + size`` when that is null)."""
-        return self.seed + self.size if self.held_out_seed is None else self.held_out_seed
-
-
-class DataSpec(BaseModel):
-    """Prompt data: GSM8K-style jsonl rows with a question and an answer ending in '#### <final answer>' (the
-    default), the same rows in local Hugging Face ``datasets`` files, or problems generated by reasoning-gym."""
-
-    model_config = SPEC_CONFIG
-    source: Literal["jsonl", "hf_datasets", "reasoning_gym"] = Field("jsonl", description=(
-        "Where prompts come from: 'jsonl' (train_path/test_path jsonl files), 'hf_datasets' (local files read with "
-        "the Hugging Face datasets library, see file_format and split), 'reasoning_gym' (generated, see "
-        "reasoning_gym; train_path and test_path must then be null)."))
-    train_path: str | None = Field(None, min_length=1, description=(
-        "Training file: jsonl (one JSON object per line), or with source hf_datasets a parquet/arrow/json/csv file "
-        "or glob; required unless source is reasoning_gym."))
-    test_path: str | None = Field(None, min_length=1, description=(
-        "Optional held-out file (same format) for evaluation."))
-    file_format: Literal["parquet", "arrow", "json", "csv"] = Field("parquet", description=(
-        "source hf_datasets: the datasets builder that reads the files (datasets.load_dataset(file_format, "
-        "data_files=...)); 'json' reads jsonl too."))
-    split: str = Field("train", min_length=1, description=(
-        "source hf_datasets: the split load_dataset returns for the files ('train' for local files)."))
-    question_field: str = Field("question", min_length=1, description="Field (column) holding the question.")
-    answer_field: str = Field("answer", min_length=1, description="Field (column) holding the worked answer.")
-    reasoning_gym: ReasoningGymSpec = Field(default_factory=ReasoningGymSpec, description=ReasoningGymSpec.__doc__)
-    system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
-        "System message placed before every question; null sends no system message."))
-    prompt_suffix: str = Field("", description="Text appended directly after the question in the user message.")
-    max_prompt_tokens: int = Field(512, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
-        "Prompts longer than this many tokens are dropped."))
-    shuffle: bool = Field(True, description="Shuffle prompts each epoch (permutation derived from seed and epoch).")
-    on_bad_row: Literal["error", "skip"] = Field("error", description=(
-        "Malformed rows: 'error' stops with file:line, 'skip' drops and counts them."))
-
-    @model_validator(mode="after")
-    def _source_fields(self) -> DataSpec:
-        if self.source != "reasoning_gym":
-            if self.train_path is None:
-                raise FieldConflict("data.train_path",
-                                    f"required key 'train_path' is missing (data.source {self.source!r})")
-            defaults = ReasoningGymSpec()
-            for name in ReasoningGymSpec.model_fields:
-                if getattr(self.reasoning_gym, name) != getattr(defaults, name):
-                    raise FieldConflict(f"data.reasoning_gym.{name}", (
-                        f"used only with data.source 'reasoning_gym', got data.source {self.source!r}; drop it or "
-                        f"set data.source: reasoning_gym"))
-            return self
-        for name in ("train_path", "test_path"):
-            if getattr(self, name) is not None:
-                raise FieldConflict(f"data.{name}", (
-                    f"not used with data.source 'reasoning_gym' (its problems are generated, the held-out ones from "
-                    f"data.reasoning_gym.held_out_seed); expected null, got {getattr(self, name)!r}"))
-        rg = self.reasoning_gym
-        if rg.task is None:
-            raise FieldConflict("data.reasoning_gym.task", "required with data.source 'reasoning_gym'")
-        from grpo.rewards.reasoning_gym import check_task, seed_ranges_overlap
-
-        try:
-            check_task(rg.task, rg.config)
-        except ImportError as exc:
-            raise FieldConflict("data.source", str(exc)) from None
-        except ValueError as exc:
-            field = "task" if str(exc).startswith("unknown") else "config"
-            raise FieldConflict(f"data.reasoning_gym.{field}", str(exc)) from None
-        if seed_ranges_overlap(rg.seed, rg.size, rg.eval_seed, rg.held_out_size):
-            raise FieldConflict("data.reasoning_gym.held_out_seed", (
-                f"the held-out generator seeds [{rg.eval_seed}, {rg.eval_seed + rg.held_out_size}) overlap the "
-                f"training ones [{rg.seed}, {rg.seed + rg.size}); expected held_out_seed >= "
-                f"{rg.seed + rg.size} or <= {rg.seed - rg.held_out_size}, or null"))
-        return self
 
 
 class RolloutSpec(BaseModel):

@@ -1,29 +1,41 @@
-"""Reward-function registry and weighted combination of rewards.
+"""Reward-function registry, weighted combination of rewards, and the step's ``reward/*`` metrics.
 
-A reward function scores a batch: `fn(completions: list[str], references: list[str]) -> list[float | None]`, one
-value per completion, None (or NaN) meaning "no valid reward" for that row. `combine_rewards` runs the functions named
-in a weight dict and returns the weighted sum as a float32 tensor with NaN where any weighted function gave None, which
-`grpo.advantages.compute_advantages` treats as "excluded, advantage 0".
+A reward function scores a batch of N completions and returns one float or None per completion; it is called
+``fn(prompts=..., completions=..., **columns)`` (every column of the rows, the TRL convention) or, the original
+convention, ``fn(completions, references)``, told apart by its parameters (``grpo.rewards.calling``); it may be
+``async``. None (or NaN) means "no score": an infrastructure failure (the verifier could not run), not a wrong answer.
+`combine_rewards` runs the functions named in a weight dict and returns the weighted sum as a float32 tensor with NaN
+where any weighted function gave None, which `grpo.advantages.compute_advantages` leaves out of the group statistics
+(advantage 0) and the loop leaves out of the loss and of the step's metrics (counted as ``reward/infra_failed``).
+
+Builtins: ``accuracy`` and ``format`` (GSM8K, ``grpo.rewards.gsm8k``), ``code`` (programs run against the row's
+``tests`` in the sandbox, ``grpo.rewards.code``), ``math`` (LaTeX answers with math-verify, ``grpo.rewards.math``),
+``reasoning_gym`` (``grpo.rewards.reasoning_gym``). A spec may also name a function by location (``module:function``,
+``path/to/file.py:function``: ``grpo.rewards.loading``). A reward declares what it needs of each data row with a
+``check_row`` (``grpo.rewards.checks``), checked when the data is loaded.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-from collections.abc import Mapping, Sequence
-from numbers import Real
-from typing import Literal, NamedTuple, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from math import isfinite  # not `import math`: the submodule grpo.rewards.math takes that name here
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
 from grpo.registry import Registry
+from grpo.rewards.calling import (RewardError, RewardOutputError, call_reward, signature_of, values_to_tensor,
+                                  where_defined)
 from grpo.rewards.code import code_reward
-from grpo.rewards.gsm8k import accuracy_reward, extract_answer, format_reward, parse_reference
+from grpo.rewards.gsm8k import _final_answer, accuracy_reward, extract_answer, format_reward, parse_reference
+from grpo.rewards.math import check_math_reference, math_reward
 from grpo.rewards.overlong import overlong_penalty
+from grpo.rewards.reasoning_gym import check_reference as check_reasoning_gym_reference
 from grpo.rewards.reasoning_gym import reasoning_gym_reward
 
-RewardFunctionName = Literal["accuracy", "format", "reasoning_gym", "code"]
+RewardFunctionName = Literal["accuracy", "format", "math", "reasoning_gym", "code"]
 OnError = Literal["raise", "none"]
 
 __all__ = [
@@ -33,10 +45,13 @@ __all__ = [
     "REWARD_SUMMARY_METRICS",
     "CombinedRewards",
     "OnError",
+    "RewardError",
     "RewardFunctionName",
+    "RewardOutputError",
     "accuracy_reward",
     "code_reward",
     "combine_rewards",
+    "lookup_reward",
     "extract_answer",
     "format_reward",
     "overlong_penalty",
@@ -50,7 +65,9 @@ logger = logging.getLogger(__name__)
 
 
 class RewardFunction(Protocol):
-    def __call__(self, completions: list[str], references: list[str]) -> Sequence[float | None]: ...
+    """``fn(prompts=..., completions=..., **columns)`` or ``fn(completions, references)`` (module docstring)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Sequence[float | None]: ...
 
 
 #: Step summaries the driver reports as ``reward/<name>`` (see `reward_metrics`), besides one ``reward/<function>``
@@ -60,6 +77,7 @@ REWARD_SUMMARY_METRICS: dict[str, str] = {
     "std": "standard deviation of that total reward",
     "failed": "reward evaluations that raised",
     "none_fraction": "fraction of completions without a valid reward",
+    "infra_failed": "completions without a valid reward (infrastructure failures), left out of the loss and metrics",
 }
 #: Component the driver adds for the DAPO overlong penalty (``reward/overlong_penalty``).
 OVERLONG_PENALTY_KEY = "overlong_penalty"
@@ -80,21 +98,32 @@ REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", reserve
 }, same_name=prometheus_safe_name)
 
 
-def register_reward_function(name: str):
-    """Decorator adding a batch reward function to `REWARD_FUNCTIONS`.
+def register_reward_function(name: str, *, check_row: Callable[..., Any] | None = None):
+    """Decorator adding a batch reward function to `REWARD_FUNCTIONS`; ``check_row`` (optional) becomes the
+    function's ``check_row`` attribute, what it needs of every data row (``grpo.rewards.checks``).
 
     Raises:
         ValueError: a duplicate name, or a reserved one (`RESERVED_REWARD_NAMES`: mean, std, failed, none_fraction,
-            overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's; also a name that is one
-            of those once written as a Prometheus metric name (`prometheus_safe_name`: ``none-fraction``,
+            infra_failed, overlong_penalty), whose ``reward/<name>`` metric would overwrite the driver's; also a name
+            that is one of those once written as a Prometheus metric name (`prometheus_safe_name`: ``none-fraction``,
             ``overlong.penalty``), or that is the same as a registered function's there (``a-b`` after ``a_b``).
     """
-    return REWARD_FUNCTIONS.register(name)
+    def decorator(fn):
+        REWARD_FUNCTIONS[name] = fn
+        if check_row is not None:
+            fn.check_row = check_row
+        return fn
+
+    return decorator
 
 
 def reward_metrics(total: torch.Tensor, per_function: Mapping[str, torch.Tensor], num_failed: int) -> dict:
     """The step's ``reward/`` metrics: ``reward/<summary>`` for each of `REWARD_SUMMARY_METRICS` and
     ``reward/<function>`` (mean over rows with a value) for each component.
+
+    Rows whose total is NaN (an infrastructure failure: a weighted function gave no score) are counted in
+    ``reward/infra_failed`` and ``reward/none_fraction`` and left out of every other figure, which therefore equals
+    the figure of the same rows without them (``reward/failed`` counts the evaluations that raised).
 
     Args:
         total: [N] float32 total rewards, NaN = no valid reward.
@@ -108,23 +137,42 @@ def reward_metrics(total: torch.Tensor, per_function: Mapping[str, torch.Tensor]
     if clash:
         raise ValueError(f"reward components {clash} would overwrite the summary metrics reward/{clash[0]}; "
                          f"reserved: {', '.join(sorted(RESERVED_REWARD_NAMES))}")
-    valid = total[~total.isnan()]
+    kept = ~total.isnan()
+    valid = total[kept]
     summary = {
         "mean": float(valid.mean()) if valid.numel() else float("nan"),
         "std": float(valid.std()) if valid.numel() > 1 else 0.0,
         "failed": num_failed,
-        "none_fraction": float(total.isnan().float().mean()),
+        "none_fraction": float((~kept).float().mean()) if total.numel() else 0.0,
+        "infra_failed": int((~kept).sum()),
     }
     assert summary.keys() == REWARD_SUMMARY_METRICS.keys()  # one list of names: REWARD_SUMMARY_METRICS
-    return {**{f"reward/{name}": float(v.nanmean()) for name, v in per_function.items()},
+    return {**{f"reward/{name}": float(v[kept].nanmean()) for name, v in per_function.items()},
             **{f"reward/{name}": value for name, value in summary.items()}}
 
 
-@register_reward_function("accuracy")
+def _check_number_reference(reference: str) -> None:
+    """The ``accuracy`` reward's row check: the reference is one number (``$`` before it, a ``.`` after it allowed;
+    no units), as every GSM8K reference is (the text after its ``####``).
+
+    Raises:
+        ValueError: naming what was found.
+    """
+    if not reference.strip():
+        raise ValueError("the reference is empty (nothing after the answer's last '####'); the accuracy reward "
+                         "compares numbers")
+    if _final_answer(reference) is None:
+        shown = reference if len(reference) <= 60 else reference[:57] + "..."
+        raise ValueError(f"expected a number after the last '####' of the answer (or an answer that is one number: "
+                         f"the accuracy reward compares numbers), got {shown!r}")
+
+
+@register_reward_function("accuracy", check_row=_check_number_reference)
 def _accuracy(completions: list[str], references: list[str]) -> list[float | None]:
     """GSM8K numeric accuracy, 1.0/0.0 per completion (`grpo.rewards.gsm8k.accuracy_reward`).
 
-    A reference without a number raises `ValueError` for the whole batch (a data error, not a model error).
+    Its row check (`_check_number_reference`) refuses, when the data is loaded, rows whose reference is not one
+    number; a reference without a number that still reaches it raises `ValueError` for the whole batch.
     """
     return [accuracy_reward(c, r) for c, r in zip(completions, references, strict=True)]
 
@@ -136,7 +184,14 @@ def _format(completions: list[str], references: list[str]) -> list[float | None]
     return [format_reward(c) for c in completions]
 
 
-@register_reward_function("reasoning_gym")
+@register_reward_function("math", check_row=check_math_reference)
+def _math(completions: list[str], references: list[str]) -> list[float | None]:
+    """LaTeX answers (``\\boxed{}``, fractions, intervals, sets) verified by math-verify in a worker process with a
+    per-completion deadline (`grpo.rewards.math`); 1.0/0.0, 0.0 on a verifier timeout, None when the worker died."""
+    return math_reward(completions, references)
+
+
+@register_reward_function("reasoning_gym", check_row=check_reasoning_gym_reference)
 def _reasoning_gym(completions: list[str], references: list[str]) -> list[float | None]:
     """reasoning-gym's own scorer of the task each reference names (`grpo.rewards.reasoning_gym`): for prompts from
     ``data.source: reasoning_gym``. A reference of another kind raises `ValueError` for the whole batch."""
@@ -163,74 +218,87 @@ class CombinedRewards(NamedTuple):
     num_failed: dict[str, int]
 
 
-def _to_tensor(name: str, values: object, n: int) -> torch.Tensor:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ValueError(f"reward function {name!r} must return a sequence of {n} values, got {type(values).__name__}")
-    if len(values) != n:
-        raise ValueError(f"reward function {name!r} returned {len(values)} values, expected {n} (one per completion)")
-    out = []
-    for i, v in enumerate(values):
-        if v is None:
-            out.append(math.nan)
-        elif isinstance(v, Real):
-            out.append(float(v))
-        else:
-            raise ValueError(f"reward function {name!r} returned {type(v).__name__} at row {i}, expected float or None")
-    return torch.tensor(out, dtype=torch.float32)
+def lookup_reward(name: str) -> RewardFunction:
+    """The registered function ``name``.
+
+    Raises:
+        ValueError: an unknown name; the message lists the registered ones and says how to add one.
+    """
+    if name not in REWARD_FUNCTIONS:
+        from grpo.rewards.loading import HOW_TO_NAME_A_REWARD
+
+        raise ValueError(f"unknown reward function {name!r}; registered: {', '.join(sorted(REWARD_FUNCTIONS))}; "
+                         f"{HOW_TO_NAME_A_REWARD}")
+    return REWARD_FUNCTIONS[name]
 
 
 def combine_rewards(
     completions: Sequence[str],
     references: Sequence[str],
-    weights: Mapping[RewardFunctionName, float],
+    weights: Mapping[str, float],
     *,
     on_error: OnError = "raise",
+    prompts: Sequence[Any] | None = None,
+    columns: Mapping[str, Sequence[Any]] | None = None,
 ) -> CombinedRewards:
     """Run the weighted reward functions on a batch and sum them.
 
     Args:
         completions: N model completions (EOS stripped).
-        references: N reference answers (e.g. GSM8K answer fields), row-aligned with completions.
+        references: N reference answers (the answer column, the text after its last '####' when it has one),
+            row-aligned with completions: what ``(completions, references)`` functions get.
         weights: function name (in `REWARD_FUNCTIONS`) → finite weight; a weight of 0 still runs the function (for
             logging) but keeps it out of `total`.
-        on_error: what to do when a function raises: "raise" → `RuntimeError` naming the function (the original
-            exception chained); "none" → that function's rewards are None (NaN) for the whole batch, counted in
-            `num_failed` and logged.
+        on_error: what to do when a function raises: "raise" → `RewardError` (a RuntimeError) naming the function
+            and where it is defined (the original exception chained); "none" → that function's rewards are None
+            (NaN) for the whole batch, counted in `num_failed` and logged.
+        prompts: N prompts as the data gave them (strings or chat-message lists), for whole-row functions; None
+            gives them None each.
+        columns: column name → N values (every column of each completion's row but the prompt), for whole-row
+            functions; None: no columns.
 
     Returns:
         `CombinedRewards(total, per_function, num_failed)` (see its doc). ±Inf rewards pass through unchanged.
 
     Raises:
-        ValueError: length mismatch of the inputs, empty or unknown weights, non-finite weight, bad on_error, or a
-            function returning the wrong number of values / non-numeric values (always raised: a bug, not a
-            transient failure).
-        RuntimeError: a function raised and on_error="raise".
+        ValueError: length mismatch of the inputs, empty or unknown weights, non-finite weight, bad on_error.
+        RewardOutputError (a ValueError and a RewardError): a function returning the wrong number of values or
+            values that are neither numbers nor None (always raised: a bug, not a transient failure).
+        RewardError: a function with an unusable signature, or one that raised with on_error="raise".
     """
     if on_error not in ("raise", "none"):
         raise ValueError(f"on_error must be 'raise' or 'none', got {on_error!r}")
-    if len(completions) != len(references):
-        raise ValueError(f"got {len(completions)} completions but {len(references)} references; expected equal")
+    n = len(completions)
+    prompts = [None] * n if prompts is None else prompts
+    columns = columns or {}
+    lengths = {"references": len(references), "prompts": len(prompts),
+               **{f"column {k!r}": len(v) for k, v in columns.items()}}
+    for what, length in lengths.items():
+        if length != n:
+            raise ValueError(f"got {n} completions but {length} {what}; expected equal")
     if not weights:
         raise ValueError(f"weights must name at least one reward function of {sorted(REWARD_FUNCTIONS)}")
-    n = len(completions)
     total = torch.zeros(n, dtype=torch.float32)
     per_function: dict[str, torch.Tensor] = {}
     num_failed: dict[str, int] = {}
     for name, weight in weights.items():
-        fn = REWARD_FUNCTIONS.lookup(name)
-        if not math.isfinite(weight):
+        fn = lookup_reward(name)
+        if not isfinite(weight):
             raise ValueError(f"weight of reward function {name!r} must be finite, got {weight!r}")
+        signature = signature_of(fn, name)
         num_failed[name] = 0
         try:
-            values = fn(list(completions), list(references))
+            values = call_reward(fn, signature, completions, references, prompts, columns)
         except Exception as exc:
             if on_error == "raise":
-                raise RuntimeError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+                raise RewardError(f"reward function {name!r} raised {type(exc).__name__}: {exc} (defined at "
+                                  f"{where_defined(fn)}; algorithm.reward_on_error: none scores such a batch None "
+                                  f"instead)") from exc
             logger.warning("reward function %r raised %s: %s; its %d rewards are None", name,
                            type(exc).__name__, exc, n)
             values = [None] * n
             num_failed[name] = n
-        rewards = _to_tensor(name, values, n)
+        rewards = values_to_tensor(name, fn, values, n)
         per_function[name] = rewards
         if weight != 0.0:
             total = total + float(weight) * rewards

@@ -35,7 +35,8 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_task", "encode_reference", "extract_final_answer",
+__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "encode_reference",
+           "extract_final_answer",
            "generate_entries", "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
 
 REFERENCE_KIND = "reasoning_gym"
@@ -139,6 +140,27 @@ def _decode_reference(reference: str) -> tuple[Any, dict[str, Any], str, bool]:
                          f"{ANSWER_EXTRACTIONS}")
     dataset = _dataset(ref["task"], _config_json(ref["config"]), int(ref["seed"]), int(ref["size"]))
     return dataset, dataset[int(ref["index"])], extraction, ref.get("partial_credit") is True
+
+
+def check_reference(reference: str) -> None:
+    """The ``reasoning_gym`` reward's row check (``check_row``): ``reference`` is an :func:`encode_reference` string
+    (JSON with kind ``reasoning_gym``, a task, config, seed, size and index). Cheap: generates nothing.
+
+    Raises:
+        ValueError: anything else (e.g. a GSM8K answer), naming what was expected.
+    """
+    try:
+        ref = json.loads(reference)
+    except (TypeError, json.JSONDecodeError):
+        ref = None
+    keys = {"task", "config", "seed", "size", "index"}
+    if not isinstance(ref, dict) or ref.get("kind") != REFERENCE_KIND or not keys <= set(ref):
+        raise ValueError(f"expected a reasoning-gym reference (JSON with kind {REFERENCE_KIND!r} and "
+                         f"{', '.join(sorted(keys))}, written by data.source: reasoning_gym), got "
+                         f"{str(reference)[:80]!r}")
+    if ref.get("answer_extraction", "marker") not in ANSWER_EXTRACTIONS:
+        raise ValueError(f"reasoning-gym reference has answer_extraction {ref['answer_extraction']!r}, expected one of "
+                         f"{ANSWER_EXTRACTIONS}")
 
 
 def extract_final_answer(completion: str, answer_extraction: str = "marker") -> str | None:

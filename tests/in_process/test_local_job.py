@@ -16,8 +16,7 @@ import pytest
 from cluster.in_process import LocalFleet, LocalTrainer, local_job
 from tests.job_runs import stopped_after
 from tests.local_runtime import local_spec
-from tests.parity_reward import parity_reward
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 
 EVAL_PROBLEMS = 3
 EVAL_KEYS = {"eval/accuracy", "eval/n", "eval/problems", "eval/response_length_mean", "eval/truncated_fraction"}

@@ -35,8 +35,7 @@ from cluster.in_process import LocalFleet, LocalTrainer, local_job
 from cluster.loop.checkpoints import TRAINER_STATE
 from tests.job_runs import stopped_after
 from tests.local_runtime import local_spec
-from tests.parity_reward import parity_reward
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 
 PHASES = ("generate", "score", "train", "sync", "checkpoint")
 STEPS, CHECKPOINT = 4, 2  # killed during step CHECKPOINT + 1, resumed from step CHECKPOINT's checkpoint

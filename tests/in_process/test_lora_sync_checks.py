@@ -21,8 +21,7 @@ from cluster.in_process import LocalFleet, LocalTrainer
 from cluster.driver import GRPOJob
 from tests.job_runs import stopped_after
 from tests.local_runtime import local_spec
-from tests.parity_reward import parity_reward
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 from weight_sync.verify import AdapterSyncError
 
 LORA = {"rank": 4, "alpha": 8.0}

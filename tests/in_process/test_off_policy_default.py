@@ -18,8 +18,7 @@ import pytest
 from cluster.in_process import local_job
 from tests.job_runs import stopped_after
 from tests.local_runtime import local_spec
-from tests.parity_reward import parity_reward
-from tests.registered import temporarily_registered
+from tests.registered import parity_reward, temporarily_registered
 
 GAP_KEYS = ("actor/kl_behaviour_current", "actor/behaviour_ratio_min", "actor/behaviour_ratio_max")
 

@@ -122,12 +122,12 @@ def test_group_sizes_and_iterations_have_upper_bounds(override, message):
                 "algorithm.num_iterations=1024").algorithm.group_size_max == 1024
 
 
-@pytest.mark.parametrize("name", ["mean", "std", "failed", "none_fraction", "overlong_penalty"])
+@pytest.mark.parametrize("name", ["mean", "std", "failed", "none_fraction", "infra_failed", "overlong_penalty"])
 def test_reserved_reward_names_refused_at_spec_load(name):
     with pytest.raises(SpecError) as info:
         load(f'algorithm.rewards={{"{name}": 1.0}}')
     message = (f"algorithm.rewards: reward name '{name}' is reserved: reward/{name} is a metric the driver reports "
-               f"(reserved: failed, mean, none_fraction, overlong_penalty, std); rename the function")
+               f"(reserved: failed, infra_failed, mean, none_fraction, overlong_penalty, std); rename the function")
     assert f"--set algorithm.rewards: {message}" in str(info.value)
     with pytest.raises(SpecError) as info:
         load_spec_text(MINIMAL + f"algorithm:\n  rewards:\n    accuracy: 1.0\n    {name}: 0.5\n", source="job.yaml")

@@ -17,8 +17,7 @@ from cluster.spec.algorithm import effective_algorithm
 
 @pytest.fixture(scope="module")
 def parity():
-    from tests.parity_reward import parity_reward
-    from tests.registered import temporarily_registered
+    from tests.registered import parity_reward, temporarily_registered
 
     yield from temporarily_registered("parity", parity_reward)
 

@@ -1,4 +1,5 @@
-"""GSM8K jsonl loading (bad rows reported as file:line), the resumable prompt sampler, chat prompts."""
+"""GSM8K jsonl loading (bad rows reported as file:line; the accuracy reward's row check), the resumable prompt sampler,
+chat prompts."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,9 @@ import pytest
 
 from cluster.data import (DataError, Example, PromptSampler, build_chat_prompt, extract_reference,
                           load_jsonl_examples)
+from grpo.rewards.checks import row_checks
+
+ACCURACY = row_checks({"accuracy": "algorithm.rewards"})  # GSM8K's reward: the reference must be one number
 
 GSM8K_TRAIN = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
@@ -23,10 +27,11 @@ def write_lines(tmp_path: Path, lines, name="data.jsonl") -> Path:
 
 def test_loads_rows_and_reference(tmp_path):
     path = write_lines(tmp_path, [row(), "", row("Q2?", "x\n#### 1,234 "), "   "])
-    examples, skipped = load_jsonl_examples(path)
+    examples, skipped = load_jsonl_examples(path, checks=ACCURACY)
     assert skipped == 0
-    assert examples == [Example(0, "What is 2+3?", "2+3 = 5\n#### 5", "5"),
-                        Example(1, "Q2?", "x\n#### 1,234 ", "1,234")]
+    assert [(e.index, e.question, e.answer, e.reference) for e in examples] == [
+        (0, "What is 2+3?", "2+3 = 5\n#### 5", "5"), (1, "Q2?", "x\n#### 1,234 ", "1,234")]
+    assert examples[0].prompt == "What is 2+3?" and examples[0].columns == {"answer": "2+3 = 5\n#### 5"}
 
 
 def test_custom_fields(tmp_path):
@@ -35,40 +40,72 @@ def test_custom_fields(tmp_path):
     assert examples[0].reference == "7"
 
 
+# refused whatever the rewards
 BAD_ROWS = [
     ("{not json", "invalid JSON"),
     (b"\xff\xfe{}", "invalid UTF-8"),
-    ("[1, 2]", "expected a JSON object with fields 'question' and 'answer', got list"),
-    (json.dumps({"question": "Q?"}), "missing field 'answer'"),
-    (json.dumps({"question": 3, "answer": "#### 3"}), "field 'question': expected a string, got int"),
+    ("[1, 2]", "expected a JSON object with a prompt column 'question' (data.prompt_field (unset, so "
+               "data.question_field 'question')), got list"),
+    (json.dumps({"question": 3, "answer": "#### 3"}), "field 'question': expected a string or a list of"),
     (row(question="  "), "field 'question' is empty"),
-    (row(answer="the answer is 5"), "answer has no '####' marker"),
-    (row(answer="5 ####  "), "nothing after"),
-    (row(answer="so #### five"), "field 'answer': expected a number after the last '####' (the accuracy reward "
-                                 "compares numbers), got 'five'"),
+]
+# refused by the accuracy reward's row check only
+BAD_FOR_ACCURACY = [
+    (json.dumps({"question": "Q?"}), "reward 'accuracy' (algorithm.rewards) cannot score this row: it reads the "
+                                     "answer column (data.answer_field) as its reference, which the row lacks; "
+                                     "data.answer_field is 'answer' and the row has keys ['question']"),
+    (row(answer="the answer is 5"), "expected a number after the last '####' of the answer (or an answer that is "
+                                    "one number: the accuracy reward compares numbers), got 'the answer is 5'"),
+    (row(answer="5 ####  "), "the reference is empty (nothing after the answer's last '####')"),
+    (row(answer="so #### five"), "got 'five'; data.answer_field 'answer' = 'so #### five'"),
     (row(answer="#### 1e400"), "expected a number after the last '####'"),
 ]
 
 
-@pytest.mark.parametrize(("bad", "reason"), BAD_ROWS)
+@pytest.mark.parametrize(("bad", "reason"), BAD_ROWS + BAD_FOR_ACCURACY)
 def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, reason):
     path = write_lines(tmp_path, [row(), "", bad, row()])
     with pytest.raises(DataError) as info:
-        load_jsonl_examples(path)
+        load_jsonl_examples(path, checks=ACCURACY)
     assert str(info.value).startswith(f"{path}:3: ")
     assert reason in str(info.value)
+    assert "(1 of 3 rows are refused; set data.on_bad_row: skip to drop them, or fix them)" in str(info.value)
+
+
+@pytest.mark.parametrize(("bad", "reason"), BAD_FOR_ACCURACY)
+def test_a_reference_format_is_checked_only_for_a_reward_that_reads_it(tmp_path, bad, reason):
+    """Issue #27: rows were refused for lacking '#### <number>' whatever reward the job used."""
+    path = write_lines(tmp_path, [row(), bad])
+    examples, skipped = load_jsonl_examples(path)
+    assert skipped == 0 and len(examples) == 2
+    examples, skipped = load_jsonl_examples(path, checks=row_checks({"format": "algorithm.rewards"}))
+    assert skipped == 0 and len(examples) == 2  # format reads the completion only
+
+
+def test_advice_never_drops_every_row(tmp_path):
+    """Issue #27: rows {"prompt", "solution"} got the advice `set data.on_bad_row: skip`, which drops them all."""
+    path = write_lines(tmp_path, [json.dumps({"prompt": f"Q{i}?", "solution": "5"}) for i in range(3)])
+    with pytest.raises(DataError) as info:
+        load_jsonl_examples(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:1: no prompt column 'question' (data.prompt_field (unset, so "
+                              f"data.question_field 'question')); the row has keys ['prompt', 'solution']: set "
+                              f"data.prompt_field: prompt (all 3 rows are refused, so data.on_bad_row: skip would "
+                              f"drop every one")
+    examples, _ = load_jsonl_examples(path, prompt_field="prompt")
+    assert [e.prompt for e in examples] == ["Q0?", "Q1?", "Q2?"] and examples[0].columns == {"solution": "5"}
 
 
 def test_skip_mode_counts_bad_rows_and_keeps_indices(tmp_path):
     path = write_lines(tmp_path, [row("A?"), BAD_ROWS[0][0], "", BAD_ROWS[1][0], row("B?")])
-    examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
+    examples, skipped = load_jsonl_examples(path, on_bad_row="skip", checks=ACCURACY)
     assert skipped == 2
     assert [(e.index, e.question) for e in examples] == [(0, "A?"), (3, "B?")]
 
 
 def test_reference_without_a_number_is_skipped_and_counted(tmp_path):
     path = write_lines(tmp_path, [row("A?"), row("B?", "#### five"), row("C?", "#### $1,000.")])
-    examples, skipped = load_jsonl_examples(path, on_bad_row="skip")
+    examples, skipped = load_jsonl_examples(path, on_bad_row="skip", checks=ACCURACY)
     assert skipped == 1
     assert [(e.index, e.reference) for e in examples] == [(0, "5"), (2, "$1,000.")]
 

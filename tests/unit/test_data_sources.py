@@ -12,6 +12,7 @@ from cluster.data import DataError, Example
 from cluster.data.sources import describe_source, load_examples, load_hf_examples, reasoning_gym_examples
 from cluster.spec import SpecError, load_spec
 from grpo.rewards import combine_rewards
+from grpo.rewards.checks import row_checks
 from grpo.rewards.reasoning_gym import extract_final_answer, generate_entries, score_completion
 
 pa = pytest.importorskip("pyarrow")
@@ -19,6 +20,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("datasets")
 pytest.importorskip("reasoning_gym")
 
+ACCURACY = row_checks({"accuracy": "algorithm.rewards"})  # GSM8K's reward: the reference must be one number
 ROWS = {"problem": ["What is 2+3?", "What is 10-4?", "Bad?"], "solution": ["2+3=5\n#### 5", "#### 6", "no marker"]}
 EASY_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 
@@ -39,11 +41,16 @@ def _spec(tmp_path: Path, data: str, rewards: str = "") -> Path:
 def test_parquet_rows_load_like_jsonl_rows(tmp_path):
     path = _parquet(tmp_path)
     examples, skipped = load_hf_examples(str(path), question_field="problem", answer_field="solution",
-                                         on_bad_row="skip")
+                                         on_bad_row="skip", checks=ACCURACY)
     assert skipped == 1
-    assert examples == [Example(0, "What is 2+3?", "2+3=5\n#### 5", "5"), Example(1, "What is 10-4?", "#### 6", "6")]
-    with pytest.raises(DataError, match=r"train.parquet:row 2: answer has no '####' marker .*on_bad_row: skip"):
-        load_hf_examples(str(path), question_field="problem", answer_field="solution")
+    assert [(e.index, e.question, e.answer, e.reference) for e in examples] == [
+        (0, "What is 2+3?", "2+3=5\n#### 5", "5"), (1, "What is 10-4?", "#### 6", "6")]
+    assert examples[0].columns == {"solution": "2+3=5\n#### 5"}
+    with pytest.raises(DataError, match=r"train.parquet:row 2: reward 'accuracy' \(algorithm.rewards\) cannot score "
+                                        r"this row: .*got 'no marker'.*1 of 3 rows are refused; set "
+                                        r"data.on_bad_row: skip"):
+        load_hf_examples(str(path), question_field="problem", answer_field="solution", checks=ACCURACY)
+    assert len(load_hf_examples(str(path), question_field="problem", answer_field="solution")[0]) == 3
 
 
 def test_jsonl_and_glob_through_the_datasets_library(tmp_path):
@@ -60,7 +67,8 @@ def test_jsonl_and_glob_through_the_datasets_library(tmp_path):
     (lambda p: p / "missing.parquet", {}, "cannot load as 'parquet'"),
     (lambda p: (p / "junk.parquet").write_text("not parquet") and p / "junk.parquet", {}, "cannot load"),
     (_parquet, {"split": "test"}, "split 'test'"),
-    (_parquet, {}, "no column 'question'"),
+    (_parquet, {}, r"no column 'question' \(data.prompt_field \(unset, so data.question_field 'question'\)\); the "
+                   r"data has columns \['problem', 'solution'\]: set data.prompt_field: problem"),
 ])
 def test_hf_files_that_cannot_be_used_are_refused(tmp_path, make, kwargs, needle):
     with pytest.raises(DataError, match=needle):
@@ -71,8 +79,8 @@ def test_spec_source_hf_datasets_reads_train_and_test_paths(tmp_path):
     train, test = _parquet(tmp_path), _parquet(tmp_path, {k: v[:1] for k, v in ROWS.items()}, "test.parquet")
     spec = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {train}\n  test_path: {test}\n"
                                      f"  question_field: problem\n  answer_field: solution\n  on_bad_row: skip\n"))
-    assert [e.reference for e in load_examples(spec.data, "train")[0]] == ["5", "6"]
-    assert [e.reference for e in load_examples(spec.data, "held_out")[0]] == ["5"]
+    assert [e.reference for e in load_examples(spec.data, "train", ACCURACY)[0]] == ["5", "6"]
+    assert [e.reference for e in load_examples(spec.data, "held_out", ACCURACY)[0]] == ["5"]
     assert describe_source(spec.data) == f"{train} (parquet, split 'train')"
     broken = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {tmp_path / 'nope.parquet'}\n"))
     with pytest.raises(DataError, match=r"^data.train_path: .*nope.parquet"):
@@ -86,7 +94,7 @@ def test_default_source_is_jsonl_and_needs_train_path(tmp_path):
     spec = load_spec(_spec(tmp_path, f"  train_path: {tmp_path / 't.jsonl'}\n"))
     assert spec.data.source == "jsonl" and spec.data.reasoning_gym.task is None
     assert describe_source(spec.data) == str(tmp_path / "t.jsonl")
-    assert load_examples(spec.data)[0] == [Example(0, "Q?", "#### 1", "1")]
+    assert load_examples(spec.data)[0] == [Example(0, "Q?", "#### 1", "1", "Q?", {"answer": "#### 1"})]
     with pytest.raises(SpecError, match=r"data.train_path: required key 'train_path' is missing"):
         load_spec(_spec(tmp_path, "  source: hf_datasets\n"))
 
@@ -272,8 +280,8 @@ def char_prompts(monkeypatch):
     """Prompt ids of one token per question character (enough for the prompt-length filter), no tokenizer."""
     import cluster.loop.evaluation as evaluation
 
-    monkeypatch.setattr(evaluation, "chat_prompt_ids",
-                        lambda tok, examples, system, suffix: [[0] * len(e.question) for e in examples])
+    monkeypatch.setattr(evaluation, "prompt_ids",
+                        lambda data, tok, examples, what: [[0] * len(e.question) for e in examples])
 
 
 def test_eval_reads_the_reasoning_gym_held_out_split_and_scores_it_with_the_task(tmp_path, char_prompts):

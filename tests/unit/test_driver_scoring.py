@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster.loop.scoring import OVERLONG, Scoring
+from cluster.loop.scoring import OVERLONG, InfraFailureError, Scoring
 from cluster.loop.setup import model_eos_ids
 from cluster.spec import load_spec_text
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
@@ -81,10 +81,24 @@ def test_failing_reward_function_counts_or_raises():
     try:
         with pytest.raises(RuntimeError, match="'test_grader_down' raised ConnectionError"):
             job("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}").score(GROUPS, REFS)
-        batch = job("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}",
-                    "algorithm.reward_on_error=none").score(GROUPS, REFS)
-        assert batch.num_failed == 5
-        assert torch.isnan(batch.rewards).all() and (batch.advantages == 0).all()
+        spec = ("algorithm.rewards={accuracy: 1.0, test_grader_down: 1.0}", "algorithm.reward_on_error=none")
+        with pytest.raises(InfraFailureError, match=r"^algorithm.max_infra_failed_fraction: every completion .*"
+                                                    r"no score from test_grader_down 5"):
+            job(*spec).score(GROUPS, REFS)  # nothing to train on: stopped whatever the threshold
+        # scored as the engines finish (RoundScorer): the grader is down for group 1's call only
+        def down_for_group_1(completions, references):
+            if references[0] == "#### 7":
+                raise ConnectionError("grader down")
+            return [1.0] * len(completions)
+
+        REWARD_FUNCTIONS.pop("test_grader_down")
+        register_reward_function("test_grader_down")(down_for_group_1)
+        scoring = job(*spec)
+        early = [scoring.rewards(g.texts, [ref] * len(g.texts)) for g, ref in zip(GROUPS, REFS)]
+        batch = scoring.score(GROUPS, REFS, early)  # 2 of 5 failed: under the default 0.5
+        assert batch.num_failed == 2 and torch.isnan(batch.rewards[3:]).all()
+        assert batch.valid_lengths == [3, 2, 4, 0, 0]  # out of the loss: no token and no sequence counts
+        assert (batch.advantages[3:] == 0).all() and (batch.advantages[:3] != 0).all()
     finally:
         REWARD_FUNCTIONS.pop("test_grader_down")
 

@@ -97,7 +97,7 @@ def test_rewards():
     """Registers ``eval_test_unscored`` (None, NaN, then 1.0) and ``eval_test_two`` (2.0 each) for one test."""
     from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 
-    register_reward_function("eval_test_unscored")(lambda c, r: [None, float("nan"), 1.0])
+    register_reward_function("eval_test_unscored")(lambda c, r: [{"x": None, "y": float("nan")}.get(t, 1.0) for t in c])
     register_reward_function("eval_test_two")(lambda c, r: [2.0] * len(c))
     register_reward_function("eval_test_partial")(lambda c, r: [0.75, 0.999, 1.0, 0.0][:len(c)])
     yield
@@ -115,7 +115,7 @@ def test_partial_credit_is_a_wrong_answer_in_pass_at_1(test_rewards):
 
 
 def test_a_completion_without_a_score_counts_as_wrong_and_out_of_range_scores_are_refused(test_rewards):
-    groups = [result(GroupRequest(i, [1]), ["x"], [1], ["stop"]) for i in range(3)]
+    groups = [result(GroupRequest(i, [1]), [text], [1], ["stop"]) for i, text in enumerate(["x", "y", "z"])]
     assert score_eval(groups, ["1", "2", "3"], "eval_test_unscored", None)["eval/accuracy"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="reward function 'eval_test_two' gave 2.0; eval needs scores in \\[0, 1\\]"):
         score_eval(groups, ["1", "2", "3"], "eval_test_two", None)
@@ -195,8 +195,8 @@ def _spec(tmp_path: Path, extra: str):
 def test_load_eval_set_limits_filters_and_names_the_field(tmp_path, monkeypatch):
     import cluster.loop.evaluation as evaluation
 
-    monkeypatch.setattr(evaluation, "chat_prompt_ids",
-                        lambda tok, examples, system, suffix: [[0] * len(e.question) for e in examples])
+    monkeypatch.setattr(evaluation, "prompt_ids",
+                        lambda data, tok, examples, what: [[0] * len(e.question) for e in examples])
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps({"question": q, "answer": f"#### {i}"}) + "\n"
                             for i, q in enumerate(["short", "a question that is too long", "tiny", "mid one"])))

@@ -123,15 +123,15 @@ def test_empty_batch():
     assert total.shape == (0,) and per_function["accuracy"].shape == (0,)
 
 
-RESERVED = ["mean", "std", "failed", "none_fraction", "overlong_penalty"]
+RESERVED = ["mean", "std", "failed", "none_fraction", "infra_failed", "overlong_penalty"]
 
 
 @pytest.mark.parametrize("name", RESERVED)
 def test_reserved_names_refused_at_registration(name):
     """Issue #12: a reward function named ``mean`` overwrote ``reward/mean`` (read by the alerts)."""
     with pytest.raises(ValueError, match=rf"reward function name '{name}' is reserved: the driver reports "
-                                         rf"reward/{name} .*reserved names: failed, mean, none_fraction, "
-                                         rf"overlong_penalty, std"):
+                                         rf"reward/{name} .*reserved names: failed, infra_failed, mean, "
+                                         rf"none_fraction, overlong_penalty, std"):
         register_reward_function(name)(lambda c, r: [1.0] * len(c))
     with pytest.raises(ValueError, match="is reserved"):
         REWARD_FUNCTIONS[name] = lambda c, r: [1.0] * len(c)
@@ -147,8 +147,10 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
     total = torch.tensor([1.0, math.nan, 0.0, 0.5])
     per_function = {"accuracy": torch.tensor([1.0, math.nan, 0.0, 0.0]), "format": torch.tensor([0.0, 0.0, 0.0, 1.0])}
     metrics = reward_metrics(total, per_function, 2)
-    assert metrics == {"reward/accuracy": pytest.approx(1 / 3), "reward/format": 0.25, "reward/mean": 0.5,
-                       "reward/std": 0.5, "reward/failed": 2, "reward/none_fraction": 0.25}
+    # row 1 has no total (an infrastructure failure): it is left out of every figure but the counts, format's too
+    assert metrics == {"reward/accuracy": pytest.approx(1 / 3), "reward/format": pytest.approx(1 / 3),
+                       "reward/mean": 0.5, "reward/std": 0.5, "reward/failed": 2, "reward/none_fraction": 0.25,
+                       "reward/infra_failed": 1}
     summaries = {k.removeprefix("reward/") for k in metrics} - set(per_function)
     assert RESERVED_REWARD_NAMES == summaries | {OVERLONG_PENALTY_KEY} == set(RESERVED)
     assert scoring.OVERLONG == OVERLONG_PENALTY_KEY and step_metrics.reward_metrics is reward_metrics

@@ -156,7 +156,8 @@ def test_bucket_bytes_errors(tmp_path):
 
 
 def test_unknown_reward_lists_allowed(tmp_path):
-    with pytest.raises(SpecError, match=r"algorithm.rewards: unknown reward 'length'; allowed: accuracy, format"):
+    with pytest.raises(SpecError, match=r"algorithm.rewards: unknown reward 'length'; allowed: accuracy, code, format, "
+                                        r"math, reasoning_gym; register one"):
         load_spec(write(tmp_path, MINIMAL), ["algorithm.rewards={accuracy: 1, length: 1}"])
 
 

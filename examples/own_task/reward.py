@@ -1,0 +1,33 @@
+"""Rewards of the own-task example (examples/own_task/spec.yaml): whole-row functions that read the data's columns.
+
+The spec names them by file: ``algorithm.rewards: {"reward.py:correct": 1.0, "reward.py:within_budget": 0.2}``.
+Each is called with the completions and, as keywords, the columns of their rows it names (one value per completion).
+"""
+
+import re
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def correct(completions, answer):
+    """1.0 when the completion's last number equals the row's ``answer`` column, else 0.0."""
+    scores = []
+    for completion, expected in zip(completions, answer):
+        numbers = _NUMBER.findall(completion.replace(",", ""))
+        scores.append(1.0 if numbers and float(numbers[-1]) == float(expected) else 0.0)
+    return scores
+
+
+def _check_answer(answer):
+    """Checked for every row when the data is loaded: ``answer`` must be a number."""
+    if _NUMBER.fullmatch(str(answer).strip()) is None:
+        raise ValueError(f"expected the answer column to be a number, got {answer!r}")
+
+
+correct.check_row = _check_answer
+
+
+def within_budget(prompts, completions, difficulty):
+    """1.0 for a reply of at most 60 characters per level of the row's ``difficulty`` column, else 0.0: harder
+    problems may take more words. ``prompts`` (unused here) holds each row's prompt as the data gave it."""
+    return [1.0 if len(c) <= 60 * int(d) else 0.0 for c, d in zip(completions, difficulty)]
