@@ -9,9 +9,11 @@ against the trainer's policy, in units of the update), ``sync/merge_update_error
 ``rollout/logprob_diff`` (engine vs trainer logprobs of the sampled tokens). Both errors are over every merged tensor
 (``train_workers.lora.MergeRounding``).
 
-Models: ``--model tiny`` (the tests' random tiny Llama, float32 weights off the bf16 grid, parity reward; seconds per
-step) or ``--model smollm2`` (``examples/gsm8k_smollm2_cpu.yaml``: SmolLM2-135M-Instruct, GSM8K, B = 2 × G = 4, 64
-tokens; ≈ 30 s per step here). LoRA rank 8, alpha 16, all linear layers, lr from ``--lr``.
+Models: ``--model tiny`` (the tests' random tiny Llama, float32 weights off the bf16 grid; seconds per step) or
+``--model smollm2`` (``examples/gsm8k_smollm2_cpu.yaml``: SmolLM2-135M-Instruct on GSM8K prompts, B = 2 × G = 4, 64
+tokens; ≈ 30 s per step here). Both are scored by the tests' ``parity`` reward (1 for an even character count), so
+every step has unequal rewards and a non-zero update to measure (GSM8K accuracy is ≈ 0 at this length). LoRA rank
+8, alpha 16, all linear layers, kl_coef 0, lr from ``--lr``.
 
 Usage (from the repo root)::
 
@@ -37,8 +39,9 @@ COMMON = ["eval=null", "metrics.port=null", "checkpoint.every_steps=0", "checkpo
           "resume=never", "monitor=null", "train.world_size=1", "train.lora.rank=8", "train.lora.alpha=16",
           "train.lora.sync=merged", "algorithm.kl_coef=0.0"]
 #: Per model: overrides besides COMMON.
-MODEL = {"tiny": ['algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'],
-         "smollm2": ["rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=64"]}
+PARITY = 'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'
+MODEL = {"tiny": [PARITY],
+         "smollm2": [PARITY, "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=64"]}
 KEYS = ("sync/merge_rounding_error", "sync/merge_update_error", "rollout/logprob_diff")
 
 
@@ -75,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/bench_off_policy_tiny_llama"),
                         help="--model tiny: the tiny random Llama's folder (built there once)")
     args = parser.parse_args(argv)
+    import tests.parity_reward  # noqa: F401  (registers the parity reward)
+
     model_dir = None
     if args.model == "tiny":
-        import tests.parity_reward  # noqa: F401  (registers the parity reward)
         from tests.tiny_model import make_tiny_model
 
         model_dir = make_tiny_model(args.model_dir)
