@@ -45,6 +45,7 @@ def test_lora_loop_syncs_verified_merged_weights_and_engine_matches_trainer(lora
         assert m["actor/trainable_parameters"] > 0 and 0 < m["actor/trainable_fraction"] < 0.05
         assert m["memory/train_rank0_peak_rss_gib"] > 0 and m["memory/train_rank1_peak_rss_gib"] > 0
         assert m["sync/bytes"] == history[0]["sync/bytes"] > 12e6  # merged: the full float32 model every sync
+        assert m["sync/merge_update_error"] < 1e-3  # float32 engine: the update arrives whole
     diffs = [m["rollout/logprob_diff"] for m in history]
     assert all(d < 2e-5 for d in diffs), diffs
     assert history[1]["actor/kl"] > 0
@@ -76,6 +77,7 @@ def test_lora_adapter_sync_streams_adapters_only_and_engine_matches_trainer(adap
     for m in history:
         assert m["sync/verified"] is True and m["actor/update_skipped"] == 0.0
         assert m["sync/bytes"] == history[0]["sync/bytes"] < merged[0]["sync/bytes"] / 100
+        assert m["sync/adapter_modules"] == 14  # bound on the engine (vLLM's LoRA manager): 2 layers x 7 linears
         assert m["actor/trainable_parameters"] == merged[0]["actor/trainable_parameters"]
     # lora_A/lora_B of 2 layers x 7 linear layers, rank 8, float32, each slot aligned to 64 bytes
     assert 16384 * 4 <= history[0]["sync/bytes"] <= 16384 * 4 + 28 * 64
