@@ -5,6 +5,11 @@ otherwise the tensors whose plan index i has i mod K = v mod K: a deterministic 
 that rotates, so K consecutive versions check every tensor at least once, and every K-th version checks them all.
 Sender and receivers are given the same names, so both checksum only those; :func:`compare_checksums` then holds
 each receiver's CRC-32s against the sender's.
+
+A LoRA adapter sync is checked once more, for what checksums cannot see: the bytes may arrive intact and still bind
+to nothing (an engine whose LoRA module names differ from the adapter's serves the base model without an error).
+:func:`check_adapter_binding` holds the modules each engine worker reports bound against the trainer's targets
+(:func:`adapter_targets`); :class:`AdapterSyncError` is also what the loop raises for a frozen adapter.
 """
 
 from __future__ import annotations
