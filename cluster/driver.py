@@ -44,6 +44,7 @@ from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_me
 from cluster.loop.training import SkippedUpdates, TrainPhase, load_train_state
 from cluster.ops.metrics import MetricSinks, MetricsLogger, format_console_line
 from cluster.spec import JobSpec, spec_to_yaml
+from cluster.spec.algorithm import off_policy_warning
 from contract.protocols import ControlChannel, Fleet, MetricSink, Trainer
 from contract.versions import PolicyVersionLedger
 from grpo.kl import make_kl_controller
@@ -97,6 +98,8 @@ class GRPOJob:
                      f"{self.prompts_filtered} over data.max_prompt_tokens={d.max_prompt_tokens} dropped)")
         self.evaluation = load_evaluation(spec, tokenizer, self.status)  # None without an eval section
         alg = spec.algorithm
+        if (warning := off_policy_warning(alg, spec.rollout)) is not None:
+            self.status(f"warning: {warning}")
         self.scoring = Scoring(alg, spec.rollout.max_response_tokens, model_eos_ids(self.model_path, tokenizer))
         self.group_size = GroupSizeController(spec.rollout.group_size, alg.group_size_schedule, alg.group_size_max,
                                               alg.group_size_rise_threshold)

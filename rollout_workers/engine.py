@@ -351,7 +351,7 @@ class RolloutEngine:
 
         Returns:
             The first worker's version, seconds and bytes (``WeightSyncExtension.receive_weights``), with every
-            worker's checksums.
+            worker's checksums and, with adapter sync, the modules each worker's adapter is bound to.
 
         Never runs while ``generate`` does (both hold the engine lock): the driver syncs between generate calls, and
         with partial rollouts an interrupted call has aborted its requests before it released the lock.
@@ -373,5 +373,6 @@ class RolloutEngine:
 
             self.lora_request = LoRARequest(first["lora"]["name"], first["lora"]["id"], first["lora"]["path"])
         self.policy_version = policy_version
+        modules = [list(r["lora_modules"]) for r in reports] if first["lora"] is not None else None
         return ReceiveReport(policy_version=first["policy_version"], seconds=first["seconds"], bytes=first["bytes"],
-                             worker_checksums=[r["checksums"] for r in reports])
+                             worker_checksums=[r["checksums"] for r in reports], worker_adapter_modules=modules)

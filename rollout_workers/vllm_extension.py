@@ -13,6 +13,9 @@ the ``lora_A``/``lora_B`` tensors under PEFT's saved names. The worker writes th
 through vLLM's own LoRA loader (``Worker.add_lora``, which validates rank and target modules and maps q/k/v and
 gate/up onto vLLM's packed layers); the base weights are never touched. The adapter of policy version ``v`` is
 vLLM LoRA id ``v + 1`` named ``policy-v<v>`` (:func:`adapter_identity`); the previous version's adapter is removed.
+After loading, the worker reports the modules the adapter is bound to, read from vLLM's LoRA manager
+(:meth:`WeightSyncExtension.adapter_modules`): vLLM loads an adapter whose module names match nothing of the model
+without an error and then serves the base model, so the driver checks the count against the trainer's targets.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ class WeightSyncExtension:
 
         Returns:
             ``{"policy_version", "seconds", "bytes", "checksums": {name: crc}, "lora": None}``; with adapter sync
-            ``"lora"`` is ``{"name", "id", "path"}`` of the loaded adapter (a ``LoRARequest``'s fields).
+            ``"lora"`` is ``{"name", "id", "path"}`` of the loaded adapter (a ``LoRARequest``'s fields) and
+            ``"lora_modules"`` the modules it is bound to (:meth:`adapter_modules`).
 
         Raises:
             RuntimeError: before ``init_weight_sync``, or the transport failed (the sender died, stalled past the
@@ -184,7 +188,42 @@ class WeightSyncExtension:
             "bytes": sum(b.nbytes for b in self._grpo_buckets),
             "checksums": checksums,
             "lora": dict(self._grpo_adapter),
+            "lora_modules": self.adapter_modules(lora_id),
         }
+
+    def adapter_modules(self, lora_id: int) -> list[str]:
+        """The base-model modules that adapter ``lora_id`` is bound to on this worker, read from vLLM's LoRA manager
+        (``model_runner.lora_manager``'s model manager): a LoRA-capable module of the model counts when the active
+        adapter holds weights for it (what ``LoRAModelManager.activate_adapter`` sets into the module); a packed
+        module (``qkv_proj``, ``gate_up_proj``: ``packed_modules``) counts as each of its parts that has weights
+        (``q_proj``, ``v_proj``, ...), so the names and the count are the trainer's (HF names, sorted). An adapter
+        registered but not active, or whose names match no module of the model (e.g. another model's prefixes,
+        which vLLM loads without complaint), binds nothing: [].
+
+        Raises:
+            RuntimeError: the engine has no LoRA manager, or vLLM's manager lacks the fields read here (a vLLM
+                version whose layout differs: the binding cannot be checked, so the sync must not pass as good).
+        """
+        worker_manager = getattr(self.model_runner, "lora_manager", None)
+        manager = getattr(worker_manager, "_adapter_manager", None)
+        if manager is None or not all(hasattr(manager, f) for f in ("modules", "packed_modules", "lora_index_to_id")):
+            raise RuntimeError("cannot read vLLM's LoRA manager (model_runner.lora_manager._adapter_manager with "
+                               "modules, packed_modules, lora_index_to_id) to count the modules the adapter is bound "
+                               "to; this vLLM version is not supported for train.lora.sync: adapter")
+        lora_model = manager.get_adapter(lora_id)
+        if lora_model is None or lora_id not in manager.lora_index_to_id:
+            return []
+        bound = []
+        for name in manager.modules:
+            weights = lora_model.get_lora(name)
+            if not weights:
+                continue
+            parts = manager.packed_modules.get(name)
+            if parts and isinstance(weights.lora_a, list):
+                bound.extend(part for part, a in zip(parts, weights.lora_a) if a is not None)
+            else:
+                bound.append(name)
+        return sorted(bound)
 
 
 def _received_buckets(receiver, buckets, check: set[str], checksums: dict[str, int]):

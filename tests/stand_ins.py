@@ -136,7 +136,8 @@ class StandInFleet:
     def sync_policy(self):
         self.syncs += 1
         self.version = self.versions.current
-        return SimpleNamespace(metrics=lambda: {"sync/verified": True})
+        return SimpleNamespace(metrics=lambda: {"sync/verified": True}, policy_version=self.version,
+                               adapter_checksum=None, merge_update_error=None)  # what the loop reads of a SyncReport
 
     def scale(self, replicas: int) -> None:
         if replicas < 1:

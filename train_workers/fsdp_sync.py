@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from train_workers.lora import MergeRounding
 from train_workers.sharding import full_tensor
 from train_workers.weight_sender import Source
 
@@ -27,6 +28,7 @@ class FSDPSyncSource:
 
     def __init__(self, policy, lora=None, adapter_sync: bool = False):
         self.policy, self.lora, self.adapter_sync = policy, lora, adapter_sync and lora is not None
+        self._rounding: MergeRounding | None = None  # the merged tensors of the last sources() call
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """Parameters in HF checkpoint names (tied weights once), in a fixed order."""
@@ -41,14 +43,25 @@ class FSDPSyncSource:
     def sources(self, engine_dtype: torch.dtype) -> list[Source]:
         """``(HF name, shape, gather)`` of every tensor the engines receive, in plan order; ``gather()`` (a
         collective) returns the whole tensor in ``engine_dtype``. With ``train.lora``: ``sync: merged``, the base
-        weights with the adapters merged in (``LoraPolicy.merged_sources``), under the same names as without LoRA;
+        weights with the adapters merged in (``LoraPolicy.merged_sources``, measuring the rounding of the update:
+        :meth:`merge_rounding`), under the same names as without LoRA;
         ``sync: adapter``, the adapter tensors only (``LoraPolicy.adapter_sources``, PEFT's saved names)."""
         if self.adapter_sync:
             return [(name, shape, lambda f=f: f().to(engine_dtype)) for name, shape, f in self.lora.adapter_sources()]
         if self.lora is not None:
-            return [(name, shape, lambda f=f: f().to(engine_dtype)) for name, shape, f in self.lora.merged_sources()]
+            self._rounding = MergeRounding()
+            return self.lora.merged_sources(engine_dtype, self._rounding)
         return [(name, tuple(p.shape), lambda p=p: self.tensor(p, engine_dtype))
                 for name, p in self.named_parameters()]
+
+    def merge_rounding(self) -> tuple[float, float] | None:
+        """With ``train.lora.sync: merged``, (relative error, update error) of the LoRA update in the tensors gathered
+        since the last :meth:`sources` call (a sync gathers each once: ``train_workers.lora.MergeRounding``); None
+        otherwise, or while the update is 0."""
+        r = self._rounding
+        if r is None or r.relative_error is None:
+            return None
+        return r.relative_error, r.update_error
 
     def adapter_config(self) -> dict | None:
         """With ``train.lora.sync: adapter``, the policy's PEFT ``adapter_config.json`` as a dict

@@ -122,7 +122,7 @@ class GRPOStep:
             non-finite metric: ``"actor/loss"`` or ``"actor/grad_norm"``); ``metrics`` summed/averaged over all ranks
             and iterations: ``actor/*`` (with ``actor/update_skipped``, the fraction of iterations skipped, 0.0 or 1.0
             with one iteration) and ``rollout/logprob_diff`` (engine vs trainer before the first update);
-            ``timing/<phase>_s`` (rank 0); ``kl``: ``actor/kl``.
+            ``timing/<phase>_s`` (rank 0); ``kl``: ``actor/kl``; ``grad_norm``: ``actor/grad_norm``.
         """
         t0 = time.perf_counter()
         engine, alg = self.engine, self.algorithm
@@ -162,12 +162,14 @@ class GRPOStep:
             metrics.update(off_policy_metrics(totals, engine.all_reduce_max(self._extremes), mis is not None))
         return TrainResult(policy_version=policy_version + 1 if applied else policy_version,
                            skipped=applied < iterations, skip_reason=skip_reason, metrics=metrics,
-                           kl=metrics["actor/kl"])
+                           kl=metrics["actor/kl"], grad_norm=metrics["actor/grad_norm"])
 
     def _correcting(self) -> bool:
-        """Whether an off-policy correction is on (``algorithm.tis_cap`` or ``algorithm.mis``): its metrics are
-        reported then only, so a job without one logs exactly the metrics it always did."""
-        return self.algorithm.tis_cap is not None or self.algorithm.mis is not None
+        """Whether the off-policy metrics are reported: with a correction on (``algorithm.tis_cap`` or
+        ``algorithm.mis``), or one turned off explicitly (``algorithm.off_policy_correction: none``, so the gap it
+        leaves is measured); a job without either logs exactly the metrics it always did."""
+        alg = self.algorithm
+        return alg.tis_cap is not None or alg.mis is not None or alg.off_policy_correction == "none"
 
     def _mis_keep(self, microbatches: list[PackedMicroBatch], saved: list[Saved]) -> tuple[int, int]:
         """Record ``algorithm.mis``'s keep mask in each micro-batch's :class:`Saved` (from the proximal logprobs of

@@ -20,6 +20,7 @@ the engines and ``transformers`` use.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import math
 from contextlib import contextmanager
 
 import torch
@@ -29,7 +30,8 @@ from train_workers.sharding import full_tensor
 
 #: PEFT's adapter name (one adapter per policy).
 ADAPTER = "default"
-_PEFT_PREFIX = "base_model.model."
+#: The prefix PEFT gives the wrapped model's names (``base_model.model.<HF name>``).
+PEFT_PREFIX = "base_model.model."
 _ADAPTER_PARTS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 
 
@@ -138,7 +140,7 @@ def saved_name(name: str) -> str:
 def hf_name(name: str) -> str:
     """A PEFT parameter name of a base tensor → the HF name (``base_model.model.model.layers.0.self_attn.q_proj.
     base_layer.weight`` → ``model.layers.0.self_attn.q_proj.weight``)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 class LoraPolicy:
@@ -188,11 +190,15 @@ class LoraPolicy:
         for p in self.trainable:
             p.requires_grad_(True)
 
-    def merged_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    def merged_sources(self, engine_dtype: torch.dtype = torch.float32, rounding: MergeRounding | None = None
+                       ) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
         """What the engines receive in ``merged`` sync: ``(HF name, shape, gather)`` per base tensor in module order
-        (tied weights once). ``gather()`` returns the whole float32 tensor: ``W + s · (B @ A)`` for a layer with an
-        adapter (PEFT's ``get_delta_weight`` and ``merge``: ``W + (B @ A) · s``), the base tensor otherwise. A
-        ``gather`` is a collective over the train group (``full_tensor``): every rank calls them in this order. No
+        (tied weights once). ``gather()`` returns the whole tensor in ``engine_dtype``: ``cast(W + s · (B @ A))``
+        for a layer with an adapter (PEFT's ``get_delta_weight`` and ``merge``: ``W + (B @ A) · s``), computed in
+        float32 from the float32 (master) parameters into a fresh tensor — the policy's own tensors are never
+        written, so no merge/unmerge cycle can drift the base weights — and ``cast(W)`` otherwise. With
+        ``rounding``, every merged tensor's rounding error is added to it (:class:`MergeRounding`). A ``gather`` is
+        a collective over the train group (``full_tensor``): every rank calls them in this order. No
         ``base_layer``/``lora_*`` name appears."""
         params = dict(self.peft_model.named_parameters())
         out = []
@@ -201,14 +207,15 @@ class LoraPolicy:
                 continue
             layer = name.removesuffix(".base_layer.weight") if name.endswith(".base_layer.weight") else None
             if layer is None:
-                out.append((hf_name(name), tuple(p.shape), lambda p=p: full_tensor(p.detach()).float()))
+                out.append((hf_name(name), tuple(p.shape),
+                            lambda p=p: full_tensor(p.detach()).float().to(engine_dtype)))
                 continue
             a = params[f"{layer}.lora_A.{ADAPTER}.weight"]
             b = params[f"{layer}.lora_B.{ADAPTER}.weight"]
             scaling = float(self.peft_model.get_submodule(layer).scaling[ADAPTER])
             out.append((hf_name(name), tuple(p.shape),
-                        lambda p=p, a=a, b=b, s=scaling: _merge(full_tensor(p.detach()), full_tensor(a.detach()),
-                                                                full_tensor(b.detach()), s)))
+                        lambda p=p, a=a, b=b, s=scaling: merge_to(full_tensor(p.detach()), full_tensor(a.detach()),
+                                                                  full_tensor(b.detach()), s, engine_dtype, rounding)))
         return out
 
     def adapter_sources(self) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
@@ -246,6 +253,63 @@ class LoraPolicy:
                 "actor/trainable_fraction": self.num_trainable / max(self.num_total, 1)}
 
 
-def _merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W + (B @ A) · s`` in float32: ``weight`` [out, in], ``a`` [r, in], ``b`` [out, r] → [out, in]."""
-    return weight.float() + (b.float() @ a.float()) * scaling
+class MergeRounding:
+    """The rounding a merged sync adds to the LoRA update, over the merged tensors of one sync.
+
+    Each merged tensor sent as ``M = cast(W + Δ)``, ``Δ = s · B A`` (float32, from the float32 master ``W``), adds
+    ``‖M − W − Δ‖²``, ``‖M − cast(W) − Δ‖²`` and ``‖Δ‖²`` (sums in float64). Two ratios:
+
+    - :attr:`relative_error` = sqrt(Σ‖M − W − Δ‖² / Σ‖Δ‖²): how far the engine's merged weights are from the
+      trainer's policy, in units of the update (issue 30's measure). It includes the rounding of ``W`` itself, so a
+      base that is not on the engine dtype's grid (float32 weights sent as bfloat16) gives values above 1 even for a
+      perfectly kept update.
+    - :attr:`update_error` = sqrt(Σ‖M − cast(W) − Δ‖² / Σ‖Δ‖²): how much of the update the engine's weights lose,
+      relative to the base it holds anyway (``cast(W)``, what a full or adapter sync of the base gives). In
+      bfloat16 (8 significant bits) an element whose |Δ| is below half the grid spacing at |W| (≈ 2⁻⁹ |W|) is
+      rounded back to ``cast(W)``: the update vanishes, the error is ≈ 1 and the engines sample a policy the
+      trainer never had; with a base off the grid, elements near a rounding boundary also jump a whole grid step,
+      and the error exceeds 1 (the update the engines see is mostly rounding noise). For a base on the grid (a
+      bfloat16 checkpoint) the two ratios are equal.
+
+    Attributes:
+        error_sq, update_error_sq, update_sq: Σ‖M − W − Δ‖², Σ‖M − cast(W) − Δ‖², Σ‖Δ‖² (float). tensors: merged
+        tensors added.
+    """
+
+    def __init__(self):
+        self.error_sq = self.update_error_sq = self.update_sq = 0.0
+        self.tensors = 0
+
+    def add(self, sent: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor) -> None:
+        """Add one merged tensor: ``sent`` = cast(W + Δ) (any float dtype), ``weight`` W and ``delta`` Δ float32, all
+        of one shape. Residuals in float32 (differences of close values are exact)."""
+        got = sent.float()
+        residual = (got - weight) - delta
+        kept = (got - weight.to(sent.dtype).float()) - delta
+        self.error_sq += float(torch.sum(residual * residual, dtype=torch.float64))
+        self.update_error_sq += float(torch.sum(kept * kept, dtype=torch.float64))
+        self.update_sq += float(torch.sum(delta * delta, dtype=torch.float64))
+        self.tensors += 1
+
+    @property
+    def relative_error(self) -> float | None:
+        """sqrt(Σ‖M − W − Δ‖² / Σ‖Δ‖²); None while Σ‖Δ‖² is 0 (no update to measure: ``B = 0`` at the start)."""
+        return math.sqrt(self.error_sq / self.update_sq) if self.update_sq > 0 else None
+
+    @property
+    def update_error(self) -> float | None:
+        """sqrt(Σ‖M − cast(W) − Δ‖² / Σ‖Δ‖²); None while Σ‖Δ‖² is 0."""
+        return math.sqrt(self.update_error_sq / self.update_sq) if self.update_sq > 0 else None
+
+
+def merge_to(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+             dtype: torch.dtype = torch.float32, rounding: MergeRounding | None = None) -> torch.Tensor:
+    """``cast(W + (B @ A) · s)`` into a fresh tensor: ``weight`` [out, in], ``a`` [r, in], ``b`` [out, r] → [out, in]
+    in ``dtype``, the sum taken in float32 (from float32 master weights; a lower-precision ``weight`` is upcast). None
+    of the inputs is written. ``rounding``: adds this tensor's rounding error (:class:`MergeRounding`)."""
+    base = weight.float()
+    delta = (b.float() @ a.float()) * scaling
+    merged = (base + delta).to(dtype)
+    if rounding is not None:
+        rounding.add(merged, base, delta)
+    return merged

@@ -24,11 +24,23 @@ Source = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
 class SyncSource(Protocol):
-    """The tensors a train rank streams to the engines."""
+    """The tensors a train rank streams to the engines.
+
+    Attributes:
+        adapter_sync: the tensors are LoRA adapter tensors (``train.lora.sync: adapter``): the sender digests the
+            payload (``SendReport.payload_crc32``).
+    """
+
+    adapter_sync: bool
 
     def sources(self, engine_dtype: torch.dtype) -> list[Source]:
         """``(HF name, shape, gather)`` of every tensor the engines receive, in plan order (the same on every rank);
         ``gather()`` (a collective) returns the whole tensor in ``engine_dtype``."""
+        ...
+
+    def merge_rounding(self) -> tuple[float, float] | None:
+        """With merged LoRA weights, (relative error, update error) of the update in the tensors gathered since the
+        last :meth:`sources` call (``train_workers.lora.MergeRounding``); None when nothing is merged."""
         ...
 
 
@@ -124,7 +136,8 @@ class WeightSender:
             policy_version: the version being sent (reported back).
 
         Returns:
-            this rank's :class:`SendReport` (bytes, checksums and memory from rank 0; see ``stream_buckets``).
+            this rank's :class:`SendReport` (bytes, checksums, the adapter payload's digest and memory from rank 0;
+            see ``stream_buckets``; the merged update's rounding error from the source).
 
         Raises:
             RuntimeError: called before :meth:`plan`/:meth:`init_group`, or the transport failed (a receiver died
@@ -140,10 +153,14 @@ class WeightSender:
         gather = {name: fn for name, _, fn in self.sources()}
         check = [s.name for b in self.buckets for s in b.slots] if verify is True else (verify or [])
         try:
-            report = stream_buckets(self.buckets, lambda name: gather[name](), sender, check, self.device)
+            report = stream_buckets(self.buckets, lambda name: gather[name](), sender, check, self.device,
+                                    digest=self.source.adapter_sync)
         except Exception:
             self.close_group()
             raise
+        rounding = self.source.merge_rounding() or (None, None)
         return SendReport(policy_version=policy_version, seconds=report["seconds"], bytes=report["bytes"],
                           checksums=report["checksums"], peak_extra_bytes=report["peak_extra_bytes"],
-                          peak_extra_bytes_accounted=report["peak_extra_bytes_accounted"])
+                          peak_extra_bytes_accounted=report["peak_extra_bytes_accounted"],
+                          payload_crc32=report["payload_crc32"], merge_rounding_error=rounding[0],
+                          merge_update_error=rounding[1])

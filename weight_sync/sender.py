@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -76,6 +77,7 @@ def stream_buckets(
     sender=None,
     check: Collection[str] = (),
     device: torch.device = torch.device("cpu"),
+    digest: bool = False,
 ) -> dict:
     """Gather, pack and send every bucket of ``buckets`` (all train ranks call this together).
 
@@ -86,9 +88,12 @@ def stream_buckets(
         sender: the transport sender (``weight_sync.transport``) on rank 0; None on the other ranks (gather only).
         check: tensor names to CRC-32 on the sender (the same names the receivers check).
         device: where the sender's buffers live (CUDA: checksums copy each checked bucket to the CPU).
+        digest: also CRC-32 the bytes of every tensor sent, in plan order (meant for small payloads such as LoRA
+            adapters: each bucket is read once more, on the CPU).
 
     Returns:
-        ``{"bytes", "checksums": {name: crc32}, "peak_extra_bytes", "peak_extra_bytes_accounted", "seconds"}``:
+        ``{"bytes", "checksums": {name: crc32}, "payload_crc32", "peak_extra_bytes", "peak_extra_bytes_accounted",
+        "seconds"}`` (``payload_crc32``: the digest on rank 0, else None):
         ``peak_extra_bytes`` measured by :class:`PeakMemory` over the whole sync, ``peak_extra_bytes_accounted`` the
         largest sum of live send buffers + one gathered tensor that the loop itself holds (a cast to another engine
         dtype, or a sharded gather's internal buffers, add about one more tensor).
@@ -100,6 +105,7 @@ def stream_buckets(
     t0 = time.perf_counter()
     check = set(check)
     checksums: dict[str, int] = {}
+    payload: int | None = None
     total = accounted = 0
     with PeakMemory(device) as mem, torch.no_grad():
         if sender is not None:
@@ -125,6 +131,11 @@ def stream_buckets(
                     continue
                 if check and any(s.name in check for s in bucket.slots):
                     checksums.update(bucket_checksums(bucket, buf.cpu(), only=check))
+                if digest:  # the tensors' bytes only: alignment padding may hold an earlier bucket's bytes
+                    host = buf.cpu()
+                    for slot in bucket.slots:
+                        payload = zlib.crc32(memoryview(host[slot.offset:slot.offset + slot.nbytes].numpy()),
+                                             payload or 0)
                 sender.send(bucket, buf)
                 total += bucket.nbytes
             if sender is not None:
@@ -133,5 +144,5 @@ def stream_buckets(
             if sender is not None:
                 sender.abort()
             raise
-    return {"bytes": total, "checksums": checksums, "peak_extra_bytes": mem.peak_bytes,
+    return {"bytes": total, "checksums": checksums, "payload_crc32": payload, "peak_extra_bytes": mem.peak_bytes,
             "peak_extra_bytes_accounted": accounted, "seconds": time.perf_counter() - t0}

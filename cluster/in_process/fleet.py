@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from cluster.in_process.sampling import MAX_BATCH_ROWS, RowJob, Sampling, sample_rows
-from cluster.in_process.sync import LocalWeightSync, sync_targets
+from cluster.in_process.sync import LocalWeightSync, peft_bound_modules, sync_targets
 from cluster.in_process.trainer import LocalTrainer
 from cluster.loop.scheduler import assign_groups
 from contract.errors import RecoveryDeferred
@@ -142,8 +142,9 @@ class LocalFleet:
         self.eos_ids = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
         self.model_version = policy_version
         self._engines = [LocalEngine(i) for i in range(self.spec.rollout.replicas)]
-        self._sync = LocalWeightSync(self.spec, trainer.worker, sync_targets(self.model, adapter_config is not None),
-                                     versions)
+        adapter = adapter_config is not None
+        self._sync = LocalWeightSync(self.spec, trainer.worker, sync_targets(self.model, adapter), versions,
+                                     bound_modules=(lambda: peft_bound_modules(self.model)) if adapter else None)
         versions.set_engines(self._engines)
 
     def check(self, model_path: str) -> None:

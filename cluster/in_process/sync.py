@@ -16,7 +16,9 @@ worker thread (``inproc-sync-sender``), the receiver in the calling thread.
 
 What is received (``train.lora.sync``): full weights (full fine-tuning, or LoRA ``merged``) under the model's HF
 names; tied embeddings are sent once and the LM head, sharing the embedding's tensor, follows. Or (``adapter``) the
-``lora_A``/``lora_B`` tensors under PEFT's saved names, loaded into the fleet model's PEFT adapters.
+``lora_A``/``lora_B`` tensors under PEFT's saved names, loaded into the fleet model's PEFT adapters; after each such
+sync the modules the adapter is bound to are read from PEFT (:func:`peft_bound_modules`) and checked against the
+trainer's targets, as the Ray shell checks what vLLM's LoRA manager reports.
 
 The transport is always ``broadcast`` over gloo (``sync.mode`` is a choice between processes; here there is one), so
 the train rank must be on the CPU: two NCCL ranks cannot share one GPU.
@@ -25,24 +27,44 @@ the train rank must be on the CPU: two NCCL ranks cannot share one GPU.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from contract.messages import SendReport, SyncReport
 from contract.versions import PolicyVersionLedger
-from train_workers.lora import is_adapter, saved_name
+from train_workers.lora import ADAPTER, PEFT_PREFIX, is_adapter, saved_name
 from weight_sync.buckets import bucket_checksums, unpack_bucket
 from weight_sync.group import SyncGroup, free_port
 from weight_sync.transport import make_receiver
-from weight_sync.verify import checked_names, compare_checksums
+from weight_sync.verify import adapter_targets, check_adapter_binding, checked_names, compare_checksums
 
-__all__ = ["LocalWeightSync", "sync_targets"]
+__all__ = ["LocalWeightSync", "peft_bound_modules", "sync_targets"]
 
 HOST = "127.0.0.1"
 #: Seconds beyond ``sync.timeout_s`` the receiver waits for the sender thread's result (its own waits time out
 #: within ``sync.timeout_s``).
 THREAD_MARGIN_S = 30.0
+
+
+def peft_bound_modules(model: torch.nn.Module) -> list[str]:
+    """The modules (HF names, sorted) whose LoRA adapter is in effect in the fleet's PEFT model: every PEFT
+    ``LoraLayer`` that holds the policy's adapter (``train_workers.lora.ADAPTER``) as an active adapter, with
+    adapters enabled, not merged into its base weight (a sync writes the adapter tensors, which a merged layer no
+    longer reads) and a non-zero scaling. [] for a model without PEFT layers."""
+    from peft.tuners.lora import LoraLayer
+
+    bound = []
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or ADAPTER not in module.lora_A:
+            continue
+        if module.disable_adapters or module.merged or ADAPTER not in module.active_adapters:
+            continue
+        if module.scaling.get(ADAPTER, 0.0) == 0.0:
+            continue
+        bound.append(name.removeprefix(PEFT_PREFIX))
+    return sorted(bound)
 
 
 def sync_targets(model: torch.nn.Module, adapter: bool) -> dict[str, torch.nn.Parameter]:
@@ -68,6 +90,9 @@ class LocalWeightSync:
         worker: the train rank (``LocalTrainer.worker``).
         targets: :func:`sync_targets` of the fleet model.
         versions: the policy-version ledger.
+        bound_modules: (``train.lora.sync: adapter``) → the modules the fleet model's adapter is bound to
+            (:func:`peft_bound_modules`), read after every sync and checked against the trainer's targets; None for
+            full weights.
 
     Attributes:
         buckets: the rank's bucket plan. names: the streamed tensor names, plan order.
@@ -77,8 +102,10 @@ class LocalWeightSync:
         RuntimeError: the group did not form within ``sync.timeout_s``.
     """
 
-    def __init__(self, spec, worker, targets: dict[str, torch.nn.Parameter], versions: PolicyVersionLedger):
+    def __init__(self, spec, worker, targets: dict[str, torch.nn.Parameter], versions: PolicyVersionLedger,
+                 bound_modules: Callable[[], list[str]] | None = None):
         self.spec, self.worker, self.targets, self.versions = spec, worker, targets, versions
+        self.bound_modules = bound_modules
         self.buckets = worker.sync_plan(spec.model.dtype, spec.sync.bucket_bytes)
         self.names = [slot.name for b in self.buckets for slot in b.slots]
         self._check_plan()
@@ -122,7 +149,9 @@ class LocalWeightSync:
 
         Raises:
             RuntimeError: a transport failure on either side (the group is rebuilt before the next sync).
-            SyncVerificationError: a received tensor's checksum differs from the sender's (names it).
+            SyncVerificationError: a received tensor's checksum differs from the sender's (names it);
+                ``AdapterSyncError`` (adapter sync): the fleet model's adapter is bound to no module, or to another
+                number of modules than the trainer targets (names them).
             PolicyVersionError: the rank is not at ``versions.current``.
             Every failure leaves the engines' versions unknown in the ledger (``versions.sync_failed``).
         """
@@ -136,6 +165,10 @@ class LocalWeightSync:
             self.versions.check_trainer(sent.policy_version)
             if check:
                 compare_checksums({name: sent.checksums[name] for name in check}, got, "in-process fleet model")
+            targeted = None
+            if self.bound_modules is not None:
+                targeted = adapter_targets(self.names)
+                check_adapter_binding(targeted, self.bound_modules(), "in-process fleet model")
             self.versions.synced(version, [version] * num_engines)
         except BaseException:
             self.versions.sync_failed()
@@ -145,7 +178,10 @@ class LocalWeightSync:
                           gb_per_s=sent.bytes / max(seconds, sent.seconds, 1e-9) / 1e9,
                           sender_peak_extra_bytes=sent.peak_extra_bytes,
                           sender_peak_extra_bytes_accounted=sent.peak_extra_bytes_accounted,
-                          engines=num_engines, ipc=False)
+                          engines=num_engines, ipc=False,
+                          adapter_modules=len(targeted) if targeted is not None else None,
+                          adapter_checksum=sent.payload_crc32, merge_rounding_error=sent.merge_rounding_error,
+                          merge_update_error=sent.merge_update_error)
 
     @torch.no_grad()
     def _stream(self, verify: bool | list[str], check: set[str]) -> tuple[SendReport, float, dict[str, int]]:

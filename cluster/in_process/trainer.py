@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cluster.spec.algorithm import effective_algorithm
 from contract.batches import PackedMicroBatch
 from contract.messages import TrainRankInfo, TrainResult
 from train_workers.registry import train_backend
@@ -104,10 +105,11 @@ class LocalTrainer:
         s = self.spec
         train = self._train_spec()
         filters = {"top_k": s.rollout.top_k, "top_p": s.rollout.top_p, "min_p": s.rollout.min_p}
+        algorithm = effective_algorithm(s.algorithm, s.rollout)  # with the off-policy default, if it applies
         self._threads = torch.get_num_threads()
         try:
             self.worker = train_backend(train.strategy)(
-                0, 1, model_path, train, s.algorithm, s.rollout.temperature, s.rollout.max_response_tokens,
+                0, 1, model_path, train, algorithm, s.rollout.temperature, s.rollout.max_response_tokens,
                 s.model.dtype, s.seed, sampling_filters=filters)
             host, port = self.worker.node_address()
             self.info = self.worker.init_distributed(host, port, policy_path)

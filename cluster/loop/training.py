@@ -1,5 +1,6 @@
 """The train stage seen from the loop: pack the batch into per-rank micro-batches, take one policy update on the
-trainer, feed the KL controller, count updates skipped for NaN/Inf, and send the new policy to the fleet.
+trainer, feed the KL controller, count updates skipped for NaN/Inf, and send the new policy to the fleet (with LoRA:
+check that an adapter payload moves with the policy, and warn when a merged sync's rounding swallows the update).
 
 :class:`TrainPhase` is what the rollout schedule calls as its ``train`` and ``sync`` phases; it talks to the trainer
 and the fleet through their protocols (``contract.protocols.Trainer``/``Fleet``) and to the policy-version ledger.
@@ -7,16 +8,24 @@ and the fleet through their protocols (``contract.protocols.Trainer``/``Fleet``)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster.loop.scheduler import plan_microbatches
 from cluster.loop.step_metrics import StepBatch, StepClock
 from contract.batches import RolloutBatch
-from contract.messages import TrainResult
+from contract.messages import SyncReport, TrainResult
 from contract.protocols import Fleet, Trainer
 from contract.versions import PolicyVersionLedger
 from train_workers.packing import pack_rank_microbatches
+from weight_sync.verify import AdapterSyncError
+
+
+#: ``sync/merge_update_error`` above which the loop warns (once per job) that a merged LoRA sync loses the update
+#: to the engine dtype's rounding: above 0.25, more than a quarter of the update's norm is lost or replaced by
+#: rounding error (``SendReport.merge_update_error``; measured in docs/results.md, "LoRA merged sync in bfloat16").
+MERGE_ROUNDING_BOUND = 0.25
 
 
 class NumericsError(RuntimeError):
@@ -129,6 +138,8 @@ class TrainPhase:
         self.trainer: Trainer | None = None
         self.fleet: Fleet | None = None
         self.clock = StepClock()
+        self._adapter_payload: tuple[int, int] | None = None  # (policy version, CRC-32) of the last adapter sync
+        self._rounding_warned = False
 
     def train(self, batch: StepBatch) -> Trained:
         """One policy update on ``batch``'s trained rows (β from the KL controller). A skipped update (NaN/Inf) is
@@ -156,9 +167,44 @@ class TrainPhase:
 
     def sync(self, trained: Trained) -> dict:
         """Report the trainer's version to the ledger (``PolicyVersionError`` if it went backwards or skipped one)
-        and send the new policy to every engine; a skipped update changes no weights, so nothing is sent. Returns
-        the ``sync/*`` metrics."""
+        and send the new policy to every engine; a skipped update changes no weights, so nothing is sent. Then the
+        LoRA checks (:meth:`_check_lora_sync`). Returns the ``sync/*`` metrics.
+
+        Raises:
+            AdapterSyncError: (``train.lora.sync: adapter``) the adapter payload did not change after an update.
+        """
         with self.clock.phase("sync"):
             if not self.versions.trained(trained.result.policy_version):
                 return {"sync/skipped": 1.0}
-            return {**self.fleet.sync_policy().metrics(), "sync/skipped": 0.0}
+            report = self.fleet.sync_policy()
+            self._check_lora_sync(trained.result, report)
+            return {**report.metrics(), "sync/skipped": 0.0}
+
+    def _check_lora_sync(self, result: TrainResult, report: SyncReport) -> None:
+        """After a sync: with adapter sync, the payload's checksum must differ from the previous version's when the
+        step applied an update with a non-zero gradient (a frozen adapter — parameters the optimizer does not move,
+        or not the ones streamed — would keep the engines on the old policy while the versions advance); with merged
+        sync, warn once when the part of the update lost to rounding exceeds :data:`MERGE_ROUNDING_BOUND`.
+
+        Raises:
+            AdapterSyncError: the payload of version v equals version v − 1's after such an update.
+        """
+        version, crc = report.policy_version, report.adapter_checksum
+        if crc is not None:
+            norm = result.grad_norm
+            moved = not result.skipped and norm is not None and math.isfinite(norm) and norm > 0
+            if moved and self._adapter_payload == (version - 1, crc):
+                raise AdapterSyncError(
+                    f"policy version {version}: the LoRA adapter payload streamed to the engines (CRC-32 {crc:#010x}) "
+                    f"is the same as version {version - 1}'s although the step applied an update with gradient norm "
+                    f"{norm:.3g}: the adapter is frozen (the optimizer does not move the streamed tensors); the "
+                    f"engines would keep sampling version {version - 1}")
+            self._adapter_payload = (version, crc)
+        error = report.merge_update_error
+        if error is not None and error > MERGE_ROUNDING_BOUND and not self._rounding_warned:
+            self._rounding_warned = True
+            self._status(f"warning: policy version {version}: the merged LoRA weights the engines received lose "
+                         f"{error:.2f} x the LoRA update's norm to rounding (bound {MERGE_ROUNDING_BOUND:g}: "
+                         f"model.dtype {self.spec.model.dtype} rounds small updates back to the base weights, so "
+                         f"the engines sample another policy than the trainer's); use train.lora.sync: adapter "
+                         f"(sync/merge_update_error is logged every step)")

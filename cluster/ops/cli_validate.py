@@ -5,7 +5,9 @@ model and tokenizer, data, prompt lengths, earlier checkpoints), then — when t
 the pools reserve; for the local cluster ``run`` would start, that no custom resource (``rollout.resources``,
 ``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once, and that the
 ``cpu_affinity`` cores are among this machine's (:func:`cluster.ops.prepare.local_cores_problem`).
-Prints the resolved spec's summary. Starts no Ray cluster, engine or worker, and writes nothing.
+Prints the resolved spec's summary (with the behaviour correction the train ranks apply in ``rollout.mode``
+one_step_off/async; a job that turns it off, ``algorithm.off_policy_correction: none``, is warned about on stderr by
+the job's own check). Starts no Ray cluster, engine or worker, and writes nothing.
 
 Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec values with file:line).
 """
@@ -86,6 +88,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
     from cluster.ray_shell.pools import resources_needed
+    from cluster.spec.algorithm import describe_off_policy
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
     need = resources_needed(s)
@@ -110,6 +113,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
             f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
             f"{t.lora.sync}" if t.lora is not None else "")),
         ("rewards", reward_summary(s)),
+        ("off-policy", describe_off_policy(s.algorithm, r)),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
         ("cluster", cluster),
         ("output_dir", f"{Path(s.output_dir).resolve()} (writable; checkpoints in {job.checkpoint_root()})"),

@@ -75,14 +75,16 @@ METRIC_HELP: dict[str, str] = {
     "actor/kl": "Mean per-token KL(policy || reference policy), estimator algorithm.kl_estimator.",
     "actor/clip_fraction": "Fraction of response tokens whose importance ratio was clipped.",
     "actor/kl_behaviour_current": ("Mean per-token k3 estimate of KL(engine behaviour policy || trainer policy before "
-                                   "the step) on the sampled tokens (with algorithm.tis_cap or algorithm.mis)."),
+                                   "the step) on the sampled tokens (with a correction on, the one-step-off/async "
+                                   "default included, or algorithm.off_policy_correction: none)."),
     "actor/behaviour_ratio_min": "Smallest token importance ratio trainer before the step / engine, over all ranks.",
     "actor/behaviour_ratio_max": "Largest token importance ratio trainer before the step / engine, over all ranks.",
     "actor/behaviour_seq_ratio_min": "Smallest geometric-mean importance ratio trainer / engine of a sequence.",
     "actor/behaviour_seq_ratio_max": "Largest geometric-mean importance ratio trainer / engine of a sequence.",
     "actor/mis_masked_fraction": ("Fraction of valid response tokens that masked importance sampling (algorithm.mis) "
                                   "dropped from the loss."),
-    "actor/tis_weight_mean": "Mean truncated importance weight (algorithm.tis_cap) over the loss tokens.",
+    "actor/tis_weight_mean": ("Mean truncated importance weight (algorithm.tis_cap, or the one-step-off/async "
+                              "default cap) over the loss tokens."),
     "response_length/mean": "Mean response length, tokens.",
     "perf/rollout_tokens_per_s": "Rollout generation throughput, response tokens per second.",
     "perf/train_tokens_per_s": "Training throughput, tokens per second.",

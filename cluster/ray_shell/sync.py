@@ -34,7 +34,7 @@ from cluster.ray_shell.pools import get
 from contract.versions import PolicyVersionLedger
 from contract.messages import EngineInfo, ReceiveReport, SendReport, SyncReport
 from weight_sync.transport import choose_transport
-from weight_sync.verify import checked_names, compare_checksums
+from weight_sync.verify import adapter_targets, check_adapter_binding, checked_names, compare_checksums
 
 
 class SyncMemberError(RuntimeError):
@@ -225,7 +225,9 @@ class WeightSync:
 
         Raises:
             SyncMemberError: an engine or the trainer died, failed or stalled (names it; within ``sync.timeout_s``).
-            SyncVerificationError: a tensor's checksum on an engine differs from the trainer's (names both).
+            SyncVerificationError: a tensor's checksum on an engine differs from the trainer's (names both);
+                ``AdapterSyncError`` (adapter sync): an engine's adapter is bound to no module, or to another number
+                of modules than the trainer targets (names them).
             PolicyVersionError: the trainer is not at ``versions.current``, or an engine reports another version.
         """
         s = self.spec.sync
@@ -253,6 +255,7 @@ class WeightSync:
                 for i, report in enumerate(received):
                     for w, checksums in enumerate(report.worker_checksums):
                         compare_checksums(expected, checksums, f"engine {i} worker {w}")
+            targeted = self._check_adapter_binding(received)
             self.versions.synced(version, [r.policy_version for r in received])
         except Exception:
             self.versions.sync_failed()  # no engine counts as holding the version until it is verified
@@ -264,4 +267,22 @@ class WeightSync:
                           gb_per_s=rank0.bytes / max(seconds, 1e-9) / 1e9,
                           sender_peak_extra_bytes=rank0.peak_extra_bytes,
                           sender_peak_extra_bytes_accounted=rank0.peak_extra_bytes_accounted,
-                          engines=len(self.engines), ipc=self.transport != "broadcast")
+                          engines=len(self.engines), ipc=self.transport != "broadcast",
+                          adapter_modules=len(targeted) if targeted is not None else None,
+                          adapter_checksum=rank0.payload_crc32, merge_rounding_error=rank0.merge_rounding_error,
+                          merge_update_error=rank0.merge_update_error)
+
+    def _check_adapter_binding(self, received: list[ReceiveReport]) -> list[str] | None:
+        """With adapter sync, check that every engine worker's adapter is bound to the modules the trainer targets
+        (``weight_sync.verify.check_adapter_binding``) and return those modules; None for full weights.
+
+        Raises:
+            AdapterSyncError: a worker reported no binding, zero modules, or another count (naming the modules).
+        """
+        if self.adapter_config is None:
+            return None
+        targeted = adapter_targets(self.names)
+        for i, report in enumerate(received):
+            for w, modules in enumerate(report.worker_adapter_modules or [None]):
+                check_adapter_binding(targeted, modules, f"engine {i} worker {w}")
+        return targeted

@@ -13,6 +13,7 @@ from ray.util.placement_group import remove_placement_group
 
 from cluster.ray_shell.pools import (TrainWorkerFailure, _dead_actor_index, _in_group, _kill, _pool_placement_group,
                                      check_cluster_resources, get, wait_dead)
+from cluster.spec.algorithm import effective_algorithm
 from contract.messages import TrainRankInfo, TrainResult
 from train_workers.registry import train_backend
 
@@ -54,12 +55,13 @@ class TrainPool:
         t = spec.train
         bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources}
         actor_cls = ray.remote(train_backend(t.strategy))
+        algorithm = effective_algorithm(spec.algorithm, spec.rollout)  # with the off-policy default, if it applies
         self.placement_group = _pool_placement_group([bundle] * t.world_size, t.placement_strategy,
                                                      f"{spec.name}-train", min(t.timeout_s, 120.0))
         self.workers = [
             actor_cls.options(num_cpus=t.num_cpus_per_worker, num_gpus=t.num_gpus_per_worker,
                               resources=dict(t.resources), **_in_group(self.placement_group, rank)).remote(
-                rank, t.world_size, model_path, t, spec.algorithm, spec.rollout.temperature,
+                rank, t.world_size, model_path, t, algorithm, spec.rollout.temperature,
                 spec.rollout.max_response_tokens, spec.model.dtype, spec.seed,
                 sampling_filters={"top_k": spec.rollout.top_k, "top_p": spec.rollout.top_p,
                                   "min_p": spec.rollout.min_p})

@@ -5,6 +5,12 @@ those functions' docstrings). Checks that involve other sections (``rollout.max_
 ``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs. The fields that select a
 registered variant (``advantage_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``, ``tis_level``,
 ``mis.level``) are checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
+
+Off-policy default (``off_policy_correction``): ``rollout.mode`` one_step_off and async train on samples of an older
+policy, so unless the spec chooses a correction (``tis_cap`` or ``mis``) the train ranks run token-level truncated
+importance sampling against the engine's logprobs with cap :data:`DEFAULT_TIS_CAP` (:func:`effective_algorithm`; the
+spec itself is never rewritten). ``off_policy_correction: none`` turns that off; such a job is warned about
+(:func:`off_policy_warning`) by ``grpo-cluster validate`` and at job start.
 """
 
 from __future__ import annotations
@@ -18,11 +24,21 @@ from cluster.spec.fields import MAX_COEFFICIENT, MAX_RATIO
 from cluster.spec.variants import (ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, POLICY_LOSS,
                                    TIS_LEVEL)
 
-__all__ = ["REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec", "algorithm_conflicts", "check_reward_key",
-           "reward_names"]
+__all__ = ["DEFAULT_TIS_CAP", "OFF_POLICY_MODES", "REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec",
+           "algorithm_conflicts", "check_reward_key", "describe_off_policy", "effective_algorithm",
+           "off_policy_warning", "reward_names"]
 
 MAX_GROUP_SIZE = 1024
 """Largest G (completions per prompt) any setting may ask for; ``rollout.group_size`` has the same bound."""
+
+DEFAULT_TIS_CAP = 2.0
+"""The cap C of the default behaviour correction in one_step_off/async (token-level TIS, w_t = min(π_prox/π_b, C)):
+the value of truncated importance sampling's authors (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+You Off-Policy RL Training") and of the peers that ship it (verl's and slime's TIS examples, SkyRL's
+``token_tis_ratio_clip_high``); measured here in ``docs/results.md`` ("Off-policy correction")."""
+
+OFF_POLICY_MODES = ("one_step_off", "async")
+"""``rollout.mode`` values whose samples come from an older policy than the one that trains on them."""
 
 REWARD_NAMES: tuple[str, ...] = ("accuracy", "format", "math")
 """Builtin reward functions a spec may weight in ``algorithm.rewards`` (more may be registered, see reward_names)."""
@@ -149,6 +165,12 @@ class AlgorithmSpec(BaseModel):
         "Masked importance sampling: {level: a name in grpo.off_policy.MIS_LEVELS (built in: token, sequence), "
         "low, high}; tokens or sequences whose ratio pi_old_trainer / pi_engine is outside [low, high] leave the "
         "loss. null disables."))
+    off_policy_correction: Literal["auto", "none"] = Field("auto", description=(
+        "auto: in rollout.mode one_step_off and async, when neither tis_cap nor mis is set, weight each token by "
+        f"min(pi_old_trainer / pi_engine, {DEFAULT_TIS_CAP:g}) (token-level truncated importance sampling against "
+        "the engine that sampled it); nothing is added in sync mode or when tis_cap or mis is set. none: no "
+        "correction by default: stale samples are trained as if on-policy (warned about by validate and at start; "
+        "tis_cap and mis must then be null)."))
     # ---- KL to the reference policy
     kl_coef: float = Field(0.04, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
         "beta: weight of the KL penalty to the reference policy (initial value when kl_controller is adaptive); at "
@@ -265,6 +287,15 @@ class AlgorithmSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _none_means_none(self) -> AlgorithmSpec:
+        chosen = [name for name, value in (("tis_cap", self.tis_cap), ("mis", self.mis)) if value is not None]
+        if self.off_policy_correction == "none" and chosen:
+            raise FieldConflict("algorithm.off_policy_correction", (
+                f"'none' turns every behaviour correction off, but algorithm.{chosen[0]} is set; remove "
+                f"off_policy_correction: none to use it, or set {' and '.join(chosen)} to null"))
+        return self
+
+    @model_validator(mode="after")
     def _needs_a_kl_coef(self) -> AlgorithmSpec:
         for name, on in (("kl_controller", self.kl_controller == "adaptive"), ("kl_in_reward", self.kl_in_reward)):
             if on and self.kl_coef == 0:
@@ -288,3 +319,52 @@ def algorithm_conflicts(alg: AlgorithmSpec, rollout) -> list[FieldConflict]:
                 f"expected group_size_max >= the largest configured G (rollout.group_size and "
                 f"group_size_schedule) = {largest}, got {alg.group_size_max}")))
     return out
+
+
+def _default_applies(alg: AlgorithmSpec, rollout) -> bool:
+    """Whether the off-policy default (token TIS, cap :data:`DEFAULT_TIS_CAP`) is added for this spec."""
+    return (rollout.mode in OFF_POLICY_MODES and alg.off_policy_correction == "auto" and alg.tis_cap is None
+            and alg.mis is None)
+
+
+def effective_algorithm(alg: AlgorithmSpec, rollout) -> AlgorithmSpec:
+    """The algorithm the train ranks run: ``alg`` itself, or — in one_step_off/async with
+    ``off_policy_correction: auto`` and neither ``tis_cap`` nor ``mis`` set — a copy with ``tis_cap`` =
+    :data:`DEFAULT_TIS_CAP` at ``tis_level`` token (module doc). The spec is not changed.
+
+    Args:
+        alg: the spec's ``algorithm``. rollout: its ``rollout`` (``mode``).
+    """
+    if not _default_applies(alg, rollout):
+        return alg
+    return alg.model_copy(update={"tis_cap": DEFAULT_TIS_CAP, "tis_level": "token"})
+
+
+def describe_off_policy(alg: AlgorithmSpec, rollout) -> str:
+    """One line: how far behind the samples of ``rollout.mode`` may be and which behaviour correction the train
+    ranks apply (``grpo-cluster validate`` prints it)."""
+    if rollout.mode not in OFF_POLICY_MODES:
+        return f"rollout.mode {rollout.mode}: on-policy samples; no behaviour correction added"
+    behind = 1 if rollout.mode == "one_step_off" else rollout.max_staleness
+    head = f"rollout.mode {rollout.mode}: samples up to {behind} policy version(s) old; "
+    run = effective_algorithm(alg, rollout)
+    if _default_applies(alg, rollout):
+        return head + f"token-level TIS, cap {run.tis_cap:g} (the default, algorithm.off_policy_correction: auto)"
+    parts = []
+    if run.tis_cap is not None:
+        parts.append(f"{run.tis_level}-level TIS, cap {run.tis_cap:g}")
+    if run.mis is not None:
+        parts.append(f"{run.mis.level}-level MIS, band [{run.mis.low:g}, {run.mis.high:g}]")
+    return head + (" + ".join(parts) if parts else "NO behaviour correction (algorithm.off_policy_correction: none)")
+
+
+def off_policy_warning(alg: AlgorithmSpec, rollout) -> str | None:
+    """A warning for a job that trains stale samples with no behaviour correction at all (one_step_off/async with
+    ``off_policy_correction: none``); None otherwise."""
+    if rollout.mode not in OFF_POLICY_MODES or alg.off_policy_correction != "none":
+        return None
+    behind = 1 if rollout.mode == "one_step_off" else rollout.max_staleness
+    return (f"algorithm.off_policy_correction: none with rollout.mode {rollout.mode}: samples up to {behind} policy "
+            f"version(s) old are trained as if on-policy (no weight depends on the engine's behaviour logprobs); "
+            f"remove it for the default token-level TIS (cap {DEFAULT_TIS_CAP:g}), or set algorithm.tis_cap / "
+            f"algorithm.mis")

@@ -57,6 +57,7 @@ def test_lora_adapter_sync_streams_adapters_only_and_engine_matches_trainer(adap
     for m in history:
         assert m["sync/verified"] is True and m["actor/update_skipped"] == 0.0
         assert m["sync/bytes"] == history[0]["sync/bytes"]
+        assert m["sync/adapter_modules"] == 14  # bound on the engine (vLLM's LoRA manager): 2 layers x 7 linears
         assert m["actor/trainable_parameters"] > 0 and 0 < m["actor/trainable_fraction"] < 0.05
         assert m["memory/train_rank0_peak_rss_gib"] > 0 and m["memory/train_rank1_peak_rss_gib"] > 0
     # lora_A/lora_B of 2 layers x 7 linear layers, rank 8, float32, each slot aligned to 64 bytes

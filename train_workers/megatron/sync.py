@@ -137,9 +137,16 @@ class MegatronSyncSource:
             Megatron's tensor- and pipeline-parallel groups.
     """
 
+    #: Full weights only: this backend has no LoRA (``train_workers.weight_sender.SyncSource``).
+    adapter_sync = False
+
     def __init__(self, model, model_path: str, layout: MegatronLayout, pp_rank: int, tp_group, pp_group):
         self.model, self.model_path, self.layout = model, model_path, layout
         self.pp_rank, self.tp_group, self.pp_group = pp_rank, tp_group, pp_group
+
+    def merge_rounding(self) -> None:
+        """None: nothing is merged (no LoRA in this backend)."""
+        return None
 
     def sources(self, engine_dtype: torch.dtype) -> list[Source]:
         """``(HF name, HF shape, gather)`` in the HF model's parameter order; ``gather()`` (a collective over the TP
