@@ -9,8 +9,9 @@ A worker process does not share the driver's reward registry, so the plan says h
   cloudpickle, by value when it has no importable module;
 - a function the spec named by location (``path/to/file.py:function``, ``module:function``) lives in a module the
   loader named itself, which no other process can import by that name: the worker loads it again from the spec
-  file's folder (``grpo.rewards.loading.register_spec_reward``). That folder travels relative to the working folder
-  when it lies inside it, so a Ray job's working dir unpacked elsewhere on another node still finds it.
+  file's folder (``grpo.rewards.loading.register_spec_reward``). That folder travels as an absolute path and, when
+  it lies inside the working folder, also relative to it: a worker whose node has no such absolute path (a Ray job's
+  working dir unpacked elsewhere) finds it relative to its own working folder.
 
 Errors a reward function raises follow ``on_error`` inside :func:`cluster.rewards.calls.evaluate_call`; a broken
 contract (wrong count, non-numbers) or a raise with ``on_error: raise`` comes back as a :class:`WireError` and is
@@ -33,8 +34,7 @@ from grpo.rewards import REWARD_FUNCTIONS
 from grpo.rewards.calling import RewardError, RewardOutputError
 from grpo.rewards.loading import is_location, register_spec_reward, spec_reward_base_dir
 
-__all__ = ["RewardPlan", "RewardWorkerCore", "WireError", "WireScores", "build_plan", "load_plan", "raise_wire_error",
-           "serve_worker"]
+__all__ = ["RewardPlan", "RewardWorkerCore", "WireError", "WireScores", "build_plan", "load_plan", "raise_wire_error"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,13 @@ class RewardPlan:
 
     Attributes:
         functions: registered name → the function object (sent by reference or by value).
-        locations: spec key (``file.py:function``, ``module:function``) → the folder to load it from (relative to
-            the working folder when it lies inside it, else absolute).
+        locations: spec key (``file.py:function``, ``module:function``) → the folder to load it from: (absolute
+            path, path relative to the working folder or None when it lies outside it).
         imports: modules to import first (``--import``: they may register functions the others use).
     """
 
     functions: Mapping[str, Callable] = field(default_factory=dict)
-    locations: Mapping[str, str] = field(default_factory=dict)
+    locations: Mapping[str, tuple[str, str | None]] = field(default_factory=dict)
     imports: tuple[str, ...] = ()
 
     @property
@@ -69,7 +69,7 @@ def build_plan(names: Iterable[str], imports: tuple[str, ...] = ()) -> RewardPla
     for name in dict.fromkeys(names):
         base = spec_reward_base_dir(name) if is_location(name) else None
         if base is not None:
-            locations[name] = str(base.relative_to(cwd)) if base.is_relative_to(cwd) else str(base)
+            locations[name] = (str(base), str(base.relative_to(cwd)) if base.is_relative_to(cwd) else None)
         elif name in REWARD_FUNCTIONS:
             functions[name] = REWARD_FUNCTIONS[name]
         else:
@@ -95,8 +95,9 @@ def load_plan(plan: RewardPlan) -> None:
         if name in REWARD_FUNCTIONS:
             dict.__delitem__(REWARD_FUNCTIONS, name)  # the driver's function is the one the job uses
         REWARD_FUNCTIONS[name] = fn
-    for key, folder in plan.locations.items():
-        register_spec_reward(key, os.path.join(os.getcwd(), folder))
+    for key, (absolute, relative) in plan.locations.items():
+        folder = absolute if os.path.isdir(absolute) or relative is None else os.path.join(os.getcwd(), relative)
+        register_spec_reward(key, folder)
 
 
 @dataclass(frozen=True)
@@ -166,25 +167,3 @@ class RewardWorkerCore:
         except Exception as exc:  # noqa: BLE001 - a bad call (lengths, unknown names): fails the step, named
             return WireError("reward", f"reward worker: {type(exc).__name__}: {exc}")
 
-
-def serve_worker(conn, plan: RewardPlan) -> None:
-    """Main function of a local worker process (``cluster.in_process.reward_pool``): load ``plan``, send
-    ``"ready"`` (or the :class:`WireError` that stopped it), then answer every :class:`RewardCall` received on
-    ``conn`` with :meth:`RewardWorkerCore.score`'s result until ``None`` or the pipe closes.
-
-    Lives here, not with the runtime, so the spawned process imports only the reward side (not the in-process
-    runtime's model code)."""
-    try:
-        core = RewardWorkerCore(plan)
-    except Exception as exc:  # noqa: BLE001 - reported to the pool, which raises it at start
-        conn.send(WireError("reward", f"reward worker could not load the reward functions: {exc}"))
-        return
-    conn.send("ready")
-    while True:
-        try:
-            call = conn.recv()
-        except (EOFError, OSError):
-            return
-        if call is None:
-            return
-        conn.send(core.score(call))
