@@ -197,12 +197,13 @@ def register_endpoint(name: str, url: str, **settings: Any) -> EndpointReward:
             the registry refuses (reserved).
     """
     from grpo.rewards import REWARD_FUNCTIONS
+    from grpo.rewards.calling import where_defined
 
     fn = EndpointReward(name, url, **settings)
     if name in REWARD_FUNCTIONS:
         if _ENDPOINTS.get(name) is not REWARD_FUNCTIONS[name]:
-            raise ValueError(f"{name!r} is already a reward function ({REWARD_FUNCTIONS[name]!r}); give the endpoint "
-                             f"another name")
+            raise ValueError(f"{name!r} is already a reward function (defined at "
+                             f"{where_defined(REWARD_FUNCTIONS[name])}); give the endpoint another name")
         dict.__delitem__(REWARD_FUNCTIONS, name)
     REWARD_FUNCTIONS[name] = fn
     _ENDPOINTS[name] = fn
