@@ -247,15 +247,9 @@ class WorkerPool:
             self._fill(pending, index, scores)
 
     def _call(self, slot: int, call: RewardCall) -> RewardScores:
-        """One chunk on slot ``slot``'s worker (started again first when it was lost); a lost call's scores are
-        NaN."""
-        worker = self._slots[slot]
+        """One chunk on slot ``slot``'s worker; a lost call's scores are NaN."""
         try:
-            if worker is None:
-                if self._closing:
-                    raise WorkerLost("the pool is shutting down")
-                worker = self._slots[slot] = self.make_worker(slot)
-                self.counts["worker_restarts"] += 1
+            worker = self._slots[slot] or self._restart(slot)
             return worker.call(call, self.timeout_s)
         except RewardError:
             raise
@@ -263,15 +257,35 @@ class WorkerPool:
             self._lost(slot, call, exc)
             return lost_scores(len(call), call.weights)
 
+    def _restart(self, slot: int) -> RewardWorker:
+        """A new worker in slot ``slot`` (counted in ``reward_pool/worker_restarts``).
+
+        Raises:
+            WorkerLost: the pool is shutting down. The factory's errors (it could not start).
+        """
+        if self._closing:
+            raise WorkerLost("the pool is shutting down")
+        worker = self._slots[slot] = self.make_worker(slot)
+        with self._lock:
+            self.counts["worker_restarts"] += 1
+        return worker
+
     def _lost(self, slot: int, call: RewardCall, exc: Exception) -> None:
+        """Count the lost call, kill the slot's worker and start its replacement now (a replacement that cannot
+        start is tried again before the slot's next call)."""
         timed_out = isinstance(exc, WorkerLost) and exc.timed_out
         with self._lock:
             self.counts["timed_out_calls" if timed_out else "lost_calls"] += 1
             self.counts["lost_rows"] += len(call)
-        if not self._closing:
-            logger.warning("reward pool: worker %d lost a call of %d completions (%s: %s); its rows get no score, "
-                           "the worker is replaced", slot, len(call), type(exc).__name__, exc)
+        if self._closing:
+            return
+        logger.warning("reward pool: worker %d lost a call of %d completions (%s: %s); its rows get no score, the "
+                       "worker is replaced", slot, len(call), type(exc).__name__, exc)
         worker, self._slots[slot] = self._slots[slot], None
         if worker is not None:
             worker.close()
-
+        try:
+            self._restart(slot)
+        except Exception as restart_error:  # noqa: BLE001 - tried again before the slot's next call
+            logger.warning("reward pool: worker %d could not be replaced (%s: %s); trying again before its next call",
+                           slot, type(restart_error).__name__, restart_error)
