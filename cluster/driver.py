@@ -75,8 +75,9 @@ class GRPOJob:
     """
 
     def __init__(self, spec: JobSpec, *, fleet: Fleet | None = None, trainer: Trainer | None = None,
-                 reward_pool: RewardPool | None = None, sinks: list[MetricSink] | None = None, control: ControlChannel | None = None, progress: bool = True,
-                 resume: bool = False, dry_run: bool = False, resume_past_trip: bool = False):
+                 reward_pool: RewardPool | None = None, sinks: list[MetricSink] | None = None,
+                 control: ControlChannel | None = None, progress: bool = True, resume: bool = False,
+                 dry_run: bool = False, resume_past_trip: bool = False):
         if not dry_run and (fleet is None or trainer is None):
             raise SetupError("GRPOJob needs a fleet and a trainer (contract.protocols); build a ready job with "
                              "cluster.ray_shell.build_job(spec) or cluster.in_process.local_job(spec)")

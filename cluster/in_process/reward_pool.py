@@ -82,7 +82,10 @@ class ProcessRewardWorker:
         try:
             return read_frame(fd)
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
-            code = self.process.wait(timeout=5)
+            try:
+                code = self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = "none yet: its output pipe closed"
             raise WorkerLost(f"reward worker process {self.pid} died (exit code {code}) {what}") from exc
 
     def call(self, call: RewardCall, timeout_s: float) -> RewardScores:

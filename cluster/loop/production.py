@@ -4,13 +4,13 @@ on the fleet's current weights.
 :class:`BatchProducer` is the one owner of the data position (the prompt queue and the group-size controller) and of
 the round an interrupted producer call leaves behind (partial rollouts): the loop asks it for a step's
 :class:`~cluster.loop.step_metrics.StepBatch`, to rewind to a batch's position (a dropped stale queue), and for the
-position a checkpoint records. It calls the fleet (``contract.protocols.Fleet``), the scorer and the reward pool (``contract.protocols.RewardPool``),
-nothing else.
+position a checkpoint records. It calls the fleet (``contract.protocols.Fleet``), the scorer and the reward pool
+(``contract.protocols.RewardPool``), nothing else.
 
 Threads: in ``rollout.mode`` one_step_off and async the schedule calls :meth:`BatchProducer.produce` for later steps
 in its producer thread while the trainer works: it uses the fleet, the prompt queue, the scorer, the reward pool and
-the group-size controller, which nothing else touches then, and it syncs no engine (``recover=False``: the trainer's weights are
-changing).
+the group-size controller, which nothing else touches then, and it syncs no engine (``recover=False``: the trainer's
+weights are changing).
 """
 
 from __future__ import annotations

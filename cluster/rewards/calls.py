@@ -119,7 +119,8 @@ def split_chunk_scores(chunk: Chunk, scores: RewardScores) -> list[tuple[Segment
     out, at = [], 0
     for seg in chunk.segments:
         k = seg.stop - seg.start
-        out.append((seg, RewardScores(scores.total[at:at + k], {f: v[at:at + k] for f, v in scores.per_function.items()},
-                                      {f: k if failed else 0 for f, failed in scores.num_failed.items()})))
+        per_function = {f: v[at:at + k] for f, v in scores.per_function.items()}
+        failed = {f: k if count else 0 for f, count in scores.num_failed.items()}
+        out.append((seg, RewardScores(scores.total[at:at + k], per_function, failed)))
         at += k
     return out

@@ -113,7 +113,8 @@ def test_reward_pool_faults_leave_the_step_as_if_the_rows_never_existed(fault, s
     failed = hit.rewards.isnan()
     assert int(failed.sum()) == 5 and not clean.rewards.isnan().any()
     assert clean.rewards.unique().tolist() == [0.0, 1.0]  # the clean rows were really scored, right and wrong
-    assert [v for v, f in zip(hit.valid_lengths, failed.tolist()) if f] == [0] * 5 and (hit.advantages[failed] == 0).all()
+    assert [v for v, f in zip(hit.valid_lengths, failed.tolist()) if f] == [0] * 5  # out of the loss
+    assert (hit.advantages[failed] == 0).all()
     kept = (~failed).nonzero().flatten().tolist()
     assert [hit.valid_lengths[i] for i in kept] == clean.valid_lengths
     assert torch.equal(hit.advantages[kept], clean.advantages)

@@ -23,7 +23,8 @@ from contract.rewards import RewardCall
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 from tests.reward_faults import exact_or_fault
 
-REWARD_FILE = "def short(completions, level):\n    return [float(len(c) <= int(v)) for c, v in zip(completions, level)]\n"
+REWARD_FILE = ("def short(completions, level):\n"
+               "    return [float(len(c) <= int(v)) for c, v in zip(completions, level)]\n")
 EOS = 2
 
 

@@ -55,7 +55,8 @@ def same(a, b) -> bool:
     """Equal scores, NaN where NaN."""
     return (torch.equal(a.total.isnan(), b.total.isnan()) and torch.equal(a.total.nan_to_num(), b.total.nan_to_num())
             and a.per_function.keys() == b.per_function.keys() and a.num_failed == b.num_failed
-            and all(torch.equal(a.per_function[k].nan_to_num(), b.per_function[k].nan_to_num()) for k in a.per_function))
+            and all(torch.equal(a.per_function[k].nan_to_num(), b.per_function[k].nan_to_num())
+                    for k in a.per_function))
 
 
 def test_reward_pool_pack_cuts_long_calls_and_keeps_whole_ones_together():
