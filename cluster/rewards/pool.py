@@ -118,6 +118,7 @@ class WorkerPool:
         if self._threads:
             return
         self._closing = False
+        self._queue = queue.Queue()  # nothing of an earlier run (abandoned chunks, stop marks)
         self._slots = [None] * self.workers
         errors: list[BaseException] = []
 

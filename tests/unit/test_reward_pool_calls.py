@@ -89,6 +89,9 @@ def test_reward_pool_thread_workers_score_exactly_as_one_call_at_a_time(batch_si
     try:
         scores = pool.collect(pool.submit(calls), 30)
         assert pool.metrics()["reward_pool/lost_rows"] == 0
+        pool.shutdown()
+        pool.start()  # again, as a guard rollback does
+        assert all(same(a, b) for a, b in zip(pool.collect(pool.submit(calls), 30), scores))
     finally:
         pool.shutdown()
     inline = InlineRewardPool()
