@@ -60,6 +60,7 @@ def run_variant(variant: str, steps: int, out: Path, extra: list[str], timeout_s
         (``step_s``, ``score_s``); ``error`` (the log's last lines) when the run failed.
     """
     run_dir = out / variant
+    out.mkdir(parents=True, exist_ok=True)
     overrides = [*COMMON, f"total_steps={steps}", f"output_dir={run_dir}", f"name=bench_reward_pool_{variant}",
                  *VARIANTS[variant], *extra]
     cmd = [sys.executable, "-m", "cluster.cli", "run", str(DEMO), "--no-progress",
