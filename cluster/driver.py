@@ -6,7 +6,8 @@
 Notation: B prompts per step, G completions per prompt (a group), N = B·G sequences.
 
 :class:`GRPOJob` is pure: it is constructed from a spec and the collaborators it is given — the rollout side
-(``contract.protocols.Fleet``), the train side (``Trainer``), metric sinks and an optional control channel — and
+(``contract.protocols.Fleet``), the train side (``Trainer``), the reward pool (``RewardPool``, optional: default the
+driver itself), metric sinks and an optional control channel — and
 imports neither Ray nor a runtime. Each phase is a call into the part that owns it (``cluster/loop/``):
 ``production`` (prompts → groups → rewards → advantages, dynamic sampling, partial rollouts), ``training`` (micro-
 batches, the update, the KL controller, skipped updates, the sync), ``rollout_modes`` (``rollout.mode``: when each
@@ -39,13 +40,15 @@ from cluster.loop.requests import PromptQueue
 from cluster.loop.rollout_modes import make_rollout
 from cluster.loop.sampling import GroupSizeController
 from cluster.loop.scoring import Scoring
-from cluster.loop.setup import SetupError, ensure_writable_dir, load_prompts, load_tokenizer, model_eos_ids
+from cluster.loop.setup import (SetupError, check_reward_endpoints, ensure_writable_dir, load_prompts, load_tokenizer,
+                                model_eos_ids)
 from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_metrics
 from cluster.loop.training import SkippedUpdates, TrainPhase, load_train_state
 from cluster.ops.metrics import MetricSinks, MetricsLogger, format_console_line
+from cluster.rewards.inline import InlineRewardPool
 from cluster.spec import JobSpec, spec_to_yaml
 from cluster.spec.algorithm import off_policy_warning
-from contract.protocols import ControlChannel, Fleet, MetricSink, Trainer
+from contract.protocols import ControlChannel, Fleet, MetricSink, RewardPool, Trainer
 from contract.versions import PolicyVersionLedger
 from grpo.kl import make_kl_controller
 
@@ -58,6 +61,8 @@ class GRPOJob:
         fleet: the rollout side (``contract.protocols.Fleet``), not started. trainer: the train side
             (``Trainer``), not started. Both may be None only with ``dry_run``; their pre-start checks
             (``check``) run here, before anything starts.
+        reward_pool: where the reward functions run (``contract.protocols.RewardPool``), not started; None: in the
+            driver (``cluster.rewards.inline.InlineRewardPool``).
         sinks: where metrics go; None: ``metrics.jsonl`` and the spec's Prometheus endpoint (``MetricsLogger``).
         control: how an operator steers the job between steps (``grpo-cluster scale``); None: nobody does.
         progress: show a progress bar on stderr.
@@ -71,13 +76,15 @@ class GRPOJob:
     """
 
     def __init__(self, spec: JobSpec, *, fleet: Fleet | None = None, trainer: Trainer | None = None,
-                 sinks: list[MetricSink] | None = None, control: ControlChannel | None = None, progress: bool = True,
-                 resume: bool = False, dry_run: bool = False, resume_past_trip: bool = False):
+                 reward_pool: RewardPool | None = None, sinks: list[MetricSink] | None = None,
+                 control: ControlChannel | None = None, progress: bool = True, resume: bool = False,
+                 dry_run: bool = False, resume_past_trip: bool = False):
         if not dry_run and (fleet is None or trainer is None):
             raise SetupError("GRPOJob needs a fleet and a trainer (contract.protocols); build a ready job with "
                              "cluster.ray_shell.build_job(spec) or cluster.in_process.local_job(spec)")
         self.spec, self.progress, self.dry_run = spec, progress, dry_run
         self.fleet, self.trainer, self.control = fleet, trainer, control
+        self.reward_pool = reward_pool if reward_pool is not None else InlineRewardPool()
         self.output_dir = Path(spec.output_dir)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         ensure_writable_dir(self.output_dir, "output_dir", create=not dry_run)
@@ -86,6 +93,7 @@ class GRPOJob:
         for part in (trainer, fleet):
             if part is not None:
                 part.check(self.model_path)
+        check_reward_endpoints(spec.reward_endpoints)
         tokenizer = load_tokenizer(self.model_path)
         d = spec.data
         prompts = load_prompts(d, tokenizer, spec.algorithm.rewards)  # rows checked for the rewards in use
@@ -106,7 +114,8 @@ class GRPOJob:
         self.kl_controller = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon_sequences)
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
-        self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status)
+        self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status,
+                                      self.reward_pool)
         self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status)
         self.schedule = make_rollout(spec, self.producer, self.training, lambda: self.policy_version, self.status)
         self.step = 0
@@ -139,8 +148,8 @@ class GRPOJob:
         return self.versions.current
 
     def start(self) -> None:
-        """Start the trainer (from the model, or the checkpoint resumed) and the fleet (engines at the trainer's
-        policy version, joined to its weight sync)."""
+        """Start the trainer (from the model, or the checkpoint resumed), the fleet (engines at the trainer's
+        policy version, joined to its weight sync) and the reward pool."""
         if self.dry_run:
             raise SetupError("a job built with dry_run=True only checks its inputs; build it again to run it")
         self.status("starting rollout engines and train workers")
@@ -154,6 +163,7 @@ class GRPOJob:
             self.fleet.start(engine_weights, self.policy_version, self.trainer, self.versions, self.status)
             if lora and ckpt is not None:
                 self.fleet.sync_policy()  # the base model's engines get the checkpoint's policy (merged or adapters)
+            self.reward_pool.start()
         except BaseException:
             self.stop_workers()
             raise
@@ -161,7 +171,8 @@ class GRPOJob:
         self.training.trainer = self.trainer
         self.started = True
         where = f" from {ckpt} (step {self.step}, policy version {self.policy_version})" if ckpt else ""
-        self.status(f"ready{where}: {self.fleet.describe()}, {self.trainer.describe()}")
+        self.status(f"ready{where}: {self.fleet.describe()}, {self.trainer.describe()}, "
+                    f"{self.reward_pool.describe()}")
 
     def run(self) -> list[dict]:
         """Run ``total_steps`` steps (fewer when the reward-hacking guard stops the job); returns every step's metrics
@@ -200,14 +211,16 @@ class GRPOJob:
             self.metrics.close()
 
     def stop_workers(self) -> None:
-        """Stop the fleet and the trainer (each idempotent); the job can :meth:`start` them again."""
-        for part in (self.fleet, self.trainer):
+        """Stop the fleet, the trainer and the reward pool (each idempotent); the job can :meth:`start` them
+        again."""
+        for part in (self.fleet, self.trainer, self.reward_pool):
             if part is not None:
                 part.shutdown()
         self.started = False
 
     def shutdown(self) -> None:
-        """Stop everything this job started: the control channel, the engines and the train ranks."""
+        """Stop everything this job started: the control channel, the engines, the train ranks and the reward
+        workers."""
         if self.control is not None:
             self.control.close()
             self.control = None
@@ -280,6 +293,7 @@ class GRPOJob:
             prompts_filtered=self.prompts_filtered, bad_rows=self.bad_rows, clock=clock)
         metrics.update(self.schedule.metrics(outcome))
         metrics.update(self.producer.partial_metrics(batch.sampling.batch))
+        metrics.update(self.reward_pool.metrics())
         return metrics
 
     def _evaluate(self) -> dict:

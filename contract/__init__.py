@@ -12,8 +12,10 @@ only in these types:
 - ``versions``: the policy-version ledger, the one owner of the policy version;
 - ``errors``: errors a collaborator raises for the loop to act on;
 - ``affinity``: binding a process to CPU cores (``pin_to_cores``), shared by the engines and the train ranks;
+- ``rewards``: what the loop and a reward pool exchange (``RewardCall``, ``RewardScores``, ``RewardTicket``);
 - ``protocols``: the role protocols: ``TrainWorker`` (one train rank), ``Trainer`` (the train side as the loop sees
-  it), ``Fleet`` (the rollout side), ``ControlChannel`` and ``MetricSink``.
+  it), ``Fleet`` (the rollout side), ``RewardPool`` (where the reward functions run), ``ControlChannel`` and
+  ``MetricSink``.
 
 This package imports no other project package (``tests/unit/test_import_layering.py``), nor Ray, vLLM or pydantic:
 torch and the standard library only.

@@ -1,7 +1,9 @@
 """The role protocols the loop is written against: the rollout side (:class:`Fleet`), the train side
-(:class:`Trainer`), the job's control channel (:class:`ControlChannel`) and a metrics sink (:class:`MetricSink`).
+(:class:`Trainer`), the reward functions' workers (:class:`RewardPool`), the job's control channel
+(:class:`ControlChannel`) and a metrics sink (:class:`MetricSink`).
 
-:class:`cluster.driver.GRPOJob` receives one of each (the control channel is optional) and calls nothing else: the
+:class:`cluster.driver.GRPOJob` receives one of each (the reward pool and the control channel are optional) and calls
+nothing else: the
 Ray shell (``cluster.ray_shell``: vLLM engine actors, FSDP2/Megatron train ranks, streamed weight sync) and the
 in-process runtime (``cluster.in_process``: transformers generation and one train rank in the calling process)
 implement them. One train rank's own protocol is :class:`contract.train_worker.TrainWorker`.
@@ -15,16 +17,17 @@ Notation: B prompts, G completions per prompt, W train ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from contract.batches import PackedMicroBatch
 from contract.figures import FleetFigures
 from contract.messages import GroupRequest, GroupResult, SyncReport, TrainResult
+from contract.rewards import RewardCall, RewardScores, RewardTicket
 from contract.train_worker import TrainWorker
 from contract.versions import PolicyVersionLedger
 
-__all__ = ["ControlChannel", "Fleet", "MetricSink", "Trainer", "TrainWorker"]
+__all__ = ["ControlChannel", "Fleet", "MetricSink", "RewardPool", "Trainer", "TrainWorker"]
 
 
 @runtime_checkable
@@ -181,6 +184,58 @@ class Fleet(Protocol):
 
     def shutdown(self) -> None:
         """Stop every engine (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class RewardPool(Protocol):
+    """Where the reward functions run: in the driver (inline), or on workers (Ray actors, local processes) so that
+    the loop never blocks on a slow verifier and one engine's groups are scored while the others still sample.
+
+    The loop submits each engine's groups as they arrive (:meth:`submit`, never blocking on a reward function of a
+    remote pool) and collects the round's scores before it computes advantages (:meth:`collect`). Scores are per
+    completion, so how a pool batches calls does not change them; a call the pool loses (its worker died or timed
+    out) gets no score: its rows are infrastructure failures (NaN), never zeros.
+
+    Attributes:
+        workers: reward workers serving (0: the reward functions run in the calling thread at :meth:`submit`).
+    """
+
+    workers: int
+
+    def start(self) -> None:
+        """Start the workers with every reward function of the job loaded (idempotent).
+
+        Raises:
+            RuntimeError (a RewardError, or a runtime's failure type): a worker could not start or load a reward
+                function; the message names the function and where it is defined.
+        """
+        ...
+
+    def submit(self, calls: Sequence[RewardCall]) -> RewardTicket:
+        """Queue ``calls`` to be scored and return at once (an inline pool scores them here)."""
+        ...
+
+    def collect(self, ticket: RewardTicket, timeout_s: float) -> list[RewardScores]:
+        """The scores of ``ticket``'s calls, in submission order, waiting at most ``timeout_s`` seconds; calls not
+        scored by then get no score (their rows are infrastructure failures).
+
+        Raises:
+            RewardError (``grpo.rewards.calling``): a reward function broke its contract (wrong count, non-numbers),
+                or raised with ``on_error="raise"``; the message names it and where it is defined.
+        """
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The pool's ``reward_pool/*`` figures so far (cumulative counts); {} for an inline pool."""
+        ...
+
+    def describe(self) -> str:
+        """One status phrase, e.g. ``"2 reward worker(s) (Ray actors, 64 completions per call, 60 s timeout)"``."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); calls not collected yet get no score."""
         ...
 
 

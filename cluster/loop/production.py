@@ -4,12 +4,13 @@ on the fleet's current weights.
 :class:`BatchProducer` is the one owner of the data position (the prompt queue and the group-size controller) and of
 the round an interrupted producer call leaves behind (partial rollouts): the loop asks it for a step's
 :class:`~cluster.loop.step_metrics.StepBatch`, to rewind to a batch's position (a dropped stale queue), and for the
-position a checkpoint records. It calls the fleet (``contract.protocols.Fleet``) and the scorer, nothing else.
+position a checkpoint records. It calls the fleet (``contract.protocols.Fleet``), the scorer and the reward pool
+(``contract.protocols.RewardPool``), nothing else.
 
 Threads: in ``rollout.mode`` one_step_off and async the schedule calls :meth:`BatchProducer.produce` for later steps
-in its producer thread while the trainer works: it uses the fleet, the prompt queue, the scorer and the group-size
-controller, which nothing else touches then, and it syncs no engine (``recover=False``: the trainer's weights are
-changing).
+in its producer thread while the trainer works: it uses the fleet, the prompt queue, the scorer, the reward pool and
+the group-size controller, which nothing else touches then, and it syncs no engine (``recover=False``: the trainer's
+weights are changing).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController, sample_groups
 from cluster.loop.scoring import RoundScorer, Scoring
+from cluster.rewards.inline import InlineRewardPool
 from cluster.loop.step_metrics import StepBatch, StepClock
 from contract.batches import RolloutBatch
 from contract.errors import RecoveryDeferred
-from contract.protocols import Fleet
+from contract.protocols import Fleet, RewardPool
 
 __all__ = ["BatchProducer", "batch_version"]
 
@@ -45,6 +47,8 @@ class BatchProducer:
         scoring: rewards, masks and advantages.
         group_size: G per step.
         status: one-line progress messages.
+        reward_pool: where the reward functions run (each engine's groups are submitted as they arrive); None: in
+            the calling thread (``cluster.rewards.inline.InlineRewardPool``).
 
     Attributes:
         fleet: the rollout side; set by the job when its collaborators start (None before).
@@ -53,9 +57,10 @@ class BatchProducer:
     """
 
     def __init__(self, spec, requests: PromptQueue, scoring: Scoring, group_size: GroupSizeController,
-                 status: Callable[[str], None]):
+                 status: Callable[[str], None], reward_pool: RewardPool | None = None):
         self.spec, self.requests, self.scoring, self.group_size, self._status = (spec, requests, scoring, group_size,
                                                                                status)
+        self.reward_pool = reward_pool if reward_pool is not None else InlineRewardPool()
         self.fleet: Fleet | None = None
         r = spec.rollout
         self.partial = PartialRollouts(r.max_staleness) if r.partial_rollout else None
@@ -155,7 +160,7 @@ class BatchProducer:
         clock.show("generate")
         examples, requests = ((carried.examples, carried.requests) if carried is not None
                               else self.requests.draw(num_prompts, group_size))
-        scorer = RoundScorer(self.scoring, requests, examples)
+        scorer = RoundScorer(self.scoring, requests, examples, self.reward_pool, self.spec.rollout.timeout_s)
         extra = {"interrupt_epoch": interrupt_epoch} if interrupt_epoch is not None else {}
         with clock.measure("generate"):
             groups = self.fleet.generate(requests, scorer.on_groups, recover=recover, **extra)

@@ -3,7 +3,9 @@
 Notation: B groups, G completions each, N = B·G rows. Rewards are per completion, so scoring each engine's groups as
 soon as that engine finishes (:class:`RoundScorer`) and joining them in request order gives the same batch as scoring
 all groups at once. Reward functions see each completion's whole row (``grpo.rewards.combine_rewards``: its prompt as
-given and every column of its :class:`cluster.data.Example`).
+given and every column of its :class:`cluster.data.Example`). They run in the job's reward pool
+(``contract.protocols.RewardPool``): in the driver as the groups arrive (the default), or on reward workers, to which
+each engine's groups are submitted as they arrive and whose scores the round collects before its advantages.
 
 Infrastructure failures are not policy failures. A completion without a reward (a weighted function gave None, raised
 with ``algorithm.reward_on_error: none``, or timed out in a reward pool) has total reward NaN: it is left out of its
@@ -22,8 +24,11 @@ from collections.abc import Sequence
 import torch
 
 from cluster.data import Example, as_example, row_columns
+from cluster.rewards.inline import InlineRewardPool
 from contract.batches import RolloutBatch
 from contract.messages import GroupRequest, GroupResult
+from contract.protocols import RewardPool
+from contract.rewards import RewardCall, RewardTicket
 from grpo.advantages import compute_multi_reward_advantages
 from grpo.eos import response_valid_lengths
 from grpo.rewards import OVERLONG_PENALTY_KEY, CombinedRewards, combine_rewards, overlong_penalty
@@ -114,16 +119,21 @@ class Scoring:
 
     def rewards(self, texts: list[str], rows: Sequence[Example | str]) -> CombinedRewards:
         """The reward functions on N completions, one row each (its Example: prompt, columns and reference; a bare
-        reference string stands for a row with nothing else).
+        reference string stands for a row with nothing else), run here.
 
         Raises:
             RewardError: a reward function raised and ``algorithm.reward_on_error`` is ``raise``, or broke its
                 contract (wrong count, non-numbers).
         """
+        call = self.call(texts, rows)
+        return combine_rewards(call.completions, call.references, call.weights, on_error=call.on_error,
+                               prompts=call.prompts, columns=call.columns)
+
+    def call(self, texts: list[str], rows: Sequence[Example | str]) -> RewardCall:
+        """The reward call for N completions, one row each (as :meth:`rewards`), with the weights in use now."""
         rows = [as_example(r) for r in rows]
-        return combine_rewards(texts, [r.reference for r in rows], self.weights,
-                               on_error=self.algorithm.reward_on_error, prompts=[r.prompt_as_given for r in rows],
-                               columns=row_columns(rows))
+        return RewardCall(list(texts), [r.reference for r in rows], [r.prompt_as_given for r in rows],
+                          row_columns(rows), dict(self.weights), self.algorithm.reward_on_error)
 
     def score(self, groups: list[GroupResult], rows: Sequence[Example | str],
               scored_groups: list[CombinedRewards] | None = None) -> RolloutBatch:
@@ -165,34 +175,49 @@ class Scoring:
 
 
 class RoundScorer:
-    """Scores one sampling round: each engine's groups as soon as that engine finishes (:meth:`on_groups`, the
-    rollout pool's callback), while the others still sample; then the whole round (:meth:`batch`).
+    """Scores one sampling round: each engine's groups are submitted to the reward pool as soon as that engine
+    finishes (:meth:`on_groups`, the rollout pool's callback), while the others still sample; then the round's scores
+    are collected and the batch made (:meth:`batch`).
 
     Args:
         scoring: the job's :class:`Scoring`.
         requests, examples: the round's requests and their examples (same order).
+        pool: where the reward functions run (``contract.protocols.RewardPool``); None: in this thread
+            (:class:`cluster.rewards.inline.InlineRewardPool`).
+        collect_timeout_s: the longest :meth:`batch` waits for the pool's scores (the loop passes
+            ``rollout.timeout_s``); what is not scored by then gets no reward.
 
     Attributes:
-        seconds: wall seconds spent in :meth:`on_groups` (reward functions run as groups arrive).
+        seconds: wall seconds spent in :meth:`on_groups` (with an inline pool: the reward functions themselves).
     """
 
-    def __init__(self, scoring: Scoring, requests: list[GroupRequest], examples: list[Example]):
-        self.scoring = scoring
+    def __init__(self, scoring: Scoring, requests: list[GroupRequest], examples: list[Example],
+                 pool: RewardPool | None = None, collect_timeout_s: float = 900.0):
+        self.scoring, self.collect_timeout_s = scoring, collect_timeout_s
+        self.pool = pool if pool is not None else InlineRewardPool()
         self.examples = list(examples)
         self._by_group = {q.group_id: ex for q, ex in zip(requests, examples)}
-        self._early: dict[int, CombinedRewards] = {}
+        self._submitted: list[tuple[RewardTicket, list[int]]] = []
         self.seconds = 0.0
 
     def on_groups(self, results: list[GroupResult]) -> None:
-        """Compute the reward functions of one finished engine's groups (complete ones only: a group with an
-        interrupted completion, partial rollouts, is scored once it is continued)."""
+        """Submit the reward calls of one finished engine's groups, one call per group (complete ones only: a group
+        with an interrupted completion, partial rollouts, is scored once it is continued)."""
         t = time.perf_counter()
-        for g in results:
-            if not g.complete:
-                continue
-            self._early[g.group_id] = self.scoring.rewards(g.texts, [self._by_group[g.group_id]] * len(g.texts))
+        done = [g for g in results if g.complete]
+        if done:
+            calls = [self.scoring.call(g.texts, [self._by_group[g.group_id]] * len(g.texts)) for g in done]
+            self._submitted.append((self.pool.submit(calls), [g.group_id for g in done]))
         self.seconds += time.perf_counter() - t
 
     def batch(self, groups: list[GroupResult]) -> RolloutBatch:
-        """The round's batch; ``groups`` in request order, every one seen by :meth:`on_groups`."""
-        return self.scoring.score(groups, self.examples, [self._early[g.group_id] for g in groups])
+        """The round's batch; ``groups`` in request order, every one seen by :meth:`on_groups` (a group submitted
+        twice, sampled again after an engine fault, keeps its last scores)."""
+        scored: dict[int, CombinedRewards] = {}
+        deadline = time.monotonic() + self.collect_timeout_s
+        for ticket, group_ids in self._submitted:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            for gid, scores in zip(group_ids, self.pool.collect(ticket, remaining)):
+                scored[gid] = CombinedRewards(*scores)
+        self._submitted = []
+        return self.scoring.score(groups, self.examples, [scored[g.group_id] for g in groups])

@@ -139,3 +139,24 @@ def load_prompts(data, tokenizer, rewards: Mapping[str, float] | Sequence[str] =
                         f"{min(map(len, ids))}); raise it")
     return Prompts(examples=[ex for ex, _ in kept], ids={ex.index: list(tok) for ex, tok in kept}, bad_rows=bad_rows,
                    filtered=len(examples) - len(kept), source=describe_source(data))
+
+
+def check_reward_endpoints(endpoints: Mapping) -> None:
+    """Probe every reward endpoint of the spec (``reward_endpoints``) once, before anything starts
+    (``grpo.rewards.endpoint.EndpointReward.probe``: ``health_url`` answers 2xx, or an empty batch POSTed to ``url``
+    gets ``{"rewards": []}``), each within its ``probe_timeout_s``.
+
+    Raises:
+        SetupError: naming ``reward_endpoints.<name>.url`` (or ``.health_url``) and why the service did not answer.
+    """
+    from grpo.rewards.endpoint import EndpointReward, expand_headers
+
+    for name, e in endpoints.items():
+        endpoint = EndpointReward(name, e.url, timeout_s=e.timeout_s, headers=expand_headers(e.headers),
+                                  health_url=e.health_url)
+        why = endpoint.probe(e.probe_timeout_s)
+        if why is not None:
+            field = "health_url" if e.health_url is not None else "url"
+            raise SetupError(f"reward_endpoints.{name}.{field}: the reward endpoint {name!r} does not answer: {why} "
+                             f"(checked within probe_timeout_s={e.probe_timeout_s:g} s before anything starts); "
+                             f"start the service or correct the address")

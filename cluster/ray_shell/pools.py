@@ -36,10 +36,13 @@ class TrainWorkerFailure(RuntimeError):
 
 def resources_needed(spec) -> dict[str, tuple[float, str]]:
     """What the job's pools reserve in all, per resource: CPUs, GPUs and the custom resources (``rollout.resources``
-    per replica, ``train.resources`` per rank), e.g. ``{"CPU": (2.0, "rollout 1 x 1 + train 2 x 0.5"), ...}``."""
-    r, t = spec.rollout, spec.train
+    per replica, ``train.resources`` per rank, ``reward_pool.resources`` per reward worker), e.g.
+    ``{"CPU": (2.0, "rollout 1 x 1 + train 2 x 0.5"), ...}``. A reward pool without workers reserves nothing."""
+    r, t, w = spec.rollout, spec.train, spec.reward_pool
     pools = [("rollout", r.replicas, {"CPU": r.num_cpus_per_replica, "GPU": r.num_gpus_per_replica, **r.resources}),
              ("train", t.world_size, {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources})]
+    if w.workers:
+        pools.append(("reward", w.workers, {"CPU": w.num_cpus_per_worker, **w.resources}))
     names = ["CPU", "GPU"] + sorted({k for _, _, per in pools for k in per} - {"CPU", "GPU"})
     return {res: (sum(count * per.get(res, 0.0) for _, count, per in pools),
                   " + ".join(f"{pool} {count} x {per[res]:g}" for pool, count, per in pools if res in per))

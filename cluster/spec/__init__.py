@@ -4,16 +4,17 @@ A spec is a YAML file (see ``examples/``) validated into :class:`JobSpec`. Every
 is frozen after validation; numbers carry their unit in the field name (``timeout_s``, ``bucket_bytes``,
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
-Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns, prompt
-rendering), ``sections`` (model, rollout, train, sync, metrics, checkpoint, Ray; re-exports ``data``'s models),
-``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them),
-``evaluation`` (held-out evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor`` (the reward-hacking
-guard), ``variants`` (fields that select a registered variant, checked against its registry), ``job``
-(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides,
-:func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily, ``grpo`` registries (reward
-functions, advantage estimators, loss aggregations, KL estimators, TIS/MIS levels) and ``train_workers.registry``
-(backend names); never Ray or other ``cluster`` subpackages, and torch only through those ``grpo`` modules.
-Validating a spec imports the reward functions it names by location (``grpo.rewards.loading``).
+Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns,
+prompt rendering), ``sections`` (model, rollout, train, sync, metrics, checkpoint, Ray; re-exports ``data``'s
+models), ``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them),
+``rewards`` (the reward pool and reward endpoints, registered as reward functions), ``evaluation`` (held-out
+evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields
+that select a registered variant, checked against its registry), ``job`` (:class:`JobSpec` and its cross-section
+checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only
+pydantic, PyYAML and, lazily, ``grpo`` registries (reward functions, advantage estimators, loss aggregations, KL
+estimators, TIS/MIS levels) and ``train_workers.registry`` (backend names); never Ray or other ``cluster``
+subpackages, and torch only through those ``grpo`` modules. Validating a spec imports the reward functions it names
+by location (``grpo.rewards.loading``) and registers its reward endpoints (``grpo.rewards.endpoint``).
 """
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, MisSpec
@@ -27,6 +28,7 @@ from cluster.spec.job import JobSpec
 from cluster.spec.lora import LoraSpec
 from cluster.spec.loading import SpecError, load_spec, load_spec_text, locate_field_error, spec_to_yaml
 from cluster.spec.monitor import MonitorSpec
+from cluster.spec.rewards import RewardEndpointSpec, RewardPoolSpec
 from cluster.spec.sections import (
     DEFAULT_SYSTEM_PROMPT, CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec,
     TrainSpec,
@@ -35,7 +37,8 @@ from cluster.spec.sections import (
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
     "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "LoraSpec", "MisSpec", "JobSpec",
-    "HubDatasetSpec", "ReasoningGymSpec", "locate_field_error", "parse_byte_size",
+    "HubDatasetSpec", "ReasoningGymSpec", "RewardEndpointSpec", "RewardPoolSpec", "locate_field_error",
+    "parse_byte_size",
     "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
 from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
 from cluster.spec.lora import lora_conflicts
 from cluster.spec.monitor import MonitorSpec
+from cluster.spec.rewards import RewardEndpointSpec, RewardPoolSpec, register_endpoints
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
 )
@@ -37,7 +38,12 @@ class JobSpec(BaseModel):
     data: DataSpec = Field(description=DataSpec.__doc__)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=RolloutSpec.__doc__)
     train: TrainSpec = Field(default_factory=TrainSpec, description=TrainSpec.__doc__)
+    # before algorithm: fields are validated in order, and algorithm.rewards may name an endpoint
+    reward_endpoints: dict[str, RewardEndpointSpec] = Field(default_factory=dict, description=(
+        f"Reward models served over HTTP, by name: {RewardEndpointSpec.__doc__} Each name is a reward function "
+        "algorithm.rewards (and eval) may weight; the service is checked before the job starts."))
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description=AlgorithmSpec.__doc__)
+    reward_pool: RewardPoolSpec = Field(default_factory=RewardPoolSpec, description=RewardPoolSpec.__doc__)
     sync: SyncSpec = Field(default_factory=SyncSpec, description=SyncSpec.__doc__)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description=CheckpointSpec.__doc__)
@@ -51,20 +57,28 @@ class JobSpec(BaseModel):
     restart_on_failure: int = Field(0, ge=0, le=1000, strict=True, description=(
         "When a worker fails, tear the pools down and resume from the latest checkpoint, up to this many times."))
 
+    @field_validator("reward_endpoints")
+    @classmethod
+    def _register_endpoints(cls, endpoints: dict[str, RewardEndpointSpec]) -> dict[str, RewardEndpointSpec]:
+        return register_endpoints(endpoints)
+
     @model_validator(mode="after")
     def _cross_field_checks(self) -> JobSpec:
-        rollout, train = self.rollout, self.train
+        rollout, train, rewards = self.rollout, self.train, self.reward_pool
         needed = self.data.max_prompt_tokens + rollout.max_response_tokens
         if rollout.max_model_len is not None and needed > rollout.max_model_len:
             raise FieldConflict("rollout.max_model_len", (
                 f"expected max_model_len >= data.max_prompt_tokens + rollout.max_response_tokens = "
                 f"{self.data.max_prompt_tokens} + {rollout.max_response_tokens} = {needed}, "
                 f"got {rollout.max_model_len}"))
-        cpus = rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
+        cpus = (rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
+                + rewards.workers * rewards.num_cpus_per_worker)
         if self.ray.address is None and self.ray.num_cpus is not None and cpus > self.ray.num_cpus:
+            reward = (f" + reward {rewards.workers} x {rewards.num_cpus_per_worker:g}"
+                      if rewards.workers and rewards.num_cpus_per_worker else "")
             raise FieldConflict("ray.num_cpus", (
                 f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
-                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}) but the local cluster has "
+                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}{reward}) but the local cluster has "
                 f"{self.ray.num_cpus}; Ray would wait forever"))
         if (conflict := async_overlap_conflict(rollout, train)) is not None:
             raise conflict

@@ -75,7 +75,7 @@ class RewardFunction(Protocol):
 REWARD_SUMMARY_METRICS: dict[str, str] = {
     "mean": "mean total reward over the step's completions with a valid reward",
     "std": "standard deviation of that total reward",
-    "failed": "reward evaluations that raised",
+    "failed": "reward evaluations that raised or were lost (a reward pool's worker died or timed out)",
     "none_fraction": "fraction of completions without a valid reward",
     "infra_failed": "completions without a valid reward (infrastructure failures), left out of the loss and metrics",
 }

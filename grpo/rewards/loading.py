@@ -33,7 +33,7 @@ from typing import Literal
 from grpo.rewards.calling import RewardError, signature_of
 
 __all__ = ["HOW_TO_NAME_A_REWARD", "RewardLocation", "is_location", "load_reward", "parse_location",
-           "register_spec_reward"]
+           "register_spec_reward", "spec_reward_base_dir"]
 
 HOW_TO_NAME_A_REWARD = (
     "register one with @grpo.rewards.register_reward_function('name') in a module given to --import, or name a "
@@ -41,6 +41,7 @@ HOW_TO_NAME_A_REWARD = (
 
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SPEC_LOADED: dict[str, Callable] = {}  # key -> the function this module registered under it
+_SPEC_BASE_DIRS: dict[str, Path] = {}  # key -> the folder it was loaded relative to
 
 
 @dataclass(frozen=True)
@@ -191,4 +192,16 @@ def register_spec_reward(key: str, base_dir: str | Path | None = None) -> Callab
         dict.__delitem__(REWARD_FUNCTIONS, key)
     REWARD_FUNCTIONS[key] = fn
     _SPEC_LOADED[key] = fn
+    _SPEC_BASE_DIRS[key] = Path(base_dir or os.getcwd()).resolve()
     return fn
+
+
+def spec_reward_base_dir(key: str) -> Path | None:
+    """The folder (absolute) the function registered under ``key`` was loaded relative to by
+    :func:`register_spec_reward` (the spec file's), so another process can load it again with
+    ``register_spec_reward(key, base_dir)``; None when ``key`` is not registered so (a name registered by code)."""
+    from grpo.rewards import REWARD_FUNCTIONS
+
+    if key not in _SPEC_LOADED or REWARD_FUNCTIONS.get(key) is not _SPEC_LOADED[key]:
+        return None
+    return _SPEC_BASE_DIRS[key]
