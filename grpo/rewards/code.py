@@ -22,7 +22,8 @@ failure.
 
 Program extraction (:func:`extract_program`): the last fenced block tagged ``python``/``py``/``python3`` (an
 unclosed last fence runs to the end of the completion: a truncated answer), else the last untagged fenced block,
-else the whole completion.
+else the whole completion. For a row with an ``entry_point`` (below), the last such block that defines it comes
+first: a usage example written after the function is not the program.
 
 Function-completion rows (HumanEval, APPS/LiveCodeBench call-based problems) may also carry ``starter_code`` (the
 code the prompt shows: imports, helpers, the function's signature and docstring) and ``entry_point`` (the function's
@@ -58,9 +59,11 @@ _FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[ \t]*$", re.MULTILINE)
 _PYTHON_TAGS = {"python", "py", "python3"}
 
 
-def extract_program(completion: str) -> str:
+def extract_program(completion: str, entry_point: str | None = None) -> str:
     """The Python program in a completion (rules in the module doc). Fences pair up in order (an opening line
-    "```tag", then a closing line "```"), as in Markdown. Never raises for a str."""
+    "```tag", then a closing line "```"), as in Markdown. With ``entry_point``, the last block (tagged first, then
+    untagged) that defines it is preferred, so a usage example written after the function is not taken for it.
+    Never raises for a str."""
     fences = list(_FENCE.finditer(completion))
     tagged: list[str] = []
     untagged: list[str] = []
@@ -73,6 +76,11 @@ def extract_program(completion: str) -> str:
             tagged.append(body)
         elif not tag and closing is not None:
             untagged.append(body)
+    if entry_point:
+        defining = [b for b in tagged if defines_name(b, entry_point)] or [
+            b for b in untagged if defines_name(b, entry_point)]
+        if defining:
+            return defining[-1]
     if tagged:
         return tagged[-1]
     return untagged[-1] if untagged else completion
@@ -161,7 +169,8 @@ def code_reward(completions: list[str], tests: list, *, entry_point: list | None
         completions: N completions (EOS stripped).
         tests: N ``tests`` values, row-aligned with completions.
         entry_point, starter_code: N values of the rows' function name and starter code (None, or None items, for
-            rows without them): the program is :func:`assemble_program` of the extracted one.
+            rows without them): the program is :func:`assemble_program` of the one :func:`extract_program` finds
+            for the entry point.
         partial_credit: score the fraction of cases passed instead of all-or-nothing.
         sandbox: limits and mode; None = :data:`DEFAULT_SANDBOX`. Every case of the batch runs in one
             ``run_programs`` call, ``sandbox.parallel`` at a time; each output is dropped once its case is judged.
@@ -182,9 +191,10 @@ def code_reward(completions: list[str], tests: list, *, entry_point: list | None
                              f"expected one per completion")
     rows = [parse_tests(t, row) for row, t in enumerate(tests)]
     cases = [case for row_cases in rows for case in row_cases]
-    codes = [assemble_program(extract_program(completion), entry_point[i] if entry_point is not None else None,
-                              starter_code[i] if starter_code is not None else None)
-             for i, completion in enumerate(completions)]
+    names = entry_point if entry_point is not None else [None] * len(completions)
+    starters = starter_code if starter_code is not None else [None] * len(completions)
+    codes = [assemble_program(extract_program(completion, name), name, starter)
+             for completion, name, starter in zip(completions, names, starters)]
     programs = [_case_program(code, case) for code, row_cases in zip(codes, rows) for case in row_cases]
     verdicts = run_programs(programs, sandbox or DEFAULT_SANDBOX,
                             map_result=lambda index, result: _case_verdict(cases[index], result))

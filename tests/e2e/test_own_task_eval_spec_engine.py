@@ -34,7 +34,8 @@ def test_own_task_eval_spec_with_the_real_engine(tiny_model_dir, tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.splitlines()[-1])
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"model"')]  # vLLM logs to stdout too
+    result = json.loads(line)
     low, high = wilson_interval(3, 4)
     assert (result["eval/accuracy"], result["eval/problems"], result["eval/n"]) == (0.75, 4.0, 4.0)
     assert result["eval/accuracy_ci_low"] == pytest.approx(low) and result["eval/accuracy_ci_high"] == pytest.approx(

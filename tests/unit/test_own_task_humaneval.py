@@ -148,6 +148,17 @@ def test_own_task_humaneval_assemble_program():
     assert assemble_program(body, "f", starter.rstrip("\n")) == starter.rstrip("\n") + "\n" + body
 
 
+def test_own_task_humaneval_extract_program_prefers_the_block_defining_the_entry_point():
+    usage = "```python\ndef f(x):\n    return x\n```\nUsage:\n```python\nprint(f(3))\n```\n"
+    assert extract_program(usage) == "print(f(3))\n"                     # no entry point: the last tagged block
+    assert extract_program(usage, "f") == "def f(x):\n    return x\n"
+    assert extract_program(usage, "g") == "print(f(3))\n"                 # none defines it: the usual rule
+    untagged = "```\ndef f(x):\n    return 1\n```\n```python\nprint(f(3))\n```\n"
+    assert extract_program(untagged, "f") == "def f(x):\n    return 1\n"  # a tagged block defining it comes first,
+    both = "```python\ndef f(x):\n    return 2\n```\n" + untagged       # else an untagged one
+    assert extract_program(both, "f") == "def f(x):\n    return 2\n"
+
+
 @needs_bwrap
 def test_own_task_humaneval_canonical_solutions_pass_as_body_and_as_function_and_stubs_fail():
     """Every HumanEval problem's canonical solution passes its tests in the sandbox through the ``code`` reward, both
