@@ -41,8 +41,9 @@ def test_own_task_eval_spec_with_the_real_engine(tiny_model_dir, tmp_path):
     assert result["eval/accuracy_ci_low"] == pytest.approx(low) and result["eval/accuracy_ci_high"] == pytest.approx(
         high)
     assert result["eval/response_length_mean"] == len(completion) == 4 and result["eval/truncated_fraction"] == 0.0
-    assert proc.stdout.startswith(f"pass@1 = 0.7500 [{low:.4f}, {high:.4f}] (95 % Wilson) on 4 problems of "
-                                  f"{data} (accuracy; mean length 4 tokens, truncated 0.00, "), proc.stdout
+    (summary,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("pass@1 = ")]
+    assert summary.startswith(f"pass@1 = 0.7500 [{low:.4f}, {high:.4f}] (95 % Wilson) on 4 problems of {data} "
+                              f"(accuracy; mean length 4 tokens, truncated 0.00, "), summary
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert [(r["correct"], r["completion"]) for r in rows] == [(1.0, "#### 7"), (0.0, "#### 7"), (1.0, "#### 7"),
                                                                (1.0, "#### 7")]

@@ -1,8 +1,8 @@
 """``grpo-cluster eval --spec`` equals the loop's held-out evaluation for the same weights: a 2-step ``local_job`` on
 the tiny random Llama evaluates at step 0 and at the end (on the in-process fleet); ``eval --spec --engine
 transformers`` of the starting model and of the final checkpoint (a fresh model loaded from disk) gives the same
-``eval/*`` figures. Scored by a test reward that pays half of all texts (by their CRC-32), so accuracy is neither 0
-nor 1 (≈ 15 s)."""
+``eval/*`` figures. Scored by a test reward that pays about half of the (prompt, completion) pairs (by their CRC-32),
+so accuracy is neither 0 nor 1 (≈ 15 s)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from cluster.in_process import local_job
 from tests.job_runs import stopped_after
@@ -21,10 +23,10 @@ FIGURES = ("eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "ev
            "eval/response_length_mean", "eval/truncated_fraction")
 
 
-def crc_parity(completions: list[str], references: list[str]) -> list[float]:
-    """1.0 for a completion whose text has an even CRC-32, else 0.0: about half of any set of distinct texts (the
-    random tiny model's greedy completions of different prompts differ; their lengths may not)."""
-    return [float(zlib.crc32(c.encode()) % 2 == 0) for c in completions]
+def crc_parity(prompts: list[str], completions: list[str]) -> list[float]:
+    """1.0 when the prompt and completion together have an even CRC-32, else 0.0: about half of the held-out rows
+    (the random tiny model's greedy completions may be the same text for every prompt)."""
+    return [float(zlib.crc32(f"{p}\n{c}".encode()) % 2 == 0) for p, c in zip(prompts, completions)]
 
 
 @pytest.fixture(scope="module")
@@ -66,5 +68,5 @@ def test_own_task_eval_spec_reproduces_the_in_loop_evaluation(tiny_model_dir, cr
         assert main(["eval", "--spec", str(spec_file), "--model", model, "--engine", "transformers", "--json"]) == 0
         got = json.loads(capsys.readouterr().out.splitlines()[-1])
         assert {k: got[k] for k in FIGURES} == {k: in_loop[k] for k in FIGURES}, model
-    assert evals[0]["eval/response_length_mean"] != evals[1]["eval/response_length_mean"] or \
-        evals[0]["eval/accuracy"] != evals[1]["eval/accuracy"]  # two different evaluations were matched
+    start, trained = (load_file(str(Path(m) / "model.safetensors")) for m in (tiny_model_dir, final))
+    assert any(not torch.equal(start[k], trained[k]) for k in start)  # the second model is another one
