@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench._common import REPO_ROOT, load_note, print_json, print_table
+from bench._common import REPO_ROOT, gsm8k_overrides, load_note, print_json, print_table
 from cluster.ops.metrics import read_metrics_jsonl
 
 DEMO = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
@@ -71,7 +71,8 @@ COMMON = ["eval=null", "metrics.port=null", "checkpoint.every_steps=0", "checkpo
 def mode_overrides(mode: str, steps: int, out: Path, engine_cores: list[int], train_cores: list[int],
                    extra: list[str]) -> list[str]:
     """The ``--set`` overrides of one mode's run (``extra`` last, so it wins)."""
-    return [*COMMON, f"total_steps={steps}", f"output_dir={out}", f"name=bench_modes_{mode.replace('+', '_')}",
+    return [*gsm8k_overrides(), *COMMON, f"total_steps={steps}", f"output_dir={out}",
+            f"name=bench_modes_{mode.replace('+', '_')}",
             f"rollout.cpu_affinity={engine_cores}", f"train.cpu_affinity={train_cores}", *MODES[mode], *extra]
 
 
@@ -190,18 +191,19 @@ def resume_cost(engine_cores: list[int], resume_at: int, prompts: int | None, ex
     from vllm.inputs import TokensPrompt
 
     from bench._common import resolve_model
-    from cluster.data import chat_prompt_ids, load_jsonl_examples
+    from cluster.data import chat_prompt_ids
+    from cluster.data.sources import load_examples
     from contract.messages import GroupRequest
     from cluster.spec import load_spec
     from rollout_workers.engine import RolloutEngine
 
-    spec = load_spec(DEMO, [f"rollout.cpu_affinity={engine_cores}", "eval=null", *extra])
+    spec = load_spec(DEMO, [*gsm8k_overrides(), f"rollout.cpu_affinity={engine_cores}", "eval=null", *extra])
     r, d = spec.rollout, spec.data
     b, g = prompts or r.prompts_per_step, r.group_size
     if not 1 <= resume_at < r.max_response_tokens:
         raise ValueError(f"--resume-at: expected 1..{r.max_response_tokens - 1} tokens, got {resume_at}")
     path = resolve_model(spec.model.path)
-    examples, _ = load_jsonl_examples(d.train_path)
+    examples, _ = load_examples(d)
     ids = chat_prompt_ids(AutoTokenizer.from_pretrained(path), examples[:b], d.system_prompt, d.prompt_suffix)
     requests = [GroupRequest(i, p, group_size=g, seed=spec.seed * 1000 + i) for i, p in enumerate(ids)]
     max_model_len = r.max_model_len or d.max_prompt_tokens + r.max_response_tokens

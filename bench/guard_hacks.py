@@ -42,7 +42,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench._common import REPO_ROOT, print_json, print_table
+from bench._common import REPO_ROOT, gsm8k_overrides, print_json, print_table
 from cluster.ops.metrics import read_metrics_jsonl
 
 GSM8K = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
@@ -191,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.cli import main as cli_main
 
     _, spec, extra = CASES[args.case]
-    overrides = [f"total_steps={args.steps}", f"output_dir={args.out}", "metrics.port=null", "monitor.action=warn",
-                 "checkpoint.every_steps=1000", "checkpoint.save_final=false", *extra, *args.overrides]
+    local = gsm8k_overrides() if spec == GSM8K else []
+    overrides = [*local, f"total_steps={args.steps}", f"output_dir={args.out}", "metrics.port=null",
+                 "monitor.action=warn", "checkpoint.every_steps=1000", "checkpoint.save_final=false", *extra,
+                 *args.overrides]
     code = cli_main(["run", str(spec), *[x for o in overrides for x in ("--set", o)]])
     if code != 0:
         return code

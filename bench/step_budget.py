@@ -53,8 +53,9 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-from bench._common import REPO_ROOT, load_note, print_json, print_table
+from bench._common import REPO_ROOT, gsm8k_overrides, load_note, print_json, print_table
 
 DEFAULT_SPEC = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
 DEFAULT_DECODE_TOK_S = 125.0
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
     from cluster.spec import load_spec
 
     out_dir = tempfile.mkdtemp(prefix="step_budget_")
-    overrides = [f"output_dir={out_dir}", "metrics.port=null", "checkpoint.every_steps=0",
+    local = gsm8k_overrides() if Path(args.spec).resolve() == DEFAULT_SPEC.resolve() else []
+    overrides = [*local, f"output_dir={out_dir}", "metrics.port=null", "checkpoint.every_steps=0",
                  "checkpoint.save_final=false", "eval=null", f"total_steps={args.steps}", *args.set]
     if args.response_tokens is not None:
         overrides.append(f"rollout.max_response_tokens={args.response_tokens}")

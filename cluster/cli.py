@@ -5,7 +5,9 @@
     grpo-cluster run SPEC.yaml --resume [--resume-past-trip]   # continue; past a reward-hacking guard stop only if told
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
-    grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]
+    grpo-cluster eval --spec SPEC [--model MODEL] [--set k=v ...] [--limit N] [--per-problem OUT] [--against BASE]
+        # the spec's held-out data, prompt and scorer, as the loop's eval/* (cluster/ops/cli_eval.py)
+    grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]   # GSM8K rows
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
     grpo-cluster merge CKPT --out DIR [--base MODEL]   # a LoRA checkpoint's adapters merged into an HF folder
 
@@ -22,9 +24,9 @@ and ``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from cluster.ops.cli_eval import add_eval_command
 from cluster.ops.cli_jobs import add_job_commands
 from cluster.ops.cli_merge import add_merge_command
 from cluster.ops.cli_validate import add_validate_command
@@ -76,47 +78,6 @@ def _cmd_run(args) -> int:
     return 0
 
 
-def _cmd_eval(args) -> int:
-    from cluster.data import DataError
-    from cluster.data.evaluate import (check_same_problems, check_writable, eval_questions, evaluate_gsm8k,
-                                       read_per_problem, write_per_problem)
-    from cluster.data.models import ModelError
-    from grpo.stats import paired_comparison
-
-    try:  # everything that can be checked without the engine, before the (slow) evaluation
-        questions = eval_questions(args.data, args.limit)
-        baseline = read_per_problem(args.against) if args.against else None
-        if baseline is not None:
-            check_same_problems(baseline, questions, args.against)
-        if args.per_problem:
-            check_writable(args.per_problem, args.data)
-        result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
-    except (DataError, ModelError, ValueError, OSError) as exc:
-        print(f"grpo-cluster eval: {exc}", file=sys.stderr)
-        return 2
-    write_error = None
-    if args.per_problem:
-        try:
-            write_per_problem(args.per_problem, result)
-        except OSError as exc:  # reported after the figures below, which are printed regardless
-            write_error = f"grpo-cluster eval: --per-problem {args.per_problem}: not written: {exc}"
-    print(f"GSM8K pass@1 = {result['pass@1']:.4f} on {result['n']} problems "
-          f"(format {result['format']:.3f}, mean length {result['mean_tokens']:.0f} tokens, "
-          f"truncated {result['truncated']:.2f}, {result['tokens_per_s']:.0f} tok/s)")
-    summary = {k: v for k, v in result.items() if k != "problems"}
-    if baseline is not None:
-        paired = paired_comparison([row["correct"] for row in baseline], [row["correct"] for row in result["problems"]])
-        print(f"against {args.against}: {paired.before} -> {paired.after} correct of {paired.n}; "
-              f"{paired.gained} gained, {paired.lost} lost; McNemar exact p = {paired.p_value:.3f}")
-        summary["paired"] = paired._asdict()
-    if args.json:
-        print(json.dumps({"model": args.model, **summary}))
-    if write_error:
-        print(write_error, file=sys.stderr)
-        return 2
-    return 0
-
-
 def _cmd_plot(args) -> int:
     from cluster.ops.plot import PlotError, plot_run
 
@@ -155,16 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                      help="import this module before loading the spec, e.g. one that registers reward functions")
     run.set_defaults(func=_cmd_run)
-    ev = sub.add_parser("eval", help="GSM8K pass@1 of a model folder (greedy, vLLM)")
-    ev.add_argument("--model", required=True, help="HF model folder, builtin:<name> or hub id")
-    ev.add_argument("--data", required=True, help="GSM8K jsonl (question, answer)")
-    ev.add_argument("--limit", type=int, default=None, help="first N rows only")
-    ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
-    ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
-    ev.add_argument("--per-problem", metavar="FILE", help="write each problem's outcome and completion (jsonl)")
-    ev.add_argument("--against", metavar="FILE", help=(
-        "a --per-problem file of another model on the same problems: print gains, losses and McNemar's exact p"))
-    ev.set_defaults(func=_cmd_eval)
+    add_eval_command(sub)
     plot = sub.add_parser("plot", help="PNG of a run's reward, held-out accuracy, length, KL and guard trips")
     plot.add_argument("run_dir", help="the job's output_dir (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")

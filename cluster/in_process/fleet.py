@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.in_process.sampling import MAX_BATCH_ROWS, RowJob, Sampling, sample_rows
+from cluster.in_process.sampling import MAX_BATCH_ROWS, request_sampling, sample_groups
 from cluster.in_process.sync import LocalWeightSync, peft_bound_modules, sync_targets
 from cluster.in_process.trainer import LocalTrainer
 from cluster.loop.scheduler import assign_groups
@@ -42,9 +42,8 @@ from contract.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerat
 from contract.protocols import MetricSink
 from contract.versions import PolicyVersionLedger
 from grpo.eos import eos_token_ids
-from rollout_workers.partial import assemble_group, completion_jobs
 
-__all__ = ["LocalEngine", "LocalFleet", "StaleSamplesError"]
+__all__ = ["LocalEngine", "LocalFleet", "StaleSamplesError", "load_policy_model", "request_sampling"]
 
 
 class StaleSamplesError(RuntimeError):
@@ -64,17 +63,6 @@ class LocalEngine:
 
     def __repr__(self) -> str:
         return f"LocalEngine({self.index})"
-
-
-def request_sampling(request: GroupRequest, rollout) -> Sampling:
-    """A request's sampling: the spec's ``rollout`` temperature, filters and ``max_response_tokens``, or its
-    ``SamplingOverride`` (its temperature, 0 greedy, and ``max_tokens``; no filters), as
-    ``RolloutEngine._sampling``."""
-    o = request.sampling
-    if o is not None:
-        return Sampling(temperature=float(o.temperature), max_tokens=int(o.max_tokens))
-    return Sampling(temperature=float(rollout.temperature), max_tokens=int(rollout.max_response_tokens),
-                    top_k=int(rollout.top_k), top_p=float(rollout.top_p), min_p=float(rollout.min_p))
 
 
 class LocalFleet:
@@ -137,7 +125,7 @@ class LocalFleet:
         self._interrupted_epoch = -1  # as a freshly started engine
         adapter_config = trainer.worker.sync_adapter_config()
         self.tokenizer = AutoTokenizer.from_pretrained(weights_path)
-        self.model = _load_model(weights_path, self.spec, adapter_config)
+        self.model = load_policy_model(weights_path, self.spec, adapter_config)
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
         self.model_version = policy_version
@@ -278,27 +266,13 @@ class LocalFleet:
     def _sample(self, requests: list[GroupRequest], interrupt_epoch: int | None) -> list[GroupResult]:
         """Sample ``requests``' completions on the model (one engine's share), under the lock: every completion
         of every group (or, resuming, only the interrupted ones, from their tokens), assembled as the engine does."""
-        r = self.spec.rollout
         with self._lock:
             version = self.model_version
             if version is None:
                 raise RuntimeError("the fleet's model holds no complete policy after a failed weight sync")
-            planned = []  # (request index, CompletionJob)
-            rows = []
-            for k, req in enumerate(requests):
-                sampling = request_sampling(req, r)
-                for job in completion_jobs(req, r.group_size, sampling.max_tokens):
-                    seed = job.seed if job.seed is not None else self._unseeded.getrandbits(63)
-                    planned.append((k, job))
-                    rows.append(RowJob(job.prompt_ids, job.max_tokens, seed, sampling))
-            states = sample_rows(self.model, rows, self.eos_ids, lambda: self.interrupted(interrupt_epoch),
+            return sample_groups(self.model, self.tokenizer, self.eos_ids, requests, self.spec.rollout, version,
+                                 lambda: self._unseeded.getrandbits(63), lambda: self.interrupted(interrupt_epoch),
                                  self.max_batch_rows)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        per_group: list[dict] = [{} for _ in requests]
-        for (k, job), state in zip(planned, states):
-            state.text = decode(state.ids)
-            per_group[k][job.sample] = (job, state)
-        return [assemble_group(req, r.group_size, per_group[k], version, decode) for k, req in enumerate(requests)]
 
     # ---- weights and engines --------------------------------------------------------------------------------------
     def sync_policy(self) -> SyncReport:
@@ -367,7 +341,7 @@ def _prior_tokens(requests: list[GroupRequest]) -> int:
     return sum(len(ids) for q in requests if q.resume_from is not None for ids in q.resume_from.response_ids)
 
 
-def _load_model(weights_path: str, spec, adapter_config: dict | None) -> torch.nn.Module:
+def load_policy_model(weights_path: str, spec, adapter_config: dict | None = None) -> torch.nn.Module:
     """The fleet's policy copy: ``weights_path`` in ``model.dtype``, on a GPU when ``rollout.num_gpus_per_replica``
     > 0 and one is visible, in eval mode without gradients; with ``adapter_config`` (``train.lora.sync: adapter``)
     wrapped by PEFT with that config (adapters at their ``B = 0`` start: the base model)."""

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.messages import GroupRequest, GroupResult
 from grpo.logprobs import filter_logits_, logprobs_from_logits
-from rollout_workers.partial import CompletionState
+from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
-__all__ = ["RowJob", "Sampling", "sample_rows"]
+__all__ = ["RowJob", "Sampling", "request_sampling", "sample_groups", "sample_rows"]
 
 #: Rows decoded together at most (a larger call is split into several batches, one after the other).
 MAX_BATCH_ROWS = 64
@@ -105,6 +106,50 @@ def sample_rows(model: torch.nn.Module, jobs: Sequence[RowJob], eos_ids: frozens
             chunk = rows[start:start + max_batch_rows]
             _decode(model, [jobs[i] for i in chunk], [states[i] for i in chunk], sampling, eos_ids, stop)
     return states
+
+
+def request_sampling(request: GroupRequest, rollout) -> Sampling:
+    """A request's sampling: the spec's ``rollout`` temperature, filters and ``max_response_tokens``, or its
+    ``SamplingOverride`` (its temperature, 0 greedy, and ``max_tokens``; no filters), as
+    ``RolloutEngine._sampling``."""
+    o = request.sampling
+    if o is not None:
+        return Sampling(temperature=float(o.temperature), max_tokens=int(o.max_tokens))
+    return Sampling(temperature=float(rollout.temperature), max_tokens=int(rollout.max_response_tokens),
+                    top_k=int(rollout.top_k), top_p=float(rollout.top_p), min_p=float(rollout.min_p))
+
+
+def sample_groups(model: torch.nn.Module, tokenizer, eos_ids: frozenset[int], requests: Sequence[GroupRequest],
+                  rollout, version: int, unseeded: Callable[[], int], stop: Callable[[], bool] | None = None,
+                  max_batch_rows: int = MAX_BATCH_ROWS) -> list[GroupResult]:
+    """Sample ``requests``' completions on ``model`` and assemble their groups as the engine does: every completion
+    of every group (or, resuming, only the interrupted ones, from their tokens), all in one :func:`sample_rows` call.
+
+    Args:
+        tokenizer: decodes completions (special tokens skipped). rollout: the spec's ``rollout`` (group size,
+            sampling). version: the policy version of ``model``'s weights. unseeded: a seed for a completion whose
+            request has none. stop, max_batch_rows: as :func:`sample_rows`.
+
+    Returns:
+        One group per request, in request order.
+
+    Raises:
+        ValueError: a request's ``resume_from`` does not fit it (``rollout_workers.partial.completion_jobs``).
+    """
+    planned, rows = [], []  # (request index, CompletionJob), RowJob
+    for k, req in enumerate(requests):
+        sampling = request_sampling(req, rollout)
+        for job in completion_jobs(req, rollout.group_size, sampling.max_tokens):
+            seed = job.seed if job.seed is not None else unseeded()
+            planned.append((k, job))
+            rows.append(RowJob(job.prompt_ids, job.max_tokens, seed, sampling))
+    states = sample_rows(model, rows, eos_ids, stop, max_batch_rows)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    per_group: list[dict] = [{} for _ in requests]
+    for (k, job), state in zip(planned, states):
+        state.text = decode(state.ids)
+        per_group[k][job.sample] = (job, state)
+    return [assemble_group(req, rollout.group_size, per_group[k], version, decode) for k, req in enumerate(requests)]
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -51,7 +51,8 @@ from contract.messages import GroupRequest, GroupResult, SamplingOverride
 from grpo.rewards import combine_rewards
 from grpo.stats import accuracy_estimate
 
-__all__ = ["EvalSet", "HeldOutEval", "eval_seed", "load_eval_set", "load_evaluation", "restore_best", "score_eval"]
+__all__ = ["EvalScores", "EvalSet", "HeldOutEval", "eval_metrics", "eval_seed", "load_eval_set", "load_evaluation",
+           "restore_best", "score_eval", "score_problems"]
 
 #: Generates one group per request, results in request order (``EngineFleet.generate`` without step figures).
 Generate = Callable[[list[GroupRequest]], list[GroupResult]]
@@ -85,9 +86,11 @@ class EvalSet:
 
 def _held_out_split(data, checks) -> tuple[str, str, list[Example], int]:
     """(field, what, examples, bad rows) of the source's own held-out split: ``data.test_path``, ``data.hub.
-    test_split`` or a ``reasoning_gym`` source's held-out seeds (its DataError names the data field already)."""
+    test_split``, a ``reasoning_gym`` source's held-out seeds or ``humaneval``'s held-out problems (its DataError
+    names the data field already)."""
     field, path = {"reasoning_gym": ("data.reasoning_gym", "reasoning-gym held-out split"),
-                   "hf_hub": ("data.hub.test_split", f"{data.hub.name}[{data.hub.test_split}]")}.get(
+                   "hf_hub": ("data.hub.test_split", f"{data.hub.name}[{data.hub.test_split}]"),
+                   "humaneval": ("data.humaneval", "HumanEval held-out split")}.get(
         data.source, ("data.test_path", data.test_path))
     examples, bad_rows = load_examples(data, "held_out", checks)
     return field, path, examples, bad_rows
@@ -149,9 +152,70 @@ def _scores(name: str, texts: list[str], rows: list[Example]) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class EvalScores:
+    """The scores behind one evaluation's ``eval/*`` figures.
+
+    Attributes:
+        correct: P lists of k outcomes, 1.0 (full credit) or 0.0, one list per held-out prompt in order.
+        formatted: P·k format scores in [0, 1] in group order, or None without a format reward.
+    """
+
+    correct: list[list[float]]
+    formatted: list[float] | None
+
+
+def score_problems(groups: list[GroupResult], rows: list[Example] | list[str], accuracy_reward: str,
+                   format_reward: str | None) -> EvalScores:
+    """Score P groups of k completions with the eval's reward functions (called once each over the whole set).
+
+    Args:
+        groups: P results, one per held-out prompt, each with k completions.
+        rows: P held-out rows (their Examples; a bare reference string stands for a row with only a reference).
+        accuracy_reward, format_reward: reward function names (``format_reward`` None: no format scores).
+
+    Raises:
+        ValueError: a different number of groups and rows, or a score outside [0, 1].
+    """
+    rows = [as_example(r) for r in rows]
+    if len(groups) != len(rows):
+        raise ValueError(f"eval: {len(groups)} groups for {len(rows)} held-out rows; expected one group per row")
+    texts = [t for g in groups for t in g.texts]
+    per_row = [ex for g, ex in zip(groups, rows) for _ in g.texts]
+    # correct = full credit: a partial score (reasoning-gym's decimal scorer pays 0.75 for "-191" against 191) is a
+    # wrong answer, so pass@1 and its Wilson interval are of 0/1 outcomes
+    flat = [1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, texts, per_row)]
+    correct, start = [], 0
+    for g in groups:
+        correct.append(flat[start:start + len(g.texts)])
+        start += len(g.texts)
+    formatted = _scores(format_reward, texts, per_row) if format_reward is not None else None
+    return EvalScores(correct=correct, formatted=formatted)
+
+
+def eval_metrics(groups: list[GroupResult], scores: EvalScores) -> dict[str, float]:
+    """The ``eval/*`` figures (module docstring) of P groups and their :func:`score_problems` scores, without
+    timing and best-step keys.
+
+    Raises:
+        ValueError: no groups, or groups of different k.
+    """
+    est = accuracy_estimate(scores.correct)
+    lengths = [len(ids) for g in groups for ids in g.response_ids]
+    reasons = [r for g in groups for r in g.finish_reasons]
+    metrics = {"eval/accuracy": est.accuracy, "eval/accuracy_ci_low": est.ci_low,
+               "eval/accuracy_ci_high": est.ci_high, "eval/n": float(est.samples), "eval/problems": float(est.problems),
+               "eval/response_length_mean": sum(lengths) / len(lengths),
+               "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
+    if scores.formatted is not None:
+        metrics["eval/format_rate"] = sum(scores.formatted) / len(scores.formatted)
+    return metrics
+
+
 def score_eval(groups: list[GroupResult], rows: list[Example] | list[str], accuracy_reward: str,
                format_reward: str | None) -> dict[str, float]:
-    """The ``eval/*`` figures of P groups of k completions (module docstring), without timing and best-step keys.
+    """The ``eval/*`` figures of P groups of k completions (module docstring), without timing and best-step keys:
+    :func:`eval_metrics` of :func:`score_problems`.
 
     Args:
         groups: P results, one per held-out prompt, each with k completions.
@@ -161,23 +225,9 @@ def score_eval(groups: list[GroupResult], rows: list[Example] | list[str], accur
     Raises:
         ValueError: no groups, groups of different k, or a score outside [0, 1].
     """
-    rows = [as_example(r) for r in rows]
-    # correct = full credit: a partial score (reasoning-gym's decimal scorer pays 0.75 for "-191" against 191) is a
-    # wrong answer, so pass@1 and its Wilson interval are of 0/1 outcomes
-    per_problem = [[1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, g.texts, [ex] * len(g.texts))]
-                   for g, ex in zip(groups, rows, strict=True)]
-    est = accuracy_estimate(per_problem)
-    lengths = [len(ids) for g in groups for ids in g.response_ids]
-    reasons = [r for g in groups for r in g.finish_reasons]
-    metrics = {"eval/accuracy": est.accuracy, "eval/accuracy_ci_low": est.ci_low,
-               "eval/accuracy_ci_high": est.ci_high, "eval/n": float(est.samples), "eval/problems": float(est.problems),
-               "eval/response_length_mean": sum(lengths) / len(lengths),
-               "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
-    if format_reward is not None:
-        texts = [t for g in groups for t in g.texts]
-        per_row = [ex for g, ex in zip(groups, rows) for _ in g.texts]
-        metrics["eval/format_rate"] = sum(_scores(format_reward, texts, per_row)) / len(texts)
-    return metrics
+    if not groups:
+        raise ValueError("eval: no groups to score; expected one per held-out prompt")
+    return eval_metrics(groups, score_problems(groups, rows, accuracy_reward, format_reward))
 
 
 class HeldOutEval:

@@ -18,7 +18,7 @@ by location (``grpo.rewards.loading``) and registers its reward endpoints (``grp
 """
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, MisSpec
-from cluster.spec.data import HubDatasetSpec, ReasoningGymSpec
+from cluster.spec.data import HubDatasetSpec, HumanEvalSpec, ReasoningGymSpec
 from cluster.spec.evaluation import MAX_EVAL_SAMPLES, EvalSpec
 from cluster.spec.fields import (
     MAX_CUSTOM_RESOURCE, MAX_SEED, MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, ByteSize,
@@ -37,8 +37,8 @@ from cluster.spec.sections import (
 __all__ = [
     "REWARD_NAMES", "SpecError", "ModelSpec", "DataSpec", "RolloutSpec", "TrainSpec", "AlgorithmSpec", "SyncSpec",
     "MetricsSpec", "CheckpointSpec", "RaySpec", "EvalSpec", "MonitorSpec", "LoraSpec", "MisSpec", "JobSpec",
-    "HubDatasetSpec", "ReasoningGymSpec", "RewardEndpointSpec", "RewardPoolSpec", "locate_field_error",
-    "parse_byte_size",
+    "HubDatasetSpec", "HumanEvalSpec", "ReasoningGymSpec", "RewardEndpointSpec", "RewardPoolSpec",
+    "locate_field_error", "parse_byte_size",
     "load_spec", "load_spec_text", "spec_to_yaml",
 ]
 

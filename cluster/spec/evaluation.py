@@ -87,8 +87,8 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
     accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
     out = []
     generated = data.source == "reasoning_gym"
-    hub_split = data.source == "hf_hub" and data.hub.test_split is not None
-    if ev.data_path is None and data.test_path is None and not generated and not hub_split:
+    own_split = data.source == "humaneval" or (data.source == "hf_hub" and data.hub.test_split is not None)
+    if ev.data_path is None and data.test_path is None and not generated and not own_split:
         split = " or data.hub.test_split" if data.source == "hf_hub" else " (or data.test_path)"
         out.append(FieldConflict("eval.data_path", (
             f"expected a held-out file: set eval.data_path{split}, got neither")))
@@ -96,6 +96,14 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
         out.append(FieldConflict("eval.accuracy_reward", (
             "the held-out split of data.source 'reasoning_gym' is scored by the task's own scorer: expected "
             f"'reasoning_gym', got {ev.accuracy_reward!r}")))
+    if data.source == "humaneval" and ev.accuracy_reward == "accuracy":
+        out.append(FieldConflict("eval.accuracy_reward", (
+            "HumanEval problems are scored by running their tests: expected 'code' (or a reward of your own), got "
+            "'accuracy' (the GSM8K answer checker, the default)")))
+    if data.source == "humaneval" and ev.format_reward == "format":
+        out.append(FieldConflict("eval.format_reward", (
+            "'format' (the default) is GSM8K's worked-solution rule and never pays for code: expected null or a "
+            "reward of your own, got 'format'")))
     for name in ("accuracy_reward", "format_reward"):
         if getattr(ev, name) == "reasoning_gym" and (not generated or ev.data_path is not None):
             out.append(FieldConflict(f"eval.{name}", (

@@ -22,7 +22,16 @@ failure.
 
 Program extraction (:func:`extract_program`): the last fenced block tagged ``python``/``py``/``python3`` (an
 unclosed last fence runs to the end of the completion: a truncated answer), else the last untagged fenced block,
-else the whole completion.
+else the whole completion. For a row with an ``entry_point`` (below), the last such block that defines it comes
+first: a usage example written after the function is not the program.
+
+Function-completion rows (HumanEval, APPS/LiveCodeBench call-based problems) may also carry ``starter_code`` (the
+code the prompt shows: imports, helpers, the function's signature and docstring) and ``entry_point`` (the function's
+name). Then the program run is the starter code followed by the extracted program (:func:`assemble_program`): when
+the extracted program defines ``entry_point`` at top level (``def``/``async def``/an assignment), it is appended
+after the starter code (its definition replaces the stub, and the starter code's imports and helpers stay
+available); otherwise it is taken as the function's body and appended directly, continuing the signature. Rows
+without ``starter_code`` run the extracted program alone.
 
 What a program can do to win (measured, not prevented): exit 0 before the tests run (``exit(0)``, ``os._exit(0)``)
 passes test-code rows, since the tests run in its own process. Stdin/stdout rows compare output and are not open to
@@ -38,7 +47,8 @@ from typing import Any
 
 from grpo.rewards.sandbox import Program, SandboxConfig, SandboxResult, run_programs
 
-__all__ = ["DEFAULT_SANDBOX", "code_reward", "extract_program", "normalize_output", "parse_tests"]
+__all__ = ["DEFAULT_SANDBOX", "assemble_program", "code_reward", "defines_name", "extract_program", "normalize_output",
+           "parse_tests"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +59,11 @@ _FENCE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[ \t]*$", re.MULTILINE)
 _PYTHON_TAGS = {"python", "py", "python3"}
 
 
-def extract_program(completion: str) -> str:
+def extract_program(completion: str, entry_point: str | None = None) -> str:
     """The Python program in a completion (rules in the module doc). Fences pair up in order (an opening line
-    "```tag", then a closing line "```"), as in Markdown. Never raises for a str."""
+    "```tag", then a closing line "```"), as in Markdown. With ``entry_point``, the last block (tagged first, then
+    untagged) that defines it is preferred, so a usage example written after the function is not taken for it.
+    Never raises for a str."""
     fences = list(_FENCE.finditer(completion))
     tagged: list[str] = []
     untagged: list[str] = []
@@ -64,9 +76,33 @@ def extract_program(completion: str) -> str:
             tagged.append(body)
         elif not tag and closing is not None:
             untagged.append(body)
+    if entry_point:
+        defining = [b for b in tagged if defines_name(b, entry_point)] or [
+            b for b in untagged if defines_name(b, entry_point)]
+        if defining:
+            return defining[-1]
     if tagged:
         return tagged[-1]
     return untagged[-1] if untagged else completion
+
+
+def defines_name(program: str, name: str) -> bool:
+    """Whether ``program`` binds ``name`` at top level: a line starting ``def name(``, ``async def name(`` or
+    ``name =`` in column 0 (a textual check: it does not parse the program, which may be truncated)."""
+    pattern = rf"^(?:(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(|{re.escape(name)}[ \t]*=[^=])"
+    return re.search(pattern, program, re.MULTILINE) is not None
+
+
+def assemble_program(program: str, entry_point: str | None = None, starter_code: str | None = None) -> str:
+    """The program a function-completion row runs (module doc): ``starter_code`` then ``program``, separated by blank
+    lines when ``program`` defines ``entry_point``, joined directly (a body continuing the signature) when it does
+    not; ``program`` unchanged when ``starter_code`` is None or empty."""
+    if not starter_code:
+        return program
+    if entry_point and defines_name(program, entry_point):
+        return starter_code.rstrip("\n") + "\n\n\n" + program
+    return starter_code if not program.strip() else (
+        starter_code + ("" if starter_code.endswith("\n") else "\n") + program)
 
 
 def normalize_output(text: str) -> str:
@@ -124,13 +160,17 @@ def _case_verdict(case: str | tuple[str, str], result: SandboxResult) -> bool | 
     return isinstance(case, str) or normalize_output(result.stdout) == normalize_output(case[1])
 
 
-def code_reward(completions: list[str], tests: list, *, partial_credit: bool = False,
-                sandbox: SandboxConfig | None = None, **kwargs: Any) -> list[float | None]:
+def code_reward(completions: list[str], tests: list, *, entry_point: list | None = None,
+                starter_code: list | None = None, partial_credit: bool = False, sandbox: SandboxConfig | None = None,
+                **kwargs: Any) -> list[float | None]:
     """Score each completion's program against its row's tests (contract in the module doc).
 
     Args:
         completions: N completions (EOS stripped).
         tests: N ``tests`` values, row-aligned with completions.
+        entry_point, starter_code: N values of the rows' function name and starter code (None, or None items, for
+            rows without them): the program is :func:`assemble_program` of the one :func:`extract_program` finds
+            for the entry point.
         partial_credit: score the fraction of cases passed instead of all-or-nothing.
         sandbox: limits and mode; None = :data:`DEFAULT_SANDBOX`. Every case of the batch runs in one
             ``run_programs`` call, ``sandbox.parallel`` at a time; each output is dropped once its case is judged.
@@ -145,10 +185,17 @@ def code_reward(completions: list[str], tests: list, *, partial_credit: bool = F
     if len(tests) != len(completions):
         raise ValueError(f"code reward: got {len(completions)} completions but {len(tests)} tests values; expected "
                          f"one tests value per completion")
+    for name, values in (("entry_point", entry_point), ("starter_code", starter_code)):
+        if values is not None and len(values) != len(completions):
+            raise ValueError(f"code reward: got {len(completions)} completions but {len(values)} {name} values; "
+                             f"expected one per completion")
     rows = [parse_tests(t, row) for row, t in enumerate(tests)]
     cases = [case for row_cases in rows for case in row_cases]
-    programs = [_case_program(extract_program(completion), case)
-                for completion, row_cases in zip(completions, rows) for case in row_cases]
+    names = entry_point if entry_point is not None else [None] * len(completions)
+    starters = starter_code if starter_code is not None else [None] * len(completions)
+    codes = [assemble_program(extract_program(completion, name), name, starter)
+             for completion, name, starter in zip(completions, names, starters)]
+    programs = [_case_program(code, case) for code, row_cases in zip(codes, rows) for case in row_cases]
     verdicts = run_programs(programs, sandbox or DEFAULT_SANDBOX,
                             map_result=lambda index, result: _case_verdict(cases[index], result))
     scores: list[float | None] = []

@@ -57,11 +57,12 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     from cluster.spec import load_spec
 
     out = tmp_path / "run"
-    spec = load_spec(EXAMPLE, [
+    spec = load_spec(EXAMPLE, [  # the example reads the hub dataset; here its local copy (the spec's comment)
+        f"data.hub.name={gsm8k_train_path.parent}", "data.hub.config=",
         "total_steps=1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=32",
         f"output_dir={out}", "metrics.port=0", "eval=null",
     ])
-    assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
+    assert spec.data.source == "hf_hub" and spec.data.hub.config is None
     ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         job = build_job(spec, progress=False)
