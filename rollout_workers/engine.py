@@ -315,13 +315,14 @@ class RolloutEngine:
 
     def _sampling(self, request: GroupRequest) -> dict:
         """A request's temperature, filters and length cap: the spec's ``rollout`` settings, or its
-        ``SamplingOverride`` (top_p 1, top_k and min_p off)."""
+        ``SamplingOverride`` (top_p 1, top_k and min_p off); the cap lowered to ``request.max_tokens`` when set."""
         o = request.sampling
         if o is not None:
-            return {"temperature": o.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": o.max_tokens}
+            return {"temperature": o.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "max_tokens": request.length_cap(o.max_tokens)}
         r = self.rollout
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
-                "max_tokens": r.max_response_tokens}
+                "max_tokens": request.length_cap(r.max_response_tokens)}
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
                          channel=None, adapter_config=None) -> list[int]:

@@ -286,7 +286,7 @@ class LocalFleet:
             rows = []
             for k, req in enumerate(requests):
                 sampling = request_sampling(req, r)
-                for job in completion_jobs(req, r.group_size, sampling.max_tokens):
+                for job in completion_jobs(req, r.group_size, req.length_cap(sampling.max_tokens)):
                     seed = job.seed if job.seed is not None else self._unseeded.getrandbits(63)
                     planned.append((k, job))
                     rows.append(RowJob(job.prompt_ids, job.max_tokens, seed, sampling))
