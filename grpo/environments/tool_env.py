@@ -116,18 +116,20 @@ class ToolEnvironment:
                 continue
             ok, text = self._run(call)
             errors += not ok
-            lines.append(truncate_output(text, self.max_output_chars))
+            lines.append(text)
         return Observation(text="\n".join(lines), done=False, role=self.role, tool_calls=len(calls),
                            tool_errors=errors)
 
     def _run(self, call) -> tuple[bool, str]:
-        """One call → (ran without error, its line of the observation)."""
+        """One call → (ran without error, its line of the observation: the tool's output, cut to
+        ``max_output_chars``, or why it did not run)."""
         if isinstance(call, CallError):
             return False, f"error: {call.message}: {call.text}"
         tool = self.tools.get(call.name)
         if tool is None:
             return False, f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
         ok, text = tool(call.arguments)
+        text = truncate_output(text, self.max_output_chars)
         return ok, text if not ok else f"{call.name}: {text}"
 
     def close(self) -> None:
