@@ -61,7 +61,8 @@ class HoldsATurn(LocalFleet):
 
 
 def _problems(path: Path, count: int, offset: int = 0) -> str:
-    rows = [{"question": f"What is {i} + {i + 1}?", "answer": f"#### {2 * i + 1}"} for i in range(offset, offset + count)]
+    rows = [{"question": f"What is {i} + {i + 1}?", "answer": f"#### {2 * i + 1}"}
+            for i in range(offset, offset + count)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
 
