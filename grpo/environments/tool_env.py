@@ -43,8 +43,8 @@ TOOL_NAMES = ("calculator", "python")
 #: A system prompt that teaches the format (the calculator alone), for specs and benchmarks.
 TOOL_PROMPT = ("You can use a calculator. To use it, write exactly\n"
                '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
-               "and stop; its result comes back in the next message. When you know the answer, write it as the last "
-               "line in the form '#### <number>'.")
+               "and stop; its result comes back in the next message.\n"
+               "When you know the answer, write it as the last line in the form '#### <number>'.")
 
 
 def truncate_output(text: str, limit: int) -> str:
