@@ -183,21 +183,24 @@ class EpisodeRunner:
         opening = [e for e in waiting if e.env is None]
         for e, handle in zip(opening, self.host.open([rnd.row(e.group) for e in opening]) if opening else []):
             if isinstance(handle, EnvironmentFailure):
-                self._fail(e, handle.message)
+                e.end("infra_failed", handle.message)
             else:
                 e.env = handle
-        waiting = [e for e in waiting if e.ended is None]
-        if not waiting:
-            return
-        for e, outcome in zip(waiting, self.host.step([(e.env, e.pending) for e in waiting])):
+        stepping = [e for e in waiting if e.ended is None]
+        for e, outcome in zip(stepping, self.host.step([(e.env, e.pending) for e in stepping]) if stepping else []):
             e.environment_s += outcome.seconds
             self._answer(e, outcome.result)
+        failed = [e for e in waiting if e.ended == "infra_failed"]
+        if failed:
+            self._status(f"{len(failed)} episode(s) ended by an environment failure (no reward; counted in "
+                         f"reward/infra_failed), e.g. episode {failed[0].sample} of group {failed[0].group}: "
+                         f"{failed[0].detail}")
 
     def _answer(self, e: Episode, result) -> None:
         """Apply one environment step's result to episode ``e``."""
         mt = self.multi_turn
         if isinstance(result, EnvironmentFailure):
-            self._fail(e, result.message)
+            e.end("infra_failed", result.message)
             return
         e.tool_calls += result.tool_calls
         e.tool_errors += result.tool_errors
@@ -211,19 +214,14 @@ class EpisodeRunner:
         try:
             ids = self.observations.ids(result.role, result.text, e.pending.token_ids)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render the role: no episode can go on
-            self._fail(e, f"the chat template cannot render a {result.role!r} observation: {type(exc).__name__}: "
-                          f"{exc}")
+            e.end("infra_failed", f"the chat template cannot render a {result.role!r} observation: "
+                                  f"{type(exc).__name__}: {exc}")
             return
         if len(e.ids) + len(ids) + 1 > mt.max_episode_tokens:
             e.end("token_budget")
             return
         e.observe(ids)
         e.pending = None
-
-    def _fail(self, e: Episode, message: str) -> None:
-        """End episode ``e`` as an infrastructure failure (said on the status line)."""
-        e.end("infra_failed", message)
-        self._status(f"episode {e.sample} of group {e.group}: infrastructure failure, no reward: {message}")
 
 
 def make_episode_runner(spec, tokenizer, status: Callable[[str], None] = lambda m: None) -> EpisodeRunner | None:
