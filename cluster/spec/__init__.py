@@ -4,16 +4,16 @@ A spec is a YAML file (see ``examples/``) validated into :class:`JobSpec`. Every
 is frozen after validation; numbers carry their unit in the field name (``timeout_s``, ``bucket_bytes``,
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
-Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns,
-prompt rendering), ``sections`` (model, rollout, train, sync, metrics, checkpoint, Ray; re-exports ``data``'s
-models), ``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them), ``evaluation`` (held-out evaluation), ``lora`` (LoRA
-adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields that select a registered
-variant, checked against its registry), ``job`` (:class:`JobSpec` and its cross-section checks), ``loading`` (YAML
-with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only pydantic, PyYAML and,
-lazily, ``grpo`` registries (reward functions, advantage estimators, loss aggregations, KL estimators, TIS/MIS
-levels) and ``train_workers.registry`` (backend names); never Ray or other ``cluster`` subpackages, and torch only
-through those ``grpo`` modules. Validating a spec imports the reward functions it names by location
-(``grpo.rewards.loading``).
+Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns, prompt
+rendering), ``sections`` (model, rollout, train, sync, metrics, checkpoint, Ray; re-exports ``data``'s models),
+``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them),
+``evaluation`` (held-out evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor`` (the reward-hacking
+guard), ``variants`` (fields that select a registered variant, checked against its registry), ``job``
+(:class:`JobSpec` and its cross-section checks), ``loading`` (YAML with file:line errors, ``--set`` overrides,
+:func:`spec_to_yaml`). This package imports only pydantic, PyYAML and, lazily, ``grpo`` registries (reward
+functions, advantage estimators, loss aggregations, KL estimators, TIS/MIS levels) and ``train_workers.registry``
+(backend names); never Ray or other ``cluster`` subpackages, and torch only through those ``grpo`` modules.
+Validating a spec imports the reward functions it names by location (``grpo.rewards.loading``).
 """
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, REWARD_NAMES, AlgorithmSpec, MisSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.ops import jobs
+from cluster.ops import jobs, upload
 from cluster.ray_shell import control
 from cluster.spec import RolloutSpec, load_spec
 
@@ -88,7 +88,7 @@ def test_stage_working_dir_excludes_venv_git_outputs_and_caches(tmp_path):
 def test_stage_working_dir_refuses_a_big_upload(tmp_path, monkeypatch):
     (tmp_path / "proj").mkdir()
     (tmp_path / "proj" / "weights.bin").write_bytes(b"\0" * 4096)
-    monkeypatch.setattr(jobs, "MAX_UPLOAD_BYTES", 1024)
+    monkeypatch.setattr(upload, "MAX_UPLOAD_BYTES", 1024)
     with pytest.raises(jobs.JobsError, match=r"largest files: weights\.bin"):
         jobs.stage_working_dir(tmp_path / "proj", tmp_path / "stage")
 
