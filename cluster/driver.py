@@ -33,6 +33,7 @@ from cluster.data import PromptSampler
 from cluster.data.models import resolve_model_path
 from cluster.loop.checkpoint_state import (check_policy_kind, driver_state, open_step_logs, restore_driver_state,
                                            resume_point, write_checkpoint)
+from cluster.loop.episodes import make_episode_runner
 from cluster.loop.evaluation import load_evaluation, restore_best
 from cluster.loop.guard import build_guard, check_resume
 from cluster.loop.production import BatchProducer
@@ -48,6 +49,7 @@ from cluster.ops.metrics import MetricSinks, MetricsLogger, format_console_line
 from cluster.rewards.inline import InlineRewardPool
 from cluster.spec import JobSpec, spec_to_yaml
 from cluster.spec.algorithm import off_policy_warning
+from cluster.spec.multi_turn import generated_tokens
 from contract.protocols import ControlChannel, Fleet, MetricSink, RewardPool, Trainer
 from contract.versions import PolicyVersionLedger
 from grpo.kl import make_kl_controller
@@ -116,11 +118,12 @@ class GRPOJob:
         self.versions = PolicyVersionLedger()
         self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status,
                                       self.reward_pool)
+        self.producer.episodes = self.episodes = make_episode_runner(spec, tokenizer, self.status)  # multi_turn
         self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status)
         self.schedule = make_rollout(spec, self.producer, self.training, lambda: self.policy_version, self.status)
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
-        self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + spec.rollout.max_response_tokens
+        self.max_model_len = spec.rollout.max_model_len or d.max_prompt_tokens + generated_tokens(spec.rollout)
         self.started = False
         self.stop_reason: str | None = None
         self._trained_figures = None  # the fleet's figures of the batch the last step trained on
@@ -224,6 +227,8 @@ class GRPOJob:
         if self.control is not None:
             self.control.close()
             self.control = None
+        if self.episodes is not None:
+            self.episodes.host.shutdown()
         self.stop_workers()
 
     def scale_rollout(self, replicas: int) -> None:
@@ -301,6 +306,9 @@ class GRPOJob:
         on the engines' current weights; {} otherwise."""
         if self.evaluation is None or not self.evaluation.due(self.step):
             return {}
+        if self.episodes is not None:  # held-out episodes run the same way as training's
+            return self.evaluation.run(self.step, partial(self.episodes.run, self.fleet,
+                                                          examples=self.evaluation.rows, record=False))
         return self.evaluation.run(self.step, partial(self.fleet.generate, record=False))
 
     def _log_step(self, metrics: dict) -> None:

@@ -34,6 +34,9 @@ class RolloutBatch:
     token_versions: N lists of R_i ints, the policy version that sampled each response token (partial rollouts: a
         row may span versions; ``versions`` is then its group's oldest); None when not recorded (every token of a
         row is ``versions[i]``'s).
+    loss_masks: (multi-turn episodes) N lists of R_i bools, True for tokens the policy sampled, False for observation
+        tokens an environment inserted (never in the loss, the KL or the entropy); None: every token was sampled.
+    episodes: (multi-turn episodes) N ``contract.messages.EpisodeSummary``; None for single completions.
     """
 
     prompt_ids: list[list[int]]
@@ -51,17 +54,43 @@ class RolloutBatch:
     advantages: torch.Tensor
     num_failed: int = 0
     token_versions: list[list[int]] | None = None
+    loss_masks: list[list[bool]] | None = None
+    episodes: list | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """[R_i] bool: the tokens of row ``i`` that count in the loss: the first ``valid_lengths[i]``, and of those
+        only the sampled ones (``loss_masks``)."""
+        mask = torch.zeros(len(self.response_ids[i]), dtype=torch.bool)
+        mask[:self.valid_lengths[i]] = True
+        if self.loss_masks is not None:
+            mask &= torch.as_tensor(list(self.loss_masks[i]), dtype=torch.bool).reshape(-1)
+        return mask
+
+    def loss_token_counts(self) -> list[int]:
+        """N ints: the tokens of each row that count in the loss (``valid_lengths`` without a loss mask)."""
+        if self.loss_masks is None:
+            return list(self.valid_lengths)
+        return [int(self.loss_mask(i).sum()) for i in range(len(self))]
+
+    def sampled_lengths(self) -> list[int]:
+        """N ints: the response tokens the policy sampled in each row (observation tokens left out)."""
+        if self.loss_masks is None:
+            return [len(r) for r in self.response_ids]
+        return [sum(bool(b) for b in m) for m in self.loss_masks]
+
     def num_nonfinite_logprobs(self) -> int:
-        """Response tokens that count in the loss (within ``valid_lengths``) whose engine logprob is NaN or ±inf.
+        """Response tokens that count in the loss (:meth:`loss_mask`) whose engine logprob is NaN or ±inf.
         The trainer gives such a token importance weight 1 and leaves it out of ``rollout/logprob_diff``
         (``grpo.losses.truncated_importance_weights``); the driver reports the count as
         ``rollout/nonfinite_logprobs``."""
-        return sum(int((~torch.isfinite(lps[:n])).sum()) for lps, n in zip(self.behaviour_logprobs,
-                                                                            self.valid_lengths))
+        if self.loss_masks is None:
+            return sum(int((~torch.isfinite(lps[:n])).sum()) for lps, n in zip(self.behaviour_logprobs,
+                                                                                self.valid_lengths))
+        return sum(int((~torch.isfinite(lps[self.loss_mask(i)])).sum())
+                   for i, lps in enumerate(self.behaviour_logprobs))
 
     def select(self, rows: Sequence[int]) -> RolloutBatch:
         """The batch restricted to ``rows`` (in that order); ``num_failed`` is kept."""
@@ -113,7 +142,9 @@ class PackedMicroBatch:
     logit_positions: [M] int64, packed positions whose logits predict each response token.
     targets: [M] int64, the response tokens.
     token_seq, token_pos: [M] int64, (sequence slot in 0..n−1, index in its response) of each response token.
-    response_mask: [n, T] bool, True for response tokens that count in the loss (see ``valid_lengths``).
+    response_mask: [n, T] bool, True for response tokens that count in the loss, the KL and the entropy: the first
+        ``valid_lengths`` tokens of each response and, of a multi-turn episode, only those the policy sampled (its
+        observation tokens are False: ``train_workers.packing.pack_microbatch``'s ``loss_masks``).
     advantages: [n] float32.
     behaviour_logprobs: [n, T] float32, the engine's logprobs (0 under the mask's zeros).
     seq_indices: [n] int64, indices of the sequences in the step's rollout batch.

@@ -57,6 +57,9 @@ class GroupRequest:
         resume_from: (``rollout.partial_rollout``) the group as an earlier, interrupted generate call left it: its
             completions with finish reason ``"interrupted"`` are continued from their tokens on the engine's current
             weights (``rollout_workers.partial``), the others are returned as they are. None: sample from scratch.
+        max_tokens: a lower length cap for this request's completions, tokens (multi-turn episodes: what is left of
+            the turn's and the episode's budgets, ``cluster.loop.episodes``); the sampling settings are otherwise
+            unchanged. None: the sampling's own cap (``rollout.max_response_tokens`` or the override's).
     """
 
     group_id: int
@@ -65,6 +68,46 @@ class GroupRequest:
     seed: int | None = None
     sampling: SamplingOverride | None = None
     resume_from: GroupResult | None = None
+    max_tokens: int | None = None
+
+    def length_cap(self, sampling_cap: int) -> int:
+        """The completion length cap in tokens: ``sampling_cap`` (the request's sampling settings'), lowered to
+        :attr:`max_tokens` when that is set."""
+        return sampling_cap if self.max_tokens is None else min(sampling_cap, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """How one multi-turn episode went (``rollout.multi_turn``; ``cluster.loop.episodes``), for the ``episode/*``
+    metrics and the scoring of its row.
+
+    Attributes:
+        turns: policy turns sampled. tool_calls: tool calls the environment ran. tool_errors: those that failed
+            because of the call (bad JSON, an unknown tool, a program that raised): observations, not infra
+            failures. observation_tokens: tokens the environment's observations added (masked out of the loss).
+        ended: ``"done"`` (the environment ended it), ``"max_turns"``, ``"token_budget"`` (the next turn or
+            observation would not fit ``max_episode_tokens``) or ``"infra_failed"`` (the environment raised or timed
+            out: the row gets no reward, like a None reward).
+        turn_reward: the sum of the rewards the environment gave with its observations, 0.0 when it gave none.
+        restarts: times the episode was sampled again from its start after an engine failure.
+        environment_s: wall seconds its environment steps took (they run beside other episodes').
+        detail: why it infra-failed (``""`` otherwise).
+    """
+
+    turns: int
+    tool_calls: int = 0
+    tool_errors: int = 0
+    observation_tokens: int = 0
+    ended: str = "done"
+    turn_reward: float = 0.0
+    restarts: int = 0
+    environment_s: float = 0.0
+    detail: str = ""
+
+    @property
+    def infra_failed(self) -> bool:
+        """The environment failed (not the policy): the episode is left out of the loss and counted."""
+        return self.ended == "infra_failed"
 
 
 @dataclass
@@ -83,6 +126,10 @@ class GroupResult:
         token_versions: G lists of R_i ints, the policy version that sampled each response token (partial rollouts:
             a completion interrupted by a weight update and continued spans versions); None means every token was
             sampled by ``policy_version`` (:meth:`versions_of`).
+        loss_masks: (multi-turn episodes) G lists of R_i bools: True for the tokens the policy sampled, False for
+            the observation tokens an environment inserted between turns (their behaviour logprob is 0 and they
+            never count in the loss, the KL or the entropy); None means every response token was sampled.
+        episodes: (multi-turn episodes) G :class:`EpisodeSummary`; None for single completions.
     """
 
     group_id: int
@@ -93,6 +140,8 @@ class GroupResult:
     texts: list[str]
     policy_version: int
     token_versions: list[list[int]] | None = None
+    loss_masks: list[list[bool]] | None = None
+    episodes: list[EpisodeSummary] | None = None
 
     @property
     def complete(self) -> bool:
@@ -104,6 +153,12 @@ class GroupResult:
         if self.token_versions is None:
             return [self.policy_version] * len(self.response_ids[i])
         return list(self.token_versions[i])
+
+    def sampled_of(self, i: int) -> list[bool]:
+        """Whether the policy sampled each token of completion ``i`` (R_i bools; all True without a loss mask)."""
+        if self.loss_masks is None:
+            return [True] * len(self.response_ids[i])
+        return list(self.loss_masks[i])
 
     @property
     def newest_version(self) -> int:

@@ -41,22 +41,38 @@ def eos_token_ids(*sources: int | Iterable[int] | None) -> frozenset[int]:
 
 
 def response_valid_lengths(
-    response_ids: Sequence[Sequence[int]], eos_ids: Iterable[int]
+    response_ids: Sequence[Sequence[int]], eos_ids: Iterable[int],
+    sampled_masks: Sequence[Sequence[bool]] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Per completion: how many leading response tokens count in the loss, and whether it terminated.
+
+    A multi-turn episode (``sampled_masks`` given) ends every policy turn but the last with an EOS (the end of its
+    turn), followed by observation tokens; only its last turn — the sampled tokens after its last observation token —
+    is searched for the EOS that ends the episode.
 
     Args:
         response_ids: N lists of R_i response token ids (prompt excluded).
         eos_ids: the model's EOS ids (see `eos_token_ids`).
+        sampled_masks: None, or N lists of R_i bools, False for observation tokens (not sampled by the policy).
 
     Returns:
-        (valid_lengths, terminated): N ints in [0, R_i] — index of the first EOS + 1 for a terminated completion
-        (tokens after it masked), R_i otherwise — and N bools, True iff the response contains an EOS id.
+        (valid_lengths, terminated): N ints in [0, R_i] — index of the first EOS (of the last turn) + 1 for a
+        terminated completion (tokens after it masked), R_i otherwise — and N bools, True iff the response (its last
+        turn) contains an EOS id.
+
+    Raises:
+        ValueError: a mask of another length than its response.
     """
     eos = frozenset(eos_ids)
     lengths, terminated = [], []
-    for ids in response_ids:
-        first = next((i for i, tok in enumerate(ids) if tok in eos), None)
+    for row, ids in enumerate(response_ids):
+        start = 0
+        if sampled_masks is not None:
+            mask = list(sampled_masks[row])
+            if len(mask) != len(ids):
+                raise ValueError(f"row {row}: {len(mask)} sampled-mask entries for {len(ids)} response tokens")
+            start = max((i + 1 for i, sampled in enumerate(mask) if not sampled), default=0)
+        first = next((i for i in range(start, len(ids)) if ids[i] in eos), None)
         terminated.append(first is not None)
         lengths.append(len(ids) if first is None else first + 1)
     return lengths, terminated

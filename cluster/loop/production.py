@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from cluster.loop.episodes import EpisodeRunner
 from cluster.loop.overlap import GenerateInterrupted
 from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted
 from cluster.loop.requests import PromptQueue
@@ -52,6 +53,8 @@ class BatchProducer:
 
     Attributes:
         fleet: the rollout side; set by the job when its collaborators start (None before).
+        episodes: (``rollout.multi_turn``) runs each round's groups as multi-turn episodes over the fleet; set by the
+            job; None: one completion per sample.
         partial: (``rollout.partial_rollout``) the carried round, interrupt epoch and ``rollout/partial_*`` counts;
             None otherwise.
     """
@@ -62,6 +65,7 @@ class BatchProducer:
                                                                                status)
         self.reward_pool = reward_pool if reward_pool is not None else InlineRewardPool()
         self.fleet: Fleet | None = None
+        self.episodes: EpisodeRunner | None = None
         r = spec.rollout
         self.partial = PartialRollouts(r.max_staleness) if r.partial_rollout else None
 
@@ -163,7 +167,11 @@ class BatchProducer:
         scorer = RoundScorer(self.scoring, requests, examples, self.reward_pool, self.spec.rollout.timeout_s)
         extra = {"interrupt_epoch": interrupt_epoch} if interrupt_epoch is not None else {}
         with clock.measure("generate"):
-            groups = self.fleet.generate(requests, scorer.on_groups, recover=recover, **extra)
+            if self.episodes is not None:  # raises RoundInterrupted itself, carrying its episodes
+                groups = self.episodes.run(self.fleet, requests, examples, on_groups=scorer.on_groups,
+                                           recover=recover, carried=carried.episodes if carried else None, **extra)
+            else:
+                groups = self.fleet.generate(requests, scorer.on_groups, recover=recover, **extra)
         if not all(g.complete for g in groups):
             raise RoundInterrupted(examples, requests, groups)
         clock.add("score", scorer.seconds)

@@ -14,6 +14,12 @@ count, nor does it count as a sequence) and out of the step's reward, length and
 (``cluster.loop.step_metrics``), which therefore equal those of the same round without it; it is counted in
 ``reward/infra_failed``. A round where more than ``algorithm.max_infra_failed_fraction`` of the completions (or all of
 them) have none raises :class:`InfraFailureError` before anything is trained.
+
+Multi-turn episodes (``rollout.multi_turn``, ``cluster.loop.episodes``) are scored as completions whose response is
+the whole episode: the reward functions see its decoded text; its turn rewards are one more component,
+``environment`` (weight 1), NaN when its environment failed (an infrastructure failure as above); only its last turn
+is searched for the EOS that terminates it (``grpo.eos.response_valid_lengths``), and its observation tokens never
+count in the loss (``RolloutBatch.loss_masks``).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import torch
 
 from cluster.data import Example, as_example, row_columns
 from cluster.rewards.inline import InlineRewardPool
+from cluster.spec.multi_turn import ENVIRONMENT_REWARD
 from contract.batches import RolloutBatch
-from contract.messages import GroupRequest, GroupResult
+from contract.messages import EpisodeSummary, GroupRequest, GroupResult
 from contract.protocols import RewardPool
 from contract.rewards import RewardCall, RewardTicket
 from grpo.advantages import compute_multi_reward_advantages
@@ -71,14 +78,17 @@ def flatten_groups(groups: list[GroupResult], references: list[str]) -> dict:
     """Groups → row-aligned lists over N = B·G sequences (``prompt_ids``, ``response_ids``, ``behaviour_logprobs``,
     ``finish_reasons``, ``texts``, ``references``, ``versions`` (the group's ``policy_version``: its oldest token's),
     ``token_versions`` (N lists of R_i ints)); ``group_ids`` [N] int64 identifies each row's group. ``references``:
-    one per group, in ``groups`` order."""
+    one per group, in ``groups`` order. Multi-turn episodes add ``loss_masks`` (N lists of R_i bools) and
+    ``episodes`` (N summaries); both are None when no group has them."""
     out = {k: [] for k in ("prompt_ids", "response_ids", "behaviour_logprobs", "finish_reasons", "texts",
-                           "references", "versions", "token_versions")}
+                           "references", "versions", "token_versions", "loss_masks", "episodes")}
     gids = []
     for g, ref in zip(groups, references):
         for i, (ids, lps, reason, text) in enumerate(zip(g.response_ids, g.behaviour_logprobs, g.finish_reasons,
                                                          g.texts)):
             out["token_versions"].append(g.versions_of(i))
+            out["loss_masks"].append(g.sampled_of(i))
+            out["episodes"].append(g.episodes[i] if g.episodes is not None else None)
             out["prompt_ids"].append(g.prompt_ids)
             out["response_ids"].append(ids if ids else [])
             out["behaviour_logprobs"].append(lps)
@@ -88,7 +98,17 @@ def flatten_groups(groups: list[GroupResult], references: list[str]) -> dict:
             out["versions"].append(g.policy_version)
             gids.append(g.group_id)
     out["group_ids"] = torch.tensor(gids, dtype=torch.long)
+    if all(g.loss_masks is None for g in groups):
+        out["loss_masks"] = None
+    if all(g.episodes is None for g in groups):
+        out["episodes"] = None
     return out
+
+
+def environment_rewards(episodes: list[EpisodeSummary]) -> torch.Tensor:
+    """[N] float32: each episode's turn rewards summed, NaN for an episode whose environment failed (no reward:
+    left out of its group's statistics and of the loss, counted in ``reward/infra_failed``)."""
+    return torch.tensor([float("nan") if e.infra_failed else e.turn_reward for e in episodes], dtype=torch.float32)
 
 
 def join_rewards(scored_groups: list[CombinedRewards]) -> CombinedRewards:
@@ -154,7 +174,7 @@ class Scoring:
         alg = self.algorithm
         examples = [as_example(r) for r in rows]
         rows = flatten_groups(groups, [ex.reference for ex in examples])
-        valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids)
+        valid_lengths, terminated = response_valid_lengths(rows["response_ids"], self.eos_ids, rows["loss_masks"])
         per_row = [ex for g, ex in zip(groups, examples) for _ in g.texts]
         scored = self.rewards(rows["texts"], per_row) if scored_groups is None else join_rewards(scored_groups)
         per_function, weights, total = dict(scored.per_function), dict(self.weights), scored.total
@@ -162,6 +182,9 @@ class Scoring:
             penalty = overlong_penalty(valid_lengths, self.max_response_tokens, alg.overlong_buffer_tokens,
                                        alg.overlong_penalty_factor)
             per_function[OVERLONG], weights[OVERLONG], total = penalty, 1.0, total + penalty
+        if rows["episodes"] is not None:  # multi-turn: turn rewards, and environment failures as missing rewards
+            env = environment_rewards(rows["episodes"])
+            per_function[ENVIRONMENT_REWARD], weights[ENVIRONMENT_REWARD], total = env, 1.0, total + env
         check_infra_failures(total, per_function, weights, alg.max_infra_failed_fraction)
         advantages = compute_multi_reward_advantages(
             per_function, weights, rows["group_ids"], alg.advantage_estimator, combine=alg.reward_combine,

@@ -3,7 +3,8 @@
 
 Every key, value and type of the row is a contract (dashboards, alerts, ``tests/ray/test_fixed_seed_metrics.py``):
 ``policy_version``, ``reward/*``, ``groups/*``, ``response_length/*``, ``rollout/*``, ``workers/restarts``,
-``actor/*`` (the trainer's), ``sync/*``, ``packing/*``, ``data/*``, ``timing/*``, ``perf/*``, ``memory/*``.
+``actor/*`` (the trainer's), ``sync/*``, ``packing/*``, ``data/*``, ``timing/*``, ``perf/*``, ``memory/*``; and with
+``rollout.multi_turn``, ``episode/*`` (``cluster.loop.episode_metrics``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from contract.figures import FleetFigures
+from cluster.loop.episode_metrics import episode_metrics
 from cluster.loop.sampling import SamplingResult
 from contract.messages import TrainResult
 from grpo.off_policy import staleness_histogram
@@ -110,10 +112,12 @@ def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_trai
     equal those of the same step without them."""
     sampled, batch = sampling.sampled, sampling.batch
     scored = [i for i, failed in enumerate(sampled.rewards.isnan().tolist()) if not failed]  # infra failures left out
-    lengths = torch.tensor([len(sampled.response_ids[i]) for i in scored], dtype=torch.float32)
+    sampled_lengths = sampled.sampled_lengths()  # a multi-turn episode's observation tokens are not its response's
+    lengths = torch.tensor([sampled_lengths[i] for i in scored], dtype=torch.float32)
     staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
     return {
         **reward_metrics(sampled.rewards, sampled.per_function, sampled.num_failed),
+        **episode_metrics(sampled.episodes or []),
         "groups/all_equal_fraction": sampling.all_equal_fraction,
         "response_length/mean": float(lengths.mean()) if scored else float("nan"),
         "response_length/max": float(lengths.max()) if scored else float("nan"),

@@ -35,7 +35,8 @@ class NumericsError(RuntimeError):
 def microbatches(batch: RolloutBatch, train, world_size: int | None = None) -> tuple[list, dict]:
     """Balance the batch's N sequences over ``world_size`` ranks (default ``train.world_size``; the trainer's own
     rank count, e.g. 1 in the in-process runtime) and pack each rank's micro-batches under
-    ``train.max_tokens_per_microbatch`` tokens (prompt + response).
+    ``train.max_tokens_per_microbatch`` tokens (prompt + response; a multi-turn episode's response holds its
+    observation tokens, which are packed and run forward but masked out of the loss).
 
     Returns:
         (per rank: its packed micro-batches, the plan's ``packing/*`` metrics).
@@ -44,7 +45,8 @@ def microbatches(batch: RolloutBatch, train, world_size: int | None = None) -> t
     plan = plan_microbatches(lengths, world_size or train.world_size, train.max_tokens_per_microbatch,
                              oversize=train.oversize_sequences)
     per_rank = pack_rank_microbatches(plan.ranks, batch.prompt_ids, batch.response_ids, batch.advantages,
-                                      batch.behaviour_logprobs, batch.valid_lengths, group_ids=batch.group_ids)
+                                      batch.behaviour_logprobs, batch.valid_lengths, group_ids=batch.group_ids,
+                                      loss_masks=batch.loss_masks)
     return per_rank, plan.stats(lengths)
 
 
@@ -152,8 +154,9 @@ class TrainPhase:
         rows = batch.sampling.batch
         with self.clock.phase("train"):
             per_rank, packing = microbatches(rows, self.spec.train, self.trainer.world_size)
-            num_tokens = sum(rows.valid_lengths)
-            num_sequences = sum(v > 0 for v in rows.valid_lengths)
+            counts = rows.loss_token_counts()  # valid_lengths, less a multi-turn episode's observation tokens
+            num_tokens = sum(counts)
+            num_sequences = sum(v > 0 for v in counts)
             if self.spec.algorithm.kl_controller == "adaptive":
                 self.trainer.set_kl_coef(self.kl_controller.value)
             result = self.trainer.train_step(per_rank, num_tokens, num_sequences)

@@ -84,6 +84,15 @@ def reward_summary(spec) -> str:
                      for name, weight in spec.algorithm.rewards.items())
 
 
+def episode_summary(rollout) -> str:
+    """``rollout.multi_turn`` in one line: the environment, its options, the turn and token limits."""
+    mt = rollout.multi_turn
+    options = f" {dict(mt.options)}" if mt.options else ""
+    return (f"multi-turn with environment {mt.environment!r}{options}: at most {mt.max_turns} turns of "
+            f"{mt.turn_tokens(rollout.max_response_tokens)} tokens, {mt.max_episode_tokens} tokens per episode "
+            f"(observations included)")
+
+
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
@@ -108,6 +117,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
                     f"at most {r.max_response_tokens} tokens each"
                     + (f"; on cores {r.cpu_affinity}" if r.cpu_affinity is not None else "")),
+        *([("episodes", episode_summary(r))] if r.multi_turn is not None else []),
         ("train", f"{t.world_size} rank(s), backend {t.backend}"
          + (f"; on cores {t.cpu_affinity}" if t.cpu_affinity is not None else "") + (
             f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "

@@ -21,6 +21,7 @@ import ray
 from cluster.ray_shell.pools import WorkerTimeout, wait_dead
 from cluster.ray_shell.rollout_pool import RolloutPool
 from cluster.ray_shell.sync import SyncMemberError, WeightSync
+from cluster.spec.multi_turn import generated_tokens
 from contract.errors import RecoveryDeferred
 from contract.figures import FleetFigures
 from contract.messages import EngineLoad, GroupRequest, GroupResult, SyncReport
@@ -83,7 +84,7 @@ class EngineFleet:
         if pool is None:
             raise TypeError(f"EngineFleet.start: expected a started RayTrainer, got {type(trainer).__name__}")
         r = self.spec.rollout
-        max_model_len = r.max_model_len or self.spec.data.max_prompt_tokens + r.max_response_tokens
+        max_model_len = r.max_model_len or self.spec.data.max_prompt_tokens + generated_tokens(r)
         rollout = RolloutPool(self.spec, weights_path, max_model_len, policy_version)
         try:
             sync = WeightSync(self.spec, pool, rollout, versions)

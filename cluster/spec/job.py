@@ -14,6 +14,7 @@ from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
 from cluster.spec.lora import lora_conflicts
 from cluster.spec.monitor import MonitorSpec
+from cluster.spec.multi_turn import ENVIRONMENT_REWARD, generated_tokens
 from cluster.spec.rewards import RewardEndpointSpec, RewardPoolSpec, register_endpoints
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
@@ -65,12 +66,24 @@ class JobSpec(BaseModel):
     @model_validator(mode="after")
     def _cross_field_checks(self) -> JobSpec:
         rollout, train, rewards = self.rollout, self.train, self.reward_pool
-        needed = self.data.max_prompt_tokens + rollout.max_response_tokens
+        needed = self.data.max_prompt_tokens + generated_tokens(rollout)
         if rollout.max_model_len is not None and needed > rollout.max_model_len:
+            what = ("rollout.multi_turn.max_episode_tokens" if rollout.multi_turn is not None
+                    else "rollout.max_response_tokens")
             raise FieldConflict("rollout.max_model_len", (
-                f"expected max_model_len >= data.max_prompt_tokens + rollout.max_response_tokens = "
-                f"{self.data.max_prompt_tokens} + {rollout.max_response_tokens} = {needed}, "
+                f"expected max_model_len >= data.max_prompt_tokens + {what} = "
+                f"{self.data.max_prompt_tokens} + {generated_tokens(rollout)} = {needed}, "
                 f"got {rollout.max_model_len}"))
+        if rollout.multi_turn is not None and ENVIRONMENT_REWARD in self.algorithm.rewards:
+            raise FieldConflict("algorithm.rewards", (
+                f"{ENVIRONMENT_REWARD!r} is the reward component of a multi-turn episode's environment "
+                f"(reward/{ENVIRONMENT_REWARD}: its turn rewards), which the loop adds itself: expected no reward "
+                f"function of that name with rollout.multi_turn, got {sorted(self.algorithm.rewards)}"))
+        if rollout.multi_turn is not None and self.algorithm.overlong_buffer_tokens is not None:
+            raise FieldConflict("algorithm.overlong_buffer_tokens", (
+                "the DAPO overlong penalty measures a completion against rollout.max_response_tokens; a multi-turn "
+                "episode (rollout.multi_turn) has a turn cap and an episode budget instead: expected "
+                "overlong_buffer_tokens null with multi_turn"))
         cpus = (rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
                 + rewards.workers * rewards.num_cpus_per_worker)
         if self.ray.address is None and self.ray.num_cpus is not None and cpus > self.ray.num_cpus:

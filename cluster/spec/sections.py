@@ -19,6 +19,7 @@ from cluster.spec.fields import (
     CustomResources, check_cpu_cores, check_custom_resources,
 )
 from cluster.spec.lora import LoraSpec
+from cluster.spec.multi_turn import MultiTurnSpec
 from cluster.spec.variants import TRAIN_BACKEND, model_parallel_strategies
 
 __all__ = [
@@ -115,6 +116,9 @@ class RolloutSpec(BaseModel):
         "cores 0..cpu_count-1. Every replica on a node uses the same cores; a core the engine's process may not use "
         "stops it at start, naming this field. Give engines and train ranks disjoint cores (train.cpu_affinity) so "
         "that rollout.mode one_step_off/async really overlap generation and training on one machine."))
+
+    multi_turn: MultiTurnSpec | None = Field(None, description=(
+        f"{MultiTurnSpec.__doc__} null (the default): one completion per prompt, no environment."))
 
     @field_validator("resources")
     @classmethod

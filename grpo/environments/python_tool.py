@@ -1,0 +1,75 @@
+"""The ``python`` tool: run a program the policy wrote in the sandbox (:mod:`grpo.rewards.sandbox`), with the limits
+the ``code`` reward uses (:data:`grpo.rewards.code.DEFAULT_SANDBOX`, or the tool environment's ``sandbox`` options).
+
+Whose fault a failure is follows the sandbox's statuses: ``passed`` gives the program's stdout; the program's own
+failures (``failed``: it raised or exited nonzero, ``timeout``, ``cpu_limit``, ``memory``, ``output_limit``) give an
+error text the policy sees (stdout so far and the tail of stderr); ``infra_error`` (the sandbox could not run the
+program) raises :class:`grpo.environments.base.EnvironmentInfraError`: the episode is an infrastructure failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from grpo.environments.base import EnvironmentInfraError
+from grpo.rewards.code import DEFAULT_SANDBOX
+from grpo.rewards.sandbox import SandboxConfig, run_program
+
+__all__ = ["PythonTool", "sandbox_config"]
+
+#: Characters of stderr shown after a failure (its end: the traceback's last lines).
+STDERR_TAIL_CHARS = 600
+
+
+def sandbox_config(options: Mapping[str, Any] | None) -> SandboxConfig:
+    """The code reward's sandbox config with ``options`` (``SandboxConfig`` fields, e.g. ``{"mode": "rlimits"}``)
+    replaced; one program at a time per call.
+
+    Raises:
+        ValueError: an unknown field or a value ``SandboxConfig`` refuses.
+    """
+    fields = dict(options or {})
+    known = set(SandboxConfig.__dataclass_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"sandbox: unknown field(s) {unknown}; expected SandboxConfig fields {sorted(known)}")
+    return replace(DEFAULT_SANDBOX, **fields)
+
+
+class PythonTool:
+    """Runs ``{"code": "<python source>"}`` in the sandbox (module docstring).
+
+    Args:
+        config: the sandbox's mode and limits.
+    """
+
+    name = "python"
+    description = 'python: {"code": "<a Python program>"} runs it and returns what it prints'
+
+    def __init__(self, config: SandboxConfig):
+        self.config = config
+
+    def __call__(self, arguments: Mapping[str, Any]) -> tuple[bool, str]:
+        """Run the program; returns (ran without error, the text the policy sees).
+
+        Raises:
+            EnvironmentInfraError: the sandbox could not run it.
+        """
+        code = arguments.get("code")
+        if not isinstance(code, str) or not code.strip():
+            return False, 'python: expected {"code": "<a Python program>"}'
+        result = run_program(code, config=self.config)
+        if result.infra_error:
+            raise EnvironmentInfraError(f"python tool: the sandbox could not run the program: {result.detail}")
+        if result.passed:
+            return True, result.stdout.rstrip() if result.stdout.strip() else "(the program printed nothing)"
+        why = result.detail or f"exit code {result.exit_code}"
+        stderr = result.stderr.strip()[-STDERR_TAIL_CHARS:]
+        parts = [f"python: the program ended with status {result.status} ({why})"]
+        if result.stdout.strip():
+            parts.append(f"stdout:\n{result.stdout.rstrip()}")
+        if stderr:
+            parts.append(f"stderr:\n{stderr}")
+        return False, "\n".join(parts)

@@ -1,0 +1,136 @@
+"""The ``tools`` environment: the policy calls tools with ``<tool_call>{json}</tool_call>`` and reads their output.
+
+    rollout:
+      multi_turn:
+        environment: tools
+        options: {tools: [calculator, python], max_output_chars: 800}
+        max_turns: 3
+        max_episode_tokens: 512
+
+Each policy turn is searched for tool calls (:mod:`grpo.environments.tool_calls`, the documented default format
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). A turn without one ends the episode (it is the
+answer, scored by the reward functions). Otherwise every call of the turn runs, in order (at most
+``max_calls_per_turn``; the rest are refused in the observation), and the observation lists one result per call::
+
+    calculator: 7006561
+    error: unknown tool 'calc'; available: calculator, python
+
+Tools: ``calculator`` (``{"expression": "..."}``, :mod:`grpo.environments.calculator`: arithmetic without ``eval``)
+and ``python`` (``{"code": "..."}``, :mod:`grpo.environments.python_tool`: the sandbox with the ``code`` reward's
+limits, or ``options.sandbox``'s). What the policy did wrong — a call that is not JSON, an unknown tool, bad
+arguments, a program that raises, an output over ``max_output_chars`` (cut, with a note saying how much was left
+out) — is in the observation and counted in ``tool_errors``; the sandbox failing to start raises (an infrastructure
+failure: the episode gets no reward).
+
+The prompt must tell the policy about the tools and the format (the data's system prompt: ``TOOL_PROMPT`` is one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from grpo.environments.base import Observation, Turn
+from grpo.environments.calculator import CalculatorError, calculate
+from grpo.environments.python_tool import PythonTool, sandbox_config
+from grpo.environments.tool_calls import CallError, parse_tool_calls
+
+__all__ = ["TOOL_NAMES", "TOOL_PROMPT", "ToolEnvironment", "truncate_output"]
+
+#: The tools this environment knows.
+TOOL_NAMES = ("calculator", "python")
+
+#: A system prompt that teaches the format (the calculator alone), for specs and benchmarks.
+TOOL_PROMPT = ("You can use a calculator. To use it, write exactly\n"
+               '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>\n'
+               "and stop; its result comes back in the next message.\n"
+               "When you know the answer, write it as the last line in the form '#### <number>'.")
+
+
+def truncate_output(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with a note of how many were left out (nothing cut: ``text``)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n[output truncated: {len(text) - limit} more characters]"
+
+
+class _Calculator:
+    """``{"expression": "..."}`` → (ok, result or error)."""
+
+    name = "calculator"
+
+    def __call__(self, arguments: Mapping[str, Any]) -> tuple[bool, str]:
+        expression = arguments.get("expression")
+        if not isinstance(expression, str):
+            return False, 'calculator: expected {"expression": "<arithmetic>"}'
+        try:
+            return True, calculate(expression)
+        except CalculatorError as exc:
+            return False, f"calculator: {exc}"
+
+
+class ToolEnvironment:
+    """Tool calls in, tool outputs out (module docstring).
+
+    Args:
+        tools: the tools offered, a subset of :data:`TOOL_NAMES` (at least one).
+        max_output_chars: longest output of one call shown, characters; longer ones are cut with a note.
+        max_calls_per_turn: calls run per turn; more are refused in the observation.
+        role: the chat role of the observations (``"tool"``; ``"user"`` for templates without a tool role).
+        sandbox: ``SandboxConfig`` fields replacing the ``code`` reward's defaults for the ``python`` tool.
+
+    Raises:
+        ValueError: an unknown tool, no tool, a limit < 1, or a bad ``sandbox`` field.
+    """
+
+    def __init__(self, tools: Sequence[str] = ("calculator",), max_output_chars: int = 1000,
+                 max_calls_per_turn: int = 4, role: str = "tool", sandbox: Mapping[str, Any] | None = None):
+        unknown = sorted(set(tools) - set(TOOL_NAMES))
+        if unknown or not tools:
+            raise ValueError(f"tools: expected a non-empty subset of {list(TOOL_NAMES)}, got {list(tools)}")
+        if max_output_chars < 1 or max_calls_per_turn < 1:
+            raise ValueError(f"max_output_chars and max_calls_per_turn must be >= 1, got {max_output_chars} and "
+                             f"{max_calls_per_turn}")
+        self.max_output_chars, self.max_calls_per_turn, self.role = int(max_output_chars), int(max_calls_per_turn), role
+        makers: dict[str, Callable[[], Callable]] = {"calculator": _Calculator,
+                                                     "python": lambda: PythonTool(sandbox_config(sandbox))}
+        self.tools = {name: makers[name]() for name in tools}
+
+    def reset(self, row: Mapping[str, Any]) -> None:
+        """Nothing to prepare: the tools keep no state between calls."""
+
+    def step(self, turn: Turn) -> Observation:
+        """Run the turn's tool calls (none: the episode is done).
+
+        Raises:
+            EnvironmentInfraError: the python tool's sandbox could not run.
+        """
+        calls = parse_tool_calls(turn.text)
+        if not calls:
+            return Observation(done=True, role=self.role)
+        lines, errors = [], 0
+        for k, call in enumerate(calls):
+            if k >= self.max_calls_per_turn:
+                lines.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; this one was not run")
+                errors += 1
+                continue
+            ok, text = self._run(call)
+            errors += not ok
+            lines.append(text)
+        return Observation(text="\n".join(lines), done=False, role=self.role, tool_calls=len(calls),
+                           tool_errors=errors)
+
+    def _run(self, call) -> tuple[bool, str]:
+        """One call → (ran without error, its line of the observation: the tool's output, cut to
+        ``max_output_chars``, or why it did not run)."""
+        if isinstance(call, CallError):
+            return False, f"error: {call.message}: {call.text}"
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return False, f"error: unknown tool {call.name!r}; available: {', '.join(self.tools)}"
+        ok, text = tool(call.arguments)
+        text = truncate_output(text, self.max_output_chars)
+        return ok, text if not ok else f"{call.name}: {text}"
+
+    def close(self) -> None:
+        """Nothing to release (every program runs in a sandbox of its own)."""
