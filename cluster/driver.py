@@ -105,7 +105,8 @@ class GRPOJob:
         self.skips = SkippedUpdates(spec.train.max_skipped_updates)
         self.versions = PolicyVersionLedger()
         self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status)
-        self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status)
+        self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status,
+                                   current_step=lambda: self.step)
         self.schedule = make_rollout(spec, self.producer, self.training, lambda: self.policy_version, self.status)
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran

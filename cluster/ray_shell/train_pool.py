@@ -14,6 +14,7 @@ from ray.util.placement_group import remove_placement_group
 from cluster.ray_shell.pools import (TrainWorkerFailure, _dead_actor_index, _in_group, _kill, _pool_placement_group,
                                      check_cluster_resources, get, wait_dead)
 from contract.messages import TrainRankInfo, TrainResult
+from contract.model_source import ModelSource
 from train_workers.registry import train_backend
 
 
@@ -62,7 +63,7 @@ class TrainPool:
                 rank, t.world_size, model_path, t, spec.algorithm, spec.rollout.temperature,
                 spec.rollout.max_response_tokens, spec.model.dtype, spec.seed,
                 sampling_filters={"top_k": spec.rollout.top_k, "top_p": spec.rollout.top_p,
-                                  "min_p": spec.rollout.min_p})
+                                  "min_p": spec.rollout.min_p}, model_source=ModelSource.of(spec.model))
             for rank in range(t.world_size)
         ]
         try:
@@ -95,6 +96,10 @@ class TrainPool:
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β on every rank for the following train steps (adaptive KL controller)."""
         self._all(lambda w: w.set_kl_coef.remote(kl_coef), "setting kl_coef")
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate on every rank for the following train steps (the loop's schedule)."""
+        self._all(lambda w: w.set_lr.remote(lr), "setting the learning rate")
 
     def train_step(self, per_rank_microbatches: list, num_tokens: int, num_sequences: int) -> TrainResult:
         """One train step on every rank (rank r trains ``per_rank_microbatches[r]``).
@@ -197,6 +202,9 @@ class RayTrainer:
 
     def set_kl_coef(self, kl_coef: float) -> None:
         self._running().set_kl_coef(kl_coef)
+
+    def set_lr(self, lr: float) -> None:
+        self._running().set_lr(lr)
 
     def train_step(self, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
         return self._running().train_step(per_rank, num_tokens, num_sequences)
