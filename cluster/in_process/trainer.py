@@ -69,7 +69,7 @@ class LocalTrainer:
             if getattr(self.spec.train, field) != 1:
                 raise ModelError(f"train.{field}: the in-process runtime runs one train rank, expected 1, got "
                                  f"{getattr(self.spec.train, field)}")
-        check_lora(self.spec.train.lora, model_path, engine=False)
+        check_lora(self.spec.train.lora, model_path, engine=False, source=ModelSource.of(self.spec.model))
         check_train_layout(self._train_spec(), model_path, self.spec.model.dtype)
 
     @property

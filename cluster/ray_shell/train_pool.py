@@ -181,7 +181,7 @@ class RayTrainer:
         backend's model-parallel layout (:mod:`cluster.ops.model_checks`)."""
         from cluster.ops.model_checks import check_lora, check_train_layout
 
-        check_lora(self.spec.train.lora, model_path)
+        check_lora(self.spec.train.lora, model_path, source=ModelSource.of(self.spec.model))
         check_train_layout(self.spec.train, model_path, self.spec.model.dtype)
 
     def start(self, model_path: str, policy_path: str | None = None) -> None:
