@@ -74,12 +74,16 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
         if logger.level == logging.NOTSET or logger.level > logging.INFO:
             logger.setLevel(logging.INFO)
         for h in logger.handlers:
-            if _terminal(h):
-                h.setLevel(max(h.level, logging.ERROR))
-                h.addFilter(ReloadNoteFilter())
-    for h in root.handlers:
-        if _terminal(h):
-            h.setLevel(max(h.level, logging.ERROR))
+            if _terminal(h):  # its records reach the terminal through the root's handler below, once
+                h.setLevel(logging.CRITICAL + 1)
+    terminal = [h for h in root.handlers if _terminal(h)]
+    if not terminal:
+        terminal = [logging.StreamHandler(sys.stderr)]
+        terminal[0].setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(terminal[0])
+    for h in terminal:
+        h.setLevel(max(h.level, logging.ERROR))
+        h.addFilter(ReloadNoteFilter())
     logging.captureWarnings(True)  # warnings.warn → logger "py.warnings" → the file
     os.environ.setdefault("WANDB_SILENT", "true")  # wandb prints its notes itself, not through logging
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

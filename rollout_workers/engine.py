@@ -32,6 +32,7 @@ import time
 import torch
 
 from contract.affinity import pin_to_cores
+from contract.console import route_worker_logs
 from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 from contract.model_source import ModelSource
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
@@ -131,6 +132,7 @@ class RolloutEngine:
                  lora=None, source: ModelSource | None = None):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        route_worker_logs(f"engine-{os.getpid()}", vllm=True)  # quiet console (contract.console), before vLLM loads
         if rollout.cpu_affinity is not None:  # before vLLM starts its processes, which inherit the binding
             pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity", core_ranges)
         if not on_gpu:

@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from contract.console import route_worker_logs
 from contract.messages import TrainRankInfo
 from contract.model_source import ModelSource
 from train_workers.cpu_affinity import bind_rank
@@ -70,6 +71,7 @@ class RankContext:
                 (naming the field).
         """
         compute_dtype = as_dtype(dtype)
+        route_worker_logs(f"train-rank{rank}")  # quiet console under `grpo-cluster run` (contract.console)
         bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
         use_cuda = torch.cuda.is_available() and train.num_gpus_per_worker > 0
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
