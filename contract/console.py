@@ -50,8 +50,9 @@ def _terminal(handler: logging.Handler) -> bool:
 
 
 def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler | None:
-    """Send library records and Python warnings to ``log_file`` (appended; INFO and above) and keep only ERROR and
-    above of them on the terminal (module docstring); with ``verbose``, change nothing.
+    """Send library records (at each library's own levels) and Python warnings to ``log_file`` (appended; INFO and
+    above) and keep only ERROR and above of them on the terminal (module docstring); with ``verbose``, change
+    nothing.
 
     Returns:
         the file handler added to the root logger (None with ``verbose``).
@@ -64,15 +65,12 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
-    root.addHandler(handler)
-    if root.level > logging.INFO or root.level == logging.NOTSET:
-        root.setLevel(logging.INFO)
+    root.addHandler(handler)  # the root's level stays: raising a library's verbosity is not this function's job
     _quiet_transformers()
-    for name in LIBRARY_LOGGERS:
+    existing = [name for name in logging.root.manager.loggerDict if name.split(".")[0] in LIBRARY_LOGGERS]
+    for name in {*LIBRARY_LOGGERS, *existing}:  # each library keeps its own levels: only where records go changes
         logger = logging.getLogger(name)
         logger.propagate = True  # to the root's file handler
-        if logger.level == logging.NOTSET or logger.level > logging.INFO:
-            logger.setLevel(logging.INFO)
         for h in logger.handlers:
             if _terminal(h):  # its records reach the terminal through the root's handler below, once
                 h.setLevel(logging.CRITICAL + 1)
