@@ -3,7 +3,8 @@ ERROR go to ``output_dir/driver.log``; the status and step lines stay on the ter
 terminal. Each case runs in a fresh interpreter, so its stderr is exactly what a user would see.
 
 1. The routing rules, on records a library would emit: a FutureWarning, a transformers warning, vLLM's reload note
-   after a sync (never on the terminal, kept in the file), an error (still on the terminal).
+   after a sync (never on the terminal, kept in the file), an error (still on the terminal); and in a worker, vLLM's
+   own logger configured through ``VLLM_LOGGING_CONFIG_PATH`` (the worker's log file, errors on the terminal).
 2. A real run on the in-process runtime (tiny model, one step): quiet, stderr holds only the job's own lines, not
    transformers' "Loading weights" bars or a warning, and driver.log exists; verbose, the library output is back.
 """
@@ -32,6 +33,17 @@ logging.getLogger("vllm.model_executor").warning("RotaryEmbedding: Failed to loa
 logging.getLogger("ray.worker").error("an engine died")
 """
 
+VLLM_WORKER = """
+import logging, os, sys
+from contract.console import route_worker_logs
+route_worker_logs("engine-0", vllm=True)  # as RolloutEngine does, before vLLM is imported
+from vllm.logger import init_logger
+log = init_logger("vllm.model_executor.model_loader.reload")
+log.warning("RotaryEmbedding: Failed to load weights")
+log.info("engine note")
+log.error("engine error")
+"""
+
 IN_PROCESS_RUN = """
 import sys
 from contract.console import route_logs
@@ -48,9 +60,10 @@ finally:
 """
 
 
-def _python(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in ("WANDB_SILENT", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS"):
+def _python(code: str, *args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    for name in ("WANDB_SILENT", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS",
+                 "VLLM_LOGGING_CONFIG_PATH", "VLLM_CONFIGURE_LOGGING"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
@@ -70,6 +83,18 @@ def test_library_records_below_error_go_to_the_file_and_reload_notes_never_to_th
     verbose = _python(RECORDS, str(tmp_path / "verbose.log"), "1")
     assert "torch.foo is deprecated" in verbose.stderr and "some weights were not initialised" in verbose.stderr
     assert not (tmp_path / "verbose.log").exists()
+
+
+def test_vllm_worker_logs_to_its_file_and_only_errors_reach_the_terminal(tmp_path):
+    env = {"GRPO_CLUSTER_LOG_DIR": str(tmp_path / "logs"), "GRPO_CLUSTER_VERBOSE": "0"}
+    done = _python(VLLM_WORKER, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "engine error" in done.stderr and "Failed to load weights" not in done.stderr
+    assert "engine note" not in done.stderr
+    text = (tmp_path / "logs" / "engine-0.log").read_text()
+    assert "WARNING" in text and "Failed to load weights" in text and "engine error" in text
+    verbose = _python(VLLM_WORKER, env={**env, "GRPO_CLUSTER_VERBOSE": "1"})
+    assert "Failed to load weights" in verbose.stderr or "Failed to load weights" in verbose.stdout
 
 
 def test_run_has_a_verbose_flag():
