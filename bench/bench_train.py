@@ -171,7 +171,8 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA policy of this rank (train.lora)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: = rank)")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute the policy's layer activations in the backward (train.activation_checkpointing)")
+                        help="recompute the policy's layer activations in the backward "
+                        "(train.activation_checkpointing)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="FSDP2 CPU offload of the policy's shards and AdamW state (train.cpu_offload)")
     parser.add_argument("--quick", action="store_true", help="smoke run: N=4, prompts ~20, responses 8..16, 1 step")

@@ -1,5 +1,6 @@
 """Device-check section ``recipe_1gpu``: the trainer side of the one-GPU recipe
-(``examples/gpu_1x_qwen0.5b_gsm8k.yaml``) for a few steps, on the lent GPU, with torch and transformers only (no vLLM, Ray or pydantic there).
+(``examples/gpu_1x_qwen0.5b_gsm8k.yaml``) for a few steps, on the lent GPU, with torch and transformers only (no
+vLLM, Ray or pydantic there).
 
 What runs, read from the recipe's YAML (PyYAML; the spec classes need pydantic, which the device image lacks): a
 random-weight model of the recipe's shape (Qwen2.5-0.5B's dimensions in a Llama, ``bench.gpu_check_train.SIZES

@@ -73,8 +73,8 @@ class GRPOStep:
         max_response_tokens: for the Dr. GRPO ``seq-mean-token-sum-norm`` aggregation.
 
     Attributes:
-        kl_coef: β in use (:meth:`set_kl_coef`). lr: the learning rate in use (:meth:`set_lr`), ``actor/lr``. phase_s: seconds per phase of the last step (keys
-            :data:`~train_workers.step_metrics.PHASES`).
+        kl_coef: β in use (:meth:`set_kl_coef`). lr: the learning rate in use (:meth:`set_lr`), ``actor/lr``.
+        phase_s: seconds per phase of the last step (keys :data:`~train_workers.step_metrics.PHASES`).
     """
 
     def __init__(self, engine: StepEngine, algorithm, train, max_response_tokens: int):

@@ -6,8 +6,9 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 
 Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns,
 prompt rendering), ``metrics`` (the metrics section and its experiment trackers), ``sections`` (model, rollout,
-train, sync, checkpoint, Ray; re-exports ``data``'s and ``metrics``' models), ``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them), ``evaluation`` (held-out evaluation), ``lora`` (LoRA
-adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields that select a registered
+train, sync, checkpoint, Ray; re-exports ``data``'s and ``metrics``' models), ``algorithm`` (the GRPO objective;
+reward keys, which may name functions by location and import them), ``evaluation`` (held-out evaluation), ``lora``
+(LoRA adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields that select a registered
 variant, checked against its registry), ``job`` (:class:`JobSpec` and its cross-section checks), ``loading`` (YAML
 with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only pydantic, PyYAML and,
 lazily, ``grpo`` registries (reward functions, advantage estimators, loss aggregations, KL estimators, TIS/MIS

@@ -3,8 +3,8 @@ is in effect and changes no result.
 
 - Activation checkpointing: every decoder layer of the policy checkpoints (and the frozen reference does not); the
   tensors the policy's forward keeps for its backward (counted with ``torch.autograd.graph.saved_tensors_hooks``, the
-  mechanism autograd saves activations through) inside the decoder layers fall to (almost) nothing; one GRPO step gives the same loss, gradient
-  norm and parameters as without it.
+  mechanism autograd saves activations through) inside the decoder layers fall to (almost) nothing; one GRPO step
+  gives the same loss, gradient norm and parameters as without it.
 - CPU offload: every FSDP2 unit of the policy carries ``CPUOffloadPolicy`` (the reference none), its parameters,
   AdamW state is on the CPU; one GRPO step gives the same results as without it. (On a CPU rank
   nothing moves; what offload saves on a GPU is measured by ``scripts/gpu_check.sh`` where a GPU is lent.)

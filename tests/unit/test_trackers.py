@@ -1,5 +1,5 @@
-"""Experiment trackers (``metrics.trackers``, ``cluster.ops.trackers``) on a real ``GRPOJob`` over the stand-in fleet and
-trainer (no model work, a few seconds), each read back through its library's own reader (``tests/trackers_read.py``):
+"""Experiment trackers (``metrics.trackers``, ``cluster.ops.trackers``) on a real ``GRPOJob`` over the stand-in fleet
+and trainer (no model work, a few seconds), each read back through its library's own reader (``tests/trackers_read.py``):
 the same keys and values as ``metrics.jsonl``, the spec and git commit as the run's configuration, the plot and the
 eval table as artifacts. A tracker whose library is missing is skipped. Then the failure rules: a tracker that
 cannot reach its server, or that raises mid-run, warns once and the job trains to the end; a tracker whose library is
