@@ -116,7 +116,7 @@ OPTIONAL = {
 #: Project modules the sections use: they must import with torch and transformers alone.
 PROJECT_MODULES = ("grpo.logprobs", "grpo.losses", "train_workers.packing", "train_workers.policy",
                    "train_workers.fsdp_worker", "weight_sync.buckets", "weight_sync.group", "weight_sync.sender",
-                   "weight_sync.transport", "cluster.loop.overlap", "grpo.advantages")
+                   "weight_sync.transport", "cluster.loop.overlap", "cluster.loop.lr_schedule", "grpo.advantages")
 
 
 def importable(module: str) -> str | None:
