@@ -18,6 +18,11 @@ bracketed by ``dist.barrier()`` on every rank, so a step is as slow as its slowe
 With ``--lora-rank R`` the policy is the same model with LoRA adapters (``train.lora``: rank R, all linear layers;
 the reference pass is the policy with its adapters off, no reference copy is built).
 
+With ``--activation-checkpointing`` (``train.activation_checkpointing``) the policy's decoder layers recompute their
+activations in the backward; with ``--cpu-offload`` (``train.cpu_offload``) FSDP2 keeps the policy's shards, gradients
+and AdamW state on the CPU (on CPU ranks nothing moves: it measures the policy's own overhead). Compare peak RSS and
+seconds per step against a run without the flag on the same batch (docs/results.md).
+
 With ``--strategy megatron`` on a machine without CUDA, each rank first installs the CPU shims of
 ``tests/megatron_cpu.py`` (megatron-core 0.16.1 assumes CUDA in three places; the backend itself carries no shim).
 
@@ -35,6 +40,7 @@ Usage (from the repo root)::
     .venv/bin/python -m bench.bench_train --quick               # tiny batch, 1 timed step: a correctness smoke run
     .venv/bin/python -m bench.bench_train --world-size 1 --kl-coef 0
     .venv/bin/python -m bench.bench_train --lora-rank 16              # the same batch with a LoRA policy
+    .venv/bin/python -m bench.bench_train --max-tokens-per-microbatch 1024 --activation-checkpointing  # vs without
     .venv/bin/python -m bench.bench_train --strategy megatron --tensor-parallel-size 2   # the same batch, Megatron TP=2
 """
 
@@ -98,7 +104,8 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     lora = LoraSpec(rank=args.lora_rank, alpha=args.lora_alpha) if args.lora_rank else None
     train = TrainSpec(world_size=args.world_size, num_threads=args.threads, backend="gloo",
                       max_tokens_per_microbatch=args.max_tokens_per_microbatch, lora=lora, strategy=args.strategy,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
     algorithm = AlgorithmSpec(kl_coef=args.kl_coef)
     worker = train_backend(args.strategy)(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
                                           max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
@@ -163,6 +170,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-rank", type=int, default=0, help="> 0: a LoRA policy of this rank (train.lora)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: = rank)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute the policy's layer activations in the backward "
+                        "(train.activation_checkpointing)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="FSDP2 CPU offload of the policy's shards and AdamW state (train.cpu_offload)")
     parser.add_argument("--quick", action="store_true", help="smoke run: N=4, prompts ~20, responses 8..16, 1 step")
     args = parser.parse_args()
     if args.quick:
@@ -177,7 +189,9 @@ def main() -> None:
     print(f"model={model_path}\nstrategy={args.strategy} (tp={args.tensor_parallel_size}), "
           f"world_size={args.world_size} (gloo, {args.threads} thread/rank), "
           f"N={args.sequences}, prompt ~{args.prompt_len}, response U[{args.resp_min},{args.resp_max}], "
-          f"kl_coef={args.kl_coef}, lora_rank={args.lora_rank or 'off'}, 1 warm-up + {args.steps} timed steps",
+          f"kl_coef={args.kl_coef}, lora_rank={args.lora_rank or 'off'}, activation_checkpointing="
+          f"{args.activation_checkpointing}, cpu_offload={args.cpu_offload}, max_tokens_per_microbatch="
+          f"{args.max_tokens_per_microbatch}, 1 warm-up + {args.steps} timed steps",
           flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     ctx = mp.get_context("spawn")
@@ -216,6 +230,8 @@ def main() -> None:
         "strategy": args.strategy, "tensor_parallel_size": args.tensor_parallel_size,
         "world_size": args.world_size, "threads_per_rank": args.threads, "sequences": r["sequences"],
         "kl_coef": args.kl_coef, "lora_rank": args.lora_rank, "ranks": ranks,
+        "activation_checkpointing": args.activation_checkpointing, "cpu_offload": args.cpu_offload,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "packed_tokens_per_step": tokens, "response_tokens_per_step": r["response_tokens"],
         "microbatches_per_rank": r["microbatches_per_rank"], "step_seconds": r["step_s"],
         "seconds_per_step": seconds, "tokens_per_s": tokens / seconds, "num_parameters": n_params,

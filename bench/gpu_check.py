@@ -19,6 +19,8 @@ cuda_ipc           ``weight_sync.transport`` CUDA-IPC sender → receiver in ano
 fsdp_two_ranks     FSDP2 with 2 processes sharing the GPU (NCCL refuses this: detected and reported as SKIP)
 async_overlap      ``rollout.mode`` schedules (sync, one_step_off, async k=2) over real generate (HF) and FSDP2 train
                    sharing the GPU: s/step each, overlap ratio, generate and train alone (bench/gpu_check_async.py)
+recipe_1gpu        the one-GPU recipe's trainer side (examples/gpu_1x_qwen0.5b_gsm8k.yaml) for a few steps: its batch,
+                   bf16, activation checkpointing, LR schedule; peak memory with and without checkpointing
 gpu_tests          ``pytest -m gpu tests/gpu`` for the tests whose imports this machine has
 =================  ==========================================================================================
 
@@ -97,6 +99,7 @@ SECTIONS = (
     Section("cuda_ipc", "bench.gpu_check_transport:section_cuda_ipc", 60, 30),
     Section("fsdp_two_ranks", "bench.gpu_check_train:section_fsdp_two_ranks", 90, 60),
     Section("async_overlap", "bench.gpu_check_async:section_async_overlap", 90, 40),
+    Section("recipe_1gpu", "bench.gpu_check_recipe:section_recipe_1gpu", 150, 40),
     Section("gpu_tests", "bench.gpu_check:section_gpu_tests", 90, 30),
 )
 
@@ -113,7 +116,7 @@ OPTIONAL = {
 #: Project modules the sections use: they must import with torch and transformers alone.
 PROJECT_MODULES = ("grpo.logprobs", "grpo.losses", "train_workers.packing", "train_workers.policy",
                    "train_workers.fsdp_worker", "weight_sync.buckets", "weight_sync.group", "weight_sync.sender",
-                   "weight_sync.transport", "cluster.loop.overlap", "grpo.advantages")
+                   "weight_sync.transport", "cluster.loop.overlap", "cluster.loop.lr_schedule", "grpo.advantages")
 
 
 def importable(module: str) -> str | None:

@@ -3,6 +3,7 @@
     grpo-cluster run SPEC.yaml [--set dotted.key=value ...] [--address ray://... | auto] [--import MODULE ...]
         # reward functions the spec names ('file.py:function', 'module:function') are imported from the spec's folder
     grpo-cluster run SPEC.yaml --resume [--resume-past-trip]   # continue; past a reward-hacking guard stop only if told
+    grpo-cluster run SPEC.yaml --verbose      # library warnings on the console instead of OUTPUT_DIR/driver.log
     grpo-cluster validate SPEC.yaml [--set k=v ...] [--address HOST:6379 | auto]   # checks only, starts nothing
     grpo-cluster --version
     grpo-cluster eval --spec SPEC [--model MODEL] [--set k=v ...] [--limit N] [--per-problem OUT] [--against BASE]
@@ -48,7 +49,7 @@ def _cmd_run(args) -> int:
     import ray
 
     try:
-        init_ray(spec, address, source)
+        init_ray(spec, address, source, verbose=args.verbose)
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field (repeatable)")
     run.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true", help=(
+        "show library log records and warnings (vLLM, Ray, transformers, ...) on the console; by default those below "
+        "ERROR go to OUTPUT_DIR/driver.log and each worker's OUTPUT_DIR/logs/<worker>.log"))
     run.add_argument("--resume", action="store_true",
                      help="continue from the latest complete checkpoint (same as spec resume: auto)")
     run.add_argument("--resume-past-trip", action="store_true",

@@ -46,10 +46,12 @@ from cluster.loop.setup import (SetupError, check_reward_endpoints, ensure_writa
 from cluster.loop.step_metrics import StepClock, record_trained_prompts, step_metrics
 from cluster.loop.training import SkippedUpdates, TrainPhase, load_train_state
 from cluster.ops.metrics import MetricSinks, MetricsLogger, format_console_line
+from cluster.ops.trackers import build_trackers, check_trackers
 from cluster.rewards.inline import InlineRewardPool
 from cluster.spec import JobSpec, spec_to_yaml
 from cluster.spec.algorithm import off_policy_warning
 from cluster.spec.multi_turn import generated_tokens
+from contract.model_source import ModelSource
 from contract.protocols import ControlChannel, Fleet, MetricSink, RewardPool, Trainer
 from contract.versions import PolicyVersionLedger
 from grpo.kl import make_kl_controller
@@ -65,7 +67,8 @@ class GRPOJob:
             (``check``) run here, before anything starts.
         reward_pool: where the reward functions run (``contract.protocols.RewardPool``), not started; None: in the
             driver (``cluster.rewards.inline.InlineRewardPool``).
-        sinks: where metrics go; None: ``metrics.jsonl`` and the spec's Prometheus endpoint (``MetricsLogger``).
+        sinks: where metrics go; None: ``metrics.jsonl`` and the spec's Prometheus endpoint (``MetricsLogger``) and
+            the trackers of ``metrics.trackers`` (``cluster.ops.trackers``).
         control: how an operator steers the job between steps (``grpo-cluster scale``); None: nobody does.
         progress: show a progress bar on stderr.
         resume: continue from the latest complete checkpoint.
@@ -74,7 +77,7 @@ class GRPOJob:
             Such a job cannot :meth:`start`.
         resume_past_trip: let ``resume`` continue a job the reward-hacking guard stopped (:mod:`cluster.loop.guard`).
     Raises:
-        SetupError, ModelError, DataError, MetricsError: naming the spec field and what is wrong.
+        SetupError, ModelError, DataError, MetricsError, TrackerSetupError: naming the spec field and what is wrong.
     """
 
     def __init__(self, spec: JobSpec, *, fleet: Fleet | None = None, trainer: Trainer | None = None,
@@ -91,12 +94,13 @@ class GRPOJob:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         ensure_writable_dir(self.output_dir, "output_dir", create=not dry_run)
         ensure_writable_dir(self.checkpoint_root(), "checkpoint.dir", create=not dry_run)
+        check_trackers(list(spec.metrics.trackers))  # their libraries, before anything heavy
         self.model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
         for part in (trainer, fleet):
             if part is not None:
                 part.check(self.model_path)
         check_reward_endpoints(spec.reward_endpoints)
-        tokenizer = load_tokenizer(self.model_path)
+        tokenizer = load_tokenizer(self.model_path, ModelSource.of(spec.model))
         d = spec.data
         prompts = load_prompts(d, tokenizer, spec.algorithm.rewards)  # rows checked for the rewards in use
         self.prompt_ids, self.bad_rows, self.prompts_filtered = prompts.ids, prompts.bad_rows, prompts.filtered
@@ -119,7 +123,8 @@ class GRPOJob:
         self.producer = BatchProducer(spec, self.requests, self.scoring, self.group_size, self.status,
                                       self.reward_pool)
         self.producer.episodes = self.episodes = make_episode_runner(spec, tokenizer, self.status)  # multi_turn
-        self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status)
+        self.training = TrainPhase(spec, self.kl_controller, self.skips, self.versions, self.status,
+                                   current_step=lambda: self.step)
         self.schedule = make_rollout(spec, self.producer, self.training, lambda: self.policy_version, self.status)
         self.step = 0
         self.completed: dict[int, dict] = {}  # step -> metrics, of the steps this job object ran
@@ -137,7 +142,8 @@ class GRPOJob:
             return
         open_step_logs(self.output_dir, self.step if self.resume_from is not None else None)
         self.metrics = MetricSinks(sinks if sinks is not None else [
-            MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name, echo=False)])
+            MetricsLogger(self.output_dir, host=spec.metrics.host, port=spec.metrics.port, job=spec.name, echo=False),
+            *build_trackers(spec, self.output_dir, self.status)])
         resumed_at = self.step if self.resume_from is not None else None
         self.guard = build_guard(spec.monitor, self.checkpoint_root(), self.scoring.weights, self.status, resumed_at,
                                  self.metrics_path)

@@ -64,6 +64,11 @@ class Trainer(Protocol):
         """Set β for the following train steps on every rank (adaptive KL controller)."""
         ...
 
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate for the following train steps on every rank (``train.lr_schedule``; the loop
+        calls it before each step when the rate changes over the run)."""
+        ...
+
     def train_step(self, per_rank: list[list[PackedMicroBatch]], num_tokens: int, num_sequences: int
                    ) -> TrainResult:
         """One policy update: rank r trains ``per_rank[r]`` (W lists of micro-batches).

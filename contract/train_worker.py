@@ -9,13 +9,15 @@ on every rank together, with the same arguments where noted, or the ranks deadlo
 Construction (positional, as ``TrainPool`` calls it)::
 
     Backend(rank, world_size, model_path, train, algorithm, temperature, max_response_tokens, dtype, seed,
-            sampling_filters=None)
+            sampling_filters=None, model_source=None)
 
 ``rank``/``world_size``: this rank and the number of train ranks; ``model_path``: local HF folder of the initial
 policy (also the reference policy); ``train``: the spec's ``TrainSpec``; ``algorithm``: its ``AlgorithmSpec``;
 ``temperature``: the rollout's sampling temperature (logprobs are recomputed at it); ``max_response_tokens``: for the
 Dr. GRPO aggregation; ``dtype``: ``model.dtype`` (compute dtype name); ``seed``: torch seed base;
-``sampling_filters``: ``{"top_k", "top_p", "min_p"}`` of the rollout, or None. The constructor builds nothing
+``sampling_filters``: ``{"top_k", "top_p", "min_p"}`` of the rollout, or None; ``model_source``: a
+:class:`contract.model_source.ModelSource` (``model.revision``, ``model.trust_remote_code``) every load of the model
+uses, or None (defaults). The constructor builds nothing
 collective; :meth:`TrainWorker.init_distributed` does.
 
 Notation: n sequences in a micro-batch, T their longest response (tokens).
@@ -63,6 +65,15 @@ class TrainWorker(Protocol):
         ...
 
     # ---- training -------------------------------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Set the optimizer's learning rate for the following train steps; every rank gets the same value (the
+        loop's ``train.lr_schedule``).
+
+        Raises:
+            ValueError: ``lr`` is negative or not finite.
+        """
+        ...
+
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β (``kl_coef``, dimensionless) for the following train steps; every rank gets the same value.
 

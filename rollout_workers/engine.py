@@ -32,7 +32,9 @@ import time
 import torch
 
 from contract.affinity import pin_to_cores
+from contract.console import route_worker_logs
 from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
+from contract.model_source import ModelSource
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
@@ -134,6 +136,8 @@ class RolloutEngine:
             resume); the driver syncs newer weights before the engine serves.
         lora: the spec's ``train.lora`` (a ``LoraSpec``) or None; with ``sync: adapter`` the engine serves LoRA
             adapters (``enable_lora``) and every request carries the synced policy's adapter.
+        source: how the model is loaded (``model.revision``, ``model.trust_remote_code``:
+            :class:`contract.model_source.ModelSource`); None: the defaults.
 
     Attributes:
         lora_request: the ``LoRARequest`` of the policy version's adapter that every request carries (adapter sync
@@ -141,9 +145,10 @@ class RolloutEngine:
     """
 
     def __init__(self, model_path: str, rollout, dtype: str, seed: int, max_model_len: int, policy_version: int = 0,
-                 lora=None):
+                 lora=None, source: ModelSource | None = None):
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        route_worker_logs(f"engine-{os.getpid()}", vllm=True)  # quiet console (contract.console), before vLLM loads
         if rollout.cpu_affinity is not None:  # before vLLM starts its processes, which inherit the binding
             pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity", core_ranges)
         if not on_gpu:
@@ -176,6 +181,7 @@ class RolloutEngine:
             worker_extension_cls=EXTENSION_CLS,
             **lora_kwargs,
             **cpu_kwargs,
+            **(source or ModelSource()).vllm_kwargs(model_path),
         )
         try:  # KV-cache capacity in tokens, as the engine core sized it at start-up
             cache = self.llm.llm_engine.vllm_config.cache_config

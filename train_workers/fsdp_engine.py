@@ -49,7 +49,8 @@ class FSDPEngine:
 
     def __init__(self, policy, reference, optimizer: torch.optim.Optimizer, lora, rank: int, world_size: int,
                  device: torch.device, max_grad_norm: float, fast_paths: bool):
-        self.policy, self.reference, self.optimizer, self.lora = policy, reference, optimizer, lora
+        self.policy, self.reference, self.lora = policy, reference, lora
+        self.optimizer = optimizer
         self.rank, self.world_size, self.device = rank, world_size, device
         self.max_grad_norm, self.fast_paths = max_grad_norm, fast_paths
 

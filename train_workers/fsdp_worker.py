@@ -20,6 +20,12 @@ off (``self.reference`` stays None, ``self._lora`` says so); checkpoints are ada
 Model parallel layout (torchtitan's order, ``train_workers.sharding``): ``fully_shard`` on each decoder layer, then on
 the root (:class:`ResponseLogprobModel`, which owns the embedding, final norm and the tied LM head).
 
+Memory (``train.activation_checkpointing``, ``train.cpu_offload``): the policy's decoder layers recompute their
+activations in the backward (transformers' non-reentrant gradient checkpointing, inside each FSDP2 unit; FSDP2
+unshards a layer again for its recompute); with CPU offload FSDP2 keeps the sharded parameters, gradients and the
+AdamW state on the CPU (``CPUOffloadPolicy``) and the optimizer steps there. The frozen reference policy has no
+backward and no optimizer: neither applies to it.
+
 Precision: with ``model.dtype`` float32 everything is float32. With bfloat16/float16 the policy trains in FSDP2 mixed
 precision (``sharding.shard_mixed_precision``): float32 parameters and AdamW state, forward/backward in ``model.dtype``,
 gradients reduced in ``train.reduce_dtype``; the frozen reference policy (no optimizer) is held in ``model.dtype``.
@@ -35,6 +41,7 @@ import torch.distributed as dist
 
 from contract.batches import PackedMicroBatch
 from contract.messages import SendReport, TrainRankInfo, TrainResult
+from contract.model_source import ModelSource
 from train_workers.fsdp_engine import FSDPEngine
 from train_workers.fsdp_sync import FSDPSyncSource
 from train_workers.grpo_step import GRPOStep
@@ -58,9 +65,9 @@ class FSDPTrainWorker:
 
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
                  max_response_tokens: int, dtype: str = "float32", seed: int = 0,
-                 sampling_filters: dict | None = None):
+                 sampling_filters: dict | None = None, model_source: ModelSource | None = None):
         self.ctx = RankContext.create(rank, world_size, model_path, train, algorithm, temperature,
-                                      max_response_tokens, dtype, seed, sampling_filters)
+                                      max_response_tokens, dtype, seed, sampling_filters, model_source)
         self.policy_version = 0
         # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
         # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
@@ -112,9 +119,12 @@ class FSDPTrainWorker:
             full = trainable and lora is None  # a LoRA policy's base is model_path; its adapters come from the ckpt
             path = (policy_path or ctx.model_path) if full else ctx.model_path
             dtype = torch.float32 if trainable else ctx.dtype
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention,
+                                                      **ctx.source.hf_kwargs(path))
             hf.to(ctx.device)
             hf.config.use_cache = False
+            if trainable and train.activation_checkpointing:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             if trainable and lora is not None:
                 hf = self._add_adapters(hf, lora, policy_path)  # only the adapters require grad
             else:
@@ -123,7 +133,8 @@ class FSDPTrainWorker:
             model.train(trainable)
             if trainable or not fast:  # the CPU fast paths replicate the frozen reference policy
                 # CPU: unsharded from the first forward to the last backward of a step (FSDPEngine.prepare_microbatch)
-                shard_model(model, mp_policy=mp_policy if trainable else None, reshard_after_forward=not fast)
+                shard_model(model, mp_policy=mp_policy if trainable else None, reshard_after_forward=not fast,
+                            cpu_offload=trainable and train.cpu_offload)
             return model
 
         self.policy = load(True)
@@ -142,6 +153,14 @@ class FSDPTrainWorker:
         return ctx.rank_info(backend, sum(p.numel() for p in self.policy.parameters()))
 
     # ---- training (train_workers.grpo_step) -----------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Train the following steps at learning rate ``lr`` (:meth:`GRPOStep.set_lr`; the loop's schedule).
+
+        Raises:
+            ValueError: ``lr`` is negative or not finite.
+        """
+        self.step.set_lr(lr)
+
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β for the following train steps (:meth:`GRPOStep.set_kl_coef`).
 

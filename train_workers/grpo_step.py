@@ -70,18 +70,19 @@ class GRPOStep:
 
     Args:
         engine: the backend's models (:class:`~train_workers.step_engine.StepEngine`).
-        algorithm: the spec's ``AlgorithmSpec``. train: its ``TrainSpec`` (``lr`` is reported as ``actor/lr``).
+        algorithm: the spec's ``AlgorithmSpec``. train: its ``TrainSpec`` (``lr``: the starting learning rate).
         max_response_tokens: for the Dr. GRPO ``seq-mean-token-sum-norm`` aggregation.
 
     Attributes:
-        kl_coef: β in use (:meth:`set_kl_coef`). phase_s: seconds per phase of the last step (keys
-            :data:`~train_workers.step_metrics.PHASES`).
+        kl_coef: β in use (:meth:`set_kl_coef`). lr: the learning rate in use (:meth:`set_lr`), ``actor/lr``.
+        phase_s: seconds per phase of the last step (keys :data:`~train_workers.step_metrics.PHASES`).
     """
 
     def __init__(self, engine: StepEngine, algorithm, train, max_response_tokens: int):
         self.engine, self.algorithm, self.train = engine, algorithm, train
         self.max_response_tokens = max_response_tokens
         self.kl_coef = float(algorithm.kl_coef)
+        self.lr = float(train.lr)
         self.phase_s = dict.fromkeys(PHASES, 0.0)
         self._extremes = torch.full((len(EXTREMES),), -math.inf, dtype=torch.float64)
 
@@ -96,6 +97,19 @@ class GRPOStep:
         if kl_coef > 0 and not self.engine.has_reference:
             raise ValueError(f"kl_coef={kl_coef} needs the reference policy, which was not loaded (spec kl_coef 0)")
         self.kl_coef = float(kl_coef)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every parameter group of the engine's optimizer for the following steps (the
+        loop's schedule, ``cluster.loop.lr_schedule``, calls this before each step).
+
+        Raises:
+            ValueError: ``lr`` is negative or not finite.
+        """
+        if not (math.isfinite(lr) and lr >= 0.0):
+            raise ValueError(f"lr must be finite and >= 0, got {lr!r}")
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = float(lr)
+        self.lr = float(lr)
 
     def train_step(self, microbatches: list[PackedMicroBatch], num_tokens: int, num_sequences: int,
                    policy_version: int) -> TrainResult:
@@ -154,8 +168,7 @@ class GRPOStep:
             grad_norms.append(grad_norm)
             totals += sums
         engine.zero_grad()
-        metrics = step_metrics(totals, grad_norms, applied, iterations, self.kl_coef, self.train.lr, self.phase_s,
-                               t0)
+        metrics = step_metrics(totals, grad_norms, applied, iterations, self.kl_coef, self.lr, self.phase_s, t0)
         metrics.update(engine.extra_metrics())
         metrics.update(option_metrics(totals, alg))
         if self._correcting():

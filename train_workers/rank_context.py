@@ -1,7 +1,7 @@
 """One train rank's settings and the set-up every backend shares: built once from the constructor arguments.
 
 Every backend's constructor takes the arguments of :mod:`contract.train_worker` (``rank, world_size, model_path,
-train, algorithm, temperature, max_response_tokens, dtype, seed, sampling_filters``) and hands them to
+train, algorithm, temperature, max_response_tokens, dtype, seed, sampling_filters, model_source``) and hands them to
 :meth:`RankContext.create`, which binds the process to its cores and threads (``train.cpu_affinity``,
 ``train.num_threads``: :func:`train_workers.cpu_affinity.bind_rank`, before any torch work) and picks the device. The
 backend keeps the context (``worker.ctx``) and asks it, in ``init_distributed``, to join the train process group
@@ -19,7 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from contract.console import route_worker_logs
 from contract.messages import TrainRankInfo
+from contract.model_source import ModelSource
 from train_workers.cpu_affinity import bind_rank
 from train_workers.sharding import as_dtype
 
@@ -38,6 +40,8 @@ class RankContext:
         seed: torch seed base (the rank seeds ``seed + rank``).
         sampling_filters: the rollout's ``{"top_k", "top_p", "min_p"}`` (logprobs are computed under them); {} when
             off.
+        source: how the model's files are loaded (``model.revision``, ``model.trust_remote_code``): every
+            ``from_pretrained`` of the rank passes ``source.hf_kwargs(path)``.
         device: where this rank computes: ``cuda:<current>`` when CUDA is available and
             ``train.num_gpus_per_worker`` > 0, else the CPU.
     """
@@ -52,12 +56,13 @@ class RankContext:
     dtype: torch.dtype
     seed: int
     sampling_filters: dict
+    source: ModelSource
     device: torch.device
 
     @classmethod
     def create(cls, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
                max_response_tokens: int, dtype: str | torch.dtype = "float32", seed: int = 0,
-               sampling_filters: dict | None = None) -> RankContext:
+               sampling_filters: dict | None = None, source: ModelSource | None = None) -> RankContext:
         """The context of the constructor arguments; binds this process to ``train.cpu_affinity`` and sets torch's
         threads (``bind_rank``) before it touches CUDA.
 
@@ -66,12 +71,13 @@ class RankContext:
                 (naming the field).
         """
         compute_dtype = as_dtype(dtype)
+        route_worker_logs(f"train-rank{rank}")  # quiet console under `grpo-cluster run` (contract.console)
         bind_rank(train)  # train.cpu_affinity and train.num_threads, before any torch work
         use_cuda = torch.cuda.is_available() and train.num_gpus_per_worker > 0
         device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         return cls(rank=rank, world_size=world_size, model_path=model_path, train=train, algorithm=algorithm,
                    temperature=temperature, max_response_tokens=max_response_tokens, dtype=compute_dtype, seed=seed,
-                   sampling_filters=dict(sampling_filters or {}), device=device)
+                   sampling_filters=dict(sampling_filters or {}), source=source or ModelSource(), device=device)
 
     @property
     def use_cuda(self) -> bool:

@@ -55,7 +55,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return hf.get_decoder().layers
 
 
-def shard_model(model: nn.Module, *, mp_policy=None, mesh=None, reshard_after_forward: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, *, mp_policy=None, mesh=None, reshard_after_forward: bool = True,
+                cpu_offload: bool = False) -> nn.Module:
     """``fully_shard`` every decoder layer, then the root (in place); returns ``model``.
 
     Args:
@@ -63,10 +64,14 @@ def shard_model(model: nn.Module, *, mp_policy=None, mesh=None, reshard_after_fo
             dtype).
         mesh: a 1-D device mesh; None: the default process group's.
         reshard_after_forward: FSDP2's option (False keeps the parameters unsharded between forward and backward).
+        cpu_offload: FSDP2's ``CPUOffloadPolicy`` (``train.cpu_offload``): the sharded parameters and their
+            gradients live in CPU memory (pinned when CUDA is available), each unit's parameters are copied to the
+            device for its forward and backward, and an optimizer built afterwards keeps its state on the CPU.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload,
               "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy()}
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)

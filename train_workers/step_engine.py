@@ -54,6 +54,8 @@ class StepEngine(Protocol):
 
     #: The schedule that runs whole passes (pipeline parallelism), or None: the step runs micro-batch by micro-batch.
     pipeline: PipelineSchedule | None
+    #: The optimizer over the policy's trainable parameters (the step sets its learning rate: ``GRPOStep.set_lr``).
+    optimizer: torch.optim.Optimizer
 
     @property
     def has_reference(self) -> bool:

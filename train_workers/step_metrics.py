@@ -56,7 +56,7 @@ def step_metrics(totals: torch.Tensor, grad_norms: list[float], applied: int, it
 
     Args:
         totals: float64 [len(SUMS)], summed over ranks and iterations. grad_norms: each iteration's norm before
-            clipping. applied: iterations whose update was applied. kl_coef: β in use. lr: ``train.lr``.
+            clipping. applied: iterations whose update was applied. kl_coef: β in use. lr: the learning rate in use.
         phase_s: seconds per :data:`PHASES` entry on this rank. t0: ``time.perf_counter()`` at the step's start.
     """
     n = max(float(totals[SUMS["tokens"]]), 1.0)

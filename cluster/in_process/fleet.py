@@ -36,6 +36,7 @@ from cluster.in_process.sampling import MAX_BATCH_ROWS, request_sampling, sample
 from cluster.in_process.sync import LocalWeightSync, peft_bound_modules, sync_targets
 from cluster.in_process.trainer import LocalTrainer
 from cluster.loop.scheduler import assign_groups
+from contract.model_source import ModelSource
 from contract.errors import RecoveryDeferred
 from contract.figures import FleetFigures
 from contract.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, SyncReport
@@ -124,7 +125,8 @@ class LocalFleet:
         self.versions, self._status = versions, status
         self._interrupted_epoch = -1  # as a freshly started engine
         adapter_config = trainer.worker.sync_adapter_config()
-        self.tokenizer = AutoTokenizer.from_pretrained(weights_path)
+        source = ModelSource.of(self.spec.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(weights_path, **source.hf_kwargs(weights_path))
         self.model = load_policy_model(weights_path, self.spec, adapter_config)
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         self.eos_ids = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
@@ -350,7 +352,8 @@ def load_policy_model(weights_path: str, spec, adapter_config: dict | None = Non
     from train_workers.sharding import as_dtype
 
     on_gpu = torch.cuda.is_available() and spec.rollout.num_gpus_per_replica > 0
-    model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=as_dtype(spec.model.dtype))
+    model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=as_dtype(spec.model.dtype),
+                                                 **ModelSource.of(spec.model).hf_kwargs(weights_path))
     if adapter_config is not None:
         from peft import get_peft_config, get_peft_model
 

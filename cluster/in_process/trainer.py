@@ -20,6 +20,7 @@ import torch.distributed as dist
 from cluster.spec.algorithm import effective_algorithm
 from contract.batches import PackedMicroBatch
 from contract.messages import TrainRankInfo, TrainResult
+from contract.model_source import ModelSource
 from train_workers.registry import train_backend
 
 __all__ = ["LocalTrainer"]
@@ -69,7 +70,7 @@ class LocalTrainer:
             if getattr(self.spec.train, field) != 1:
                 raise ModelError(f"train.{field}: the in-process runtime runs one train rank, expected 1, got "
                                  f"{getattr(self.spec.train, field)}")
-        check_lora(self.spec.train.lora, model_path, engine=False)
+        check_lora(self.spec.train.lora, model_path, engine=False, source=ModelSource.of(self.spec.model))
         check_train_layout(self._train_spec(), model_path, self.spec.model.dtype)
 
     @property
@@ -110,7 +111,7 @@ class LocalTrainer:
         try:
             self.worker = train_backend(train.strategy)(
                 0, 1, model_path, train, algorithm, s.rollout.temperature, s.rollout.max_response_tokens,
-                s.model.dtype, s.seed, sampling_filters=filters)
+                s.model.dtype, s.seed, sampling_filters=filters, model_source=ModelSource.of(s.model))
             host, port = self.worker.node_address()
             self.info = self.worker.init_distributed(host, port, policy_path)
         except BaseException:
@@ -121,6 +122,10 @@ class LocalTrainer:
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β for the following train steps (``TrainWorker.set_kl_coef``; its ValueError on a bad value)."""
         self._rank().set_kl_coef(kl_coef)
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of the following train steps (``TrainWorker.set_lr``; its ValueError)."""
+        self._rank().set_lr(lr)
 
     def train_step(self, per_rank: list[list[PackedMicroBatch]], num_tokens: int, num_sequences: int
                    ) -> TrainResult:

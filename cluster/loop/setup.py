@@ -65,16 +65,19 @@ def ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
         raise SetupError(f"{field}: cannot write to {path}: {exc.strerror or exc}") from None
 
 
-def load_tokenizer(model_path: str):
-    """The model folder's HF tokenizer.
+def load_tokenizer(model_path: str, source=None):
+    """The model's HF tokenizer; ``source``: the spec's :class:`contract.model_source.ModelSource`
+    (``model.revision``, ``model.trust_remote_code``), None for the defaults.
 
     Raises:
         ModelError: naming ``model.path`` and why the tokenizer cannot be loaded.
     """
     from transformers import AutoTokenizer
 
+    from contract.model_source import ModelSource
+
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return AutoTokenizer.from_pretrained(model_path, **(source or ModelSource()).hf_kwargs(model_path))
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.path: cannot load a tokenizer from {model_path}: {exc}") from None
 

@@ -1,6 +1,7 @@
-"""The train stage seen from the loop: pack the batch into per-rank micro-batches, take one policy update on the
-trainer, feed the KL controller, count updates skipped for NaN/Inf, and send the new policy to the fleet (with LoRA:
-check that an adapter payload moves with the policy, and warn when a merged sync's rounding swallows the update).
+"""The train stage seen from the loop: pack the batch into per-rank micro-batches, set the step's learning rate
+(``train.lr_schedule``), take one policy update on the trainer, feed the KL controller, count updates skipped for
+NaN/Inf, and send the new policy to the fleet (with LoRA: check that an adapter payload moves with the policy, and
+warn when a merged sync's rounding swallows the update).
 
 :class:`TrainPhase` is what the rollout schedule calls as its ``train`` and ``sync`` phases; it talks to the trainer
 and the fleet through their protocols (``contract.protocols.Trainer``/``Fleet``) and to the policy-version ledger.
@@ -12,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.loop.lr_schedule import LRSchedule
 from cluster.loop.scheduler import plan_microbatches
 from cluster.loop.step_metrics import StepBatch, StepClock
 from contract.batches import RolloutBatch
@@ -126,17 +128,21 @@ class TrainPhase:
         skips: counts updates skipped for NaN/Inf (stops the job after ``train.max_skipped_updates`` in a row).
         versions: the policy-version ledger (the trainer reports each step's version to it).
         status: one-line progress messages.
+        current_step: the job's running step (the learning rate is the schedule's at it); None: the batch's step.
 
     Attributes:
         trainer, fleet: the job's collaborators, set when they start (None before).
+        lr_schedule: the job's :class:`~cluster.loop.lr_schedule.LRSchedule`.
         clock: the running step's clock (its ``train`` and ``sync`` phases are measured here); the job sets a new one
             each step.
     """
 
     def __init__(self, spec, kl_controller, skips: SkippedUpdates, versions: PolicyVersionLedger,
-                 status: Callable[[str], None]):
+                 status: Callable[[str], None], current_step: Callable[[], int] | None = None):
         self.spec, self.kl_controller, self.skips, self.versions, self._status = (spec, kl_controller, skips,
                                                                                  versions, status)
+        self.lr_schedule = LRSchedule.from_spec(spec.train, spec.total_steps)
+        self._current_step = current_step
         self.trainer: Trainer | None = None
         self.fleet: Fleet | None = None
         self.clock = StepClock()
@@ -144,8 +150,8 @@ class TrainPhase:
         self._rounding_warned = False
 
     def train(self, batch: StepBatch) -> Trained:
-        """One policy update on ``batch``'s trained rows (β from the KL controller). A skipped update (NaN/Inf) is
-        counted; a good one feeds the KL controller.
+        """One policy update on ``batch``'s trained rows (β from the KL controller, the learning rate from the
+        schedule at the running step). A skipped update (NaN/Inf) is counted; a good one feeds the KL controller.
 
         Raises:
             NumericsError: ``train.max_skipped_updates`` updates in a row were skipped.
@@ -159,6 +165,9 @@ class TrainPhase:
             num_sequences = sum(v > 0 for v in counts)
             if self.spec.algorithm.kl_controller == "adaptive":
                 self.trainer.set_kl_coef(self.kl_controller.value)
+            if self.lr_schedule.varies:
+                step = self._current_step() if self._current_step is not None else batch.step
+                self.trainer.set_lr(self.lr_schedule.lr(step))
             result = self.trainer.train_step(per_rank, num_tokens, num_sequences)
             if result.skipped:
                 self.skips.note(result.skip_reason, batch.step, version_at_train, self._status)

@@ -10,7 +10,7 @@ from cluster.data.models import ModelError
 __all__ = ["check_lora", "check_train_layout"]
 
 
-def check_lora(lora, model_path: str, engine: bool = True) -> None:
+def check_lora(lora, model_path: str, engine: bool = True, source=None) -> None:
     """Check ``train.lora`` against the model before any worker starts: every ``target_modules`` name matches a linear
     layer of the decoder (the message lists the names the model has) and ``rank`` fits every targeted layer; with
     ``sync: adapter``, vLLM's class for the model's architecture serves LoRA adapters (``supports_lora``; checked
@@ -19,6 +19,8 @@ def check_lora(lora, model_path: str, engine: bool = True) -> None:
 
     Args:
         engine: also check the vLLM engine's LoRA support (``sync: adapter``); the in-process runtime passes False.
+        source: the spec's :class:`contract.model_source.ModelSource` (``model.revision``,
+            ``model.trust_remote_code``) the config is read with; None: the defaults.
 
     Raises:
         ModelError: naming ``train.lora.target_modules``, ``train.lora.rank`` or ``train.lora.sync``; ``train.lora``
@@ -34,14 +36,15 @@ def check_lora(lora, model_path: str, engine: bool = True) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from contract.model_source import ModelSource
     from train_workers.lora import LoraTargetError, targeted_layers
 
     try:
-        config = AutoConfig.from_pretrained(model_path)
+        config = AutoConfig.from_pretrained(model_path, **(source or ModelSource()).hf_kwargs(model_path))
     except (OSError, ValueError) as exc:
         raise ModelError(f"model.path: cannot read the model config of {model_path}: {exc}") from None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=(source or ModelSource()).trust_remote_code)
     try:
         targeted_layers(lora, model)
     except LoraTargetError as exc:

@@ -86,6 +86,15 @@ def prepare_job(args, dry_run: bool = False):
     except SpecError as exc:
         print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
         return 2
+    if not dry_run:  # run: library notes below ERROR to OUTPUT_DIR/driver.log before anything loads a library
+        from pathlib import Path
+
+        from contract.console import route_logs
+
+        try:
+            route_logs(Path(spec.output_dir) / "driver.log", verbose=getattr(args, "verbose", False))
+        except OSError:
+            pass  # an output_dir that cannot be written is reported below, naming the field
     from cluster.data import DataError
     from cluster.data.models import ModelError
     from cluster.ray_shell.runtime import build_job

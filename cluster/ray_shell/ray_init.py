@@ -65,7 +65,8 @@ def reachable(address: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-def init_ray(spec, address: str | None, source: str = "--address", log_to_driver: bool = True) -> None:
+def init_ray(spec, address: str | None, source: str = "--address", log_to_driver: bool = True,
+             verbose: bool = True) -> None:
     """``ray.init`` for a job: join ``address`` (one line on stderr says so), or start a local cluster of
     ``spec.ray.num_cpus`` CPUs on 127.0.0.1 when ``address`` is None.
 
@@ -73,11 +74,19 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
         spec: the validated JobSpec (``ray.num_cpus``, ``ray.dashboard_host``).
         address: from :func:`job_address`.
         source: where ``address`` came from, for the message.
+        verbose: False (``run`` without ``--verbose``): the job's workers on a cluster started here log library
+            records below ERROR to ``output_dir/logs/<worker>.log`` (``contract.console``: the variables are set in
+            this process before the cluster starts, and its workers inherit them); a joined cluster's workers log
+            as that cluster was set up.
     Raises:
         AddressError: ``address`` was given and joining it failed (no GCS there, a token refused).
     """
     import ray
 
+    from contract.console import LOG_DIR_ENV, VERBOSE_ENV
+
+    os.environ[LOG_DIR_ENV] = os.path.join(os.path.abspath(spec.output_dir), "logs")
+    os.environ[VERBOSE_ENV] = "1" if verbose else "0"
     if address is not None:
         from cluster.ops.jobs import _use_token_if_available
 

@@ -12,6 +12,7 @@ from cluster.loop.scheduler import assign_groups
 from cluster.ray_shell.pools import (EngineFailure, InsufficientResources, WorkerTimeout, _in_group, _kill,
                                      _pool_placement_group, get)
 from contract.messages import EngineInfo, EngineLoad, GroupRequest, GroupResult, PoolGenerateStats
+from contract.model_source import ModelSource
 from rollout_workers.engine import RolloutEngine
 
 
@@ -55,7 +56,7 @@ class RolloutPool:
             num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], resources=dict(r.resources), **_in_group(pg),
             **concurrency,
         ).remote(self.model_path, r, self.spec.model.dtype, self.spec.seed + index, self.max_model_len,
-                 policy_version, lora=self.spec.train.lora)
+                 policy_version, lora=self.spec.train.lora, source=ModelSource.of(self.spec.model))
         return engine, pg
 
     def add(self, count: int, policy_version: int) -> list:

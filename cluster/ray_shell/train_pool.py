@@ -15,6 +15,7 @@ from cluster.ray_shell.pools import (TrainWorkerFailure, _dead_actor_index, _in_
                                      check_cluster_resources, get, wait_dead)
 from cluster.spec.algorithm import effective_algorithm
 from contract.messages import TrainRankInfo, TrainResult
+from contract.model_source import ModelSource
 from train_workers.registry import train_backend
 
 
@@ -64,7 +65,7 @@ class TrainPool:
                 rank, t.world_size, model_path, t, algorithm, spec.rollout.temperature,
                 spec.rollout.max_response_tokens, spec.model.dtype, spec.seed,
                 sampling_filters={"top_k": spec.rollout.top_k, "top_p": spec.rollout.top_p,
-                                  "min_p": spec.rollout.min_p})
+                                  "min_p": spec.rollout.min_p}, model_source=ModelSource.of(spec.model))
             for rank in range(t.world_size)
         ]
         try:
@@ -97,6 +98,10 @@ class TrainPool:
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β on every rank for the following train steps (adaptive KL controller)."""
         self._all(lambda w: w.set_kl_coef.remote(kl_coef), "setting kl_coef")
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate on every rank for the following train steps (the loop's schedule)."""
+        self._all(lambda w: w.set_lr.remote(lr), "setting the learning rate")
 
     def train_step(self, per_rank_microbatches: list, num_tokens: int, num_sequences: int) -> TrainResult:
         """One train step on every rank (rank r trains ``per_rank_microbatches[r]``).
@@ -178,7 +183,7 @@ class RayTrainer:
         backend's model-parallel layout (:mod:`cluster.ops.model_checks`)."""
         from cluster.ops.model_checks import check_lora, check_train_layout
 
-        check_lora(self.spec.train.lora, model_path)
+        check_lora(self.spec.train.lora, model_path, source=ModelSource.of(self.spec.model))
         check_train_layout(self.spec.train, model_path, self.spec.model.dtype)
 
     def start(self, model_path: str, policy_path: str | None = None) -> None:
@@ -199,6 +204,9 @@ class RayTrainer:
 
     def set_kl_coef(self, kl_coef: float) -> None:
         self._running().set_kl_coef(kl_coef)
+
+    def set_lr(self, lr: float) -> None:
+        self._running().set_lr(lr)
 
     def train_step(self, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
         return self._running().train_step(per_rank, num_tokens, num_sequences)

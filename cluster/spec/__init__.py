@@ -5,9 +5,10 @@ is frozen after validation; numbers carry their unit in the field name (``timeou
 ``kv_cache_gib``). Derived per-rank numbers belong in a separate plan object, never in the spec.
 
 Modules: ``fields`` (shared field types, bounds, validators), ``data`` (the data section: sources, columns,
-prompt rendering), ``sections`` (model, rollout, train, sync, metrics, checkpoint, Ray; re-exports ``data``'s
-models), ``algorithm`` (the GRPO objective; reward keys, which may name functions by location and import them),
-``rewards`` (the reward pool and reward endpoints, registered as reward functions), ``evaluation`` (held-out
+prompt rendering), ``metrics`` (the metrics section and its experiment trackers), ``sections`` (model, rollout,
+train, sync, checkpoint, Ray; re-exports ``data``'s and ``metrics``' models), ``algorithm`` (the GRPO objective;
+reward keys, which may name functions by location and import them), ``rewards`` (the reward pool and reward
+endpoints, registered as reward functions), ``multi_turn`` (``rollout.multi_turn``), ``evaluation`` (held-out
 evaluation), ``lora`` (LoRA adapters, ``train.lora``), ``monitor`` (the reward-hacking guard), ``variants`` (fields
 that select a registered variant, checked against its registry), ``job`` (:class:`JobSpec` and its cross-section
 checks), ``loading`` (YAML with file:line errors, ``--set`` overrides, :func:`spec_to_yaml`). This package imports only

@@ -100,6 +100,10 @@ class JobSpec(BaseModel):
                 "partial rollouts carry one interrupted sampling round over to the next producer call; dynamic "
                 "sampling runs several rounds per batch: expected algorithm.dynamic_sampling false with "
                 "partial_rollout true"))
+        if train.warmup_steps > self.total_steps:
+            raise FieldConflict("train.warmup_steps", (
+                f"the warmup must fit in the run: expected warmup_steps <= total_steps ({self.total_steps}), got "
+                f"{train.warmup_steps}"))
         if train.reduce_dtype not in ("float32", self.model.dtype):
             raise FieldConflict("train.reduce_dtype", (
                 f"expected 'float32' or model.dtype ({self.model.dtype!r}), got {train.reduce_dtype!r}"))

@@ -1,5 +1,6 @@
-"""The job spec's sections other than ``algorithm`` (see :mod:`cluster.spec.algorithm`) and ``data`` (see
-:mod:`cluster.spec.data`, re-exported here): model, rollout, train, sync, metrics, checkpoint and Ray.
+"""The job spec's sections other than ``algorithm`` (see :mod:`cluster.spec.algorithm`), ``data`` (see
+:mod:`cluster.spec.data`) and ``metrics`` (see :mod:`cluster.spec.metrics`), both re-exported here: model, rollout,
+train, sync, checkpoint and Ray.
 
 Each section is a frozen pydantic model that rejects unknown keys; its own field checks are here, checks across
 sections are in :class:`cluster.spec.job.JobSpec`. Imports only pydantic and :mod:`cluster.spec` modules and,
@@ -19,6 +20,7 @@ from cluster.spec.fields import (
     CustomResources, check_cpu_cores, check_custom_resources,
 )
 from cluster.spec.lora import LoraSpec
+from cluster.spec.metrics import MetricsSpec
 from cluster.spec.multi_turn import MultiTurnSpec
 from cluster.spec.variants import TRAIN_BACKEND, model_parallel_strategies
 
@@ -41,6 +43,13 @@ class ModelSpec(BaseModel):
             "the engines in this dtype); the frozen reference policy is held in this dtype."))
     cache_dir: str | None = Field(None, description=(
         "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
+    revision: str | None = Field(None, min_length=1, description=(
+        "Git revision (branch, tag or commit) of a hub model (model.path 'org/name'), passed to every load of the "
+        "model, tokenizer and config (trainer, engines, in-process fleet, checks); null: the default branch. "
+        "Ignored for local folders."))
+    trust_remote_code: bool = Field(False, strict=True, description=(
+        "Run the model repository's own Python code when loading it (transformers' and vLLM's trust_remote_code), "
+        "needed by architectures transformers does not ship. Only for repositories you trust."))
 
 
 class RolloutSpec(BaseModel):
@@ -211,6 +220,27 @@ class TrainSpec(BaseModel):
     resources: CustomResources = Field(default_factory=dict, description=(
         "Custom Ray resources each train rank reserves besides CPUs/GPUs, e.g. {train_node: 1} to place the ranks "
         "only on nodes that advertise that resource; {} reserves none."))
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description=(
+        "Learning rate after the warmup, over the steps left until total_steps: 'constant' stays at lr, 'linear' "
+        "falls in a straight line and 'cosine' along a half cosine, both from lr towards lr x min_lr_ratio "
+        "(cluster.loop.lr_schedule). The rate is a function of the step, so a resumed run continues it exactly."))
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, strict=True, description=(
+        "Steps over which the learning rate rises linearly to lr (step k of the warmup trains at lr x k / "
+        "warmup_steps); 0: no warmup. At most total_steps. Exclusive with warmup_ratio."))
+    warmup_ratio: float | None = Field(None, strict=True, ge=0, lt=1, description=(
+        "The warmup as a fraction of total_steps (rounded to whole steps), instead of warmup_steps; null: use "
+        "warmup_steps."))
+    min_lr_ratio: float = Field(0.0, strict=True, ge=0, le=1, description=(
+        "Where 'linear' and 'cosine' decay end, as a fraction of lr (reached after the last step)."))
+    activation_checkpointing: bool = Field(False, strict=True, description=(
+        "Strategy fsdp: recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(transformers' non-reentrant gradient checkpointing of every layer of the policy). Less memory for more "
+        "compute: measured on CPU in docs/results.md."))
+    cpu_offload: bool = Field(False, strict=True, description=(
+        "Strategy fsdp: keep the sharded parameters, their gradients and the AdamW state in CPU memory and run the "
+        "optimizer step on the CPU (FSDP2's CPUOffloadPolicy); each layer's parameters are copied to the GPU for "
+        "its forward and backward. For models whose weights and optimizer state do not fit the GPUs. Nothing moves "
+        "on CPU ranks."))
     max_skipped_updates: int = Field(3, ge=1, le=1_000_000, strict=True, description=(
         "Updates with a NaN/Inf loss or gradient are skipped (weights unchanged, nothing broadcast); this many in a "
         "row stop the job naming the step and the metric."))
@@ -241,6 +271,18 @@ class TrainSpec(BaseModel):
                 f"AdamW multiplies the weights by 1 - lr·weight_decay each step; expected lr·weight_decay < 1, got "
                 f"{self.lr:g}·{self.weight_decay:g} = {self.lr * self.weight_decay:g} (weights that flip sign and "
                 f"grow every step overflow float32)"))
+        return self
+
+    @model_validator(mode="after")
+    def _schedule_and_memory(self) -> TrainSpec:
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise FieldConflict("train.warmup_ratio", (
+                f"give the warmup once: expected warmup_ratio null with warmup_steps={self.warmup_steps}, or "
+                f"warmup_steps 0, got warmup_ratio={self.warmup_ratio}"))
+        for name, what in (("activation_checkpointing", "activation checkpointing"), ("cpu_offload", "CPU offload")):
+            if getattr(self, name) and self.strategy != "fsdp":
+                raise FieldConflict(f"train.{name}", (
+                    f"{what} is built for the FSDP2 backend only: expected strategy 'fsdp', got {self.strategy!r}"))
         return self
 
     @model_validator(mode="after")
@@ -300,16 +342,6 @@ class SyncSpec(BaseModel):
     mode: Literal["broadcast", "ipc", "auto"] = Field("broadcast", description=(
         "How buckets reach the engines: 'broadcast' (gloo/NCCL group), 'ipc' (same host only: shared memory on CPU, "
         "CUDA IPC handles on GPU), 'auto' (ipc when every engine is on the trainer rank 0's Ray node)."))
-
-
-class MetricsSpec(BaseModel):
-    """metrics.jsonl in output_dir, console lines, and a Prometheus endpoint."""
-
-    model_config = SPEC_CONFIG
-    host: str = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
-    port: int | None = Field(9300, ge=0, le=65535, strict=True, description=(
-        "Prometheus port; 0 picks a free one, null disables."))
-    log_every_steps: int = Field(1, ge=1, strict=True, description="Print a console line every this many steps.")
 
 
 class CheckpointSpec(BaseModel):

@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: ``megatron`` runs where megatron-core is installed (CI: the test extra) and SKIPs otherwise.
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 CPU_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput",
-                *(["megatron"] if HAVE_MEGATRON else []), "cuda_ipc", "fsdp_two_ranks", "async_overlap"]
+                *(["megatron"] if HAVE_MEGATRON else []), "cuda_ipc", "fsdp_two_ranks", "async_overlap", "recipe_1gpu"]
 ALL_SECTIONS = ["env", "fused_lm_head", "varlen_attention", "fsdp_step", "mixed_precision", "throughput", "megatron",
-                "cuda_ipc", "fsdp_two_ranks", "async_overlap", "gpu_tests"]
+                "cuda_ipc", "fsdp_two_ranks", "async_overlap", "recipe_1gpu", "gpu_tests"]
 
 
 def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
@@ -54,6 +54,9 @@ def test_gpu_check_dry_run_passes_every_cpu_section(tmp_path):
         assert meg["first_step"]["loss_rel"] <= 2e-2 and meg["megatron"]["tokens_per_s"] > 0
     else:
         assert sections["megatron"]["status"] == "SKIP" and "megatron-core" in sections["megatron"]["reason"]
+    recipe = sections["recipe_1gpu"]["numbers"]  # the one-GPU recipe's trainer side at its schedule's rates
+    assert recipe["activation_checkpointing"] and [s["lr"] for s in recipe["steps"]] == [
+        s["schedule_lr"] for s in recipe["steps"]]
     assert report["total_s"] > 0  # its wall time is printed, not asserted: a busy machine must not fail this test
     counts = f"{len(CPU_SECTIONS)} PASS, 0 FAIL, {2 - HAVE_MEGATRON} SKIP"
     for line in ("[PASS] fsdp_step", "[SKIP] gpu_tests", counts):

@@ -32,8 +32,8 @@ from tests.deploy_checks import (
 )
 
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/cpu-kind", "overlays/h100-8x"]
-GPU_LAYOUTS = {"base", "overlays/h100-8x"}
+KUSTOMIZATIONS = ["base", "overlays/cpu-kind", "overlays/h100-8x", "overlays/qwen7b-2node"]
+GPU_LAYOUTS = {"base", "overlays/h100-8x", "overlays/qwen7b-2node"}
 PROMETHEUS_CONFIGS = ["prometheus.yml", "prometheus-k8s.yml"]
 REAL_STEP = Path(__file__).resolve().parents[1] / "data" / "step_metrics_smollm2.json"
 # Keys the driver emits for issue 6 beyond a step record of the 40-step SmolLM2 run (tests/data/), and the

@@ -70,7 +70,7 @@ def test_engines_sources_and_workers_have_their_protocols_members():
         assert not missing, f"{worker.__name__} lacks TrainWorker methods {missing}"
         params = list(inspect.signature(worker.__init__).parameters)[1:]
         assert params == ["rank", "world_size", "model_path", "train", "algorithm", "temperature",
-                          "max_response_tokens", "dtype", "seed", "sampling_filters"], params
+                          "max_response_tokens", "dtype", "seed", "sampling_filters", "model_source"], params
 
 
 @pytest.fixture

@@ -46,7 +46,8 @@ class MegatronEngine:
 
     def __init__(self, policy, reference, optimizer: torch.optim.Optimizer, world_size: int, device: torch.device,
                  max_grad_norm: float, layout, tp_group, dp_group, metrics_group, pipeline=None):
-        self.policy, self.reference, self.optimizer = policy, reference, optimizer
+        self.policy, self.reference = policy, reference
+        self.optimizer = optimizer
         self.world_size, self.device, self.max_grad_norm = world_size, device, max_grad_norm
         self.layout, self.tp_group, self.dp_group, self.metrics_group = layout, tp_group, dp_group, metrics_group
         self.pipeline = pipeline

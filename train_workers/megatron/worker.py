@@ -120,13 +120,13 @@ class MegatronTrainWorker:
 
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
                  max_response_tokens: int, dtype: str = "float32", seed: int = 0,
-                 sampling_filters: dict | None = None):
+                 sampling_filters: dict | None = None, model_source=None):
         from train_workers.megatron.policy import refuse_vocab_parallel_filters
 
         self.refuse_unsupported(train, dtype)
         refuse_vocab_parallel_filters(train.tensor_parallel_size, **(sampling_filters or {}))
         self.ctx = RankContext.create(rank, world_size, model_path, train, algorithm, temperature,
-                                      max_response_tokens, dtype, seed, sampling_filters)
+                                      max_response_tokens, dtype, seed, sampling_filters, model_source)
         self.policy_version = 0
         self.policy = self.reference = self.optimizer = self.layout = None
         self.engine: MegatronEngine | None = None
@@ -267,6 +267,10 @@ class MegatronTrainWorker:
         return int(total)
 
     # ---- training (train_workers.grpo_step over train_workers.megatron.engine) ----------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Train the following steps at learning rate ``lr`` (:meth:`GRPOStep.set_lr`; its ValueError)."""
+        self.step.set_lr(lr)
+
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β for the following train steps (:meth:`GRPOStep.set_kl_coef`).
 
