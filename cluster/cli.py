@@ -8,6 +8,7 @@
     grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
     grpo-cluster merge CKPT --out DIR [--base MODEL]   # a LoRA checkpoint's adapters merged into an HF folder
+    grpo-cluster spec --defaults | --schema     # a complete spec of defaults (YAML), or the spec's JSON Schema
 
 Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
 
@@ -15,18 +16,20 @@ Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDR
     grpo-cluster status JOB | logs JOB [--follow] | stop JOB
     grpo-cluster scale JOB --rollout-replicas N | scale JOB SPEC.yaml [--set k=v ...]
 
-Exit codes: 0 done; 2 bad input or cluster/job not found (nothing submitted, message on stderr); ``logs --follow``
-and ``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
+Exit codes: 0 done (``grpo-cluster`` with no command prints this help and exits 0); 2 bad input or cluster/job not
+found (nothing submitted, one message on stderr naming the flag or spec field as written); ``logs --follow`` and
+``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from cluster.ops.cli_args import Parser, whole_number
 from cluster.ops.cli_jobs import add_job_commands
 from cluster.ops.cli_merge import add_merge_command
+from cluster.ops.cli_spec import add_spec_command
 from cluster.ops.cli_validate import add_validate_command
 from cluster.ops.prepare import prepare_job
 
@@ -85,12 +88,13 @@ def _cmd_eval(args) -> int:
 
     try:  # everything that can be checked without the engine, before the (slow) evaluation
         questions = eval_questions(args.data, args.limit)
-        baseline = read_per_problem(args.against) if args.against else None
+        baseline = _read_against(args.against) if args.against else None
         if baseline is not None:
             check_same_problems(baseline, questions, args.against)
         if args.per_problem:
             check_writable(args.per_problem, args.data)
-        result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens)
+        result = evaluate_gsm8k(args.model, args.data, limit=args.limit, max_tokens=args.max_tokens,
+                                model_setting="--model")
     except (DataError, ModelError, ValueError, OSError) as exc:
         print(f"grpo-cluster eval: {exc}", file=sys.stderr)
         return 2
@@ -117,14 +121,27 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _read_against(path: str) -> list[dict]:
+    """The ``--against`` file's rows; an unreadable file is an OSError naming the flag."""
+    from cluster.data.evaluate import read_per_problem
+
+    try:
+        return read_per_problem(path)
+    except OSError as exc:
+        raise OSError(f"--against {path}: cannot read it: {exc.strerror or exc}") from None
+
+
 def _cmd_plot(args) -> int:
     from cluster.ops.plot import PlotError, plot_run
 
+    notes: list[str] = []
     try:
-        out = plot_run(args.run_dir, args.out)
+        out = plot_run(args.run_dir, args.out, title=args.title, notes=notes)
     except (PlotError, OSError) as exc:
         print(f"grpo-cluster plot: {exc}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"grpo-cluster plot: note: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
 
@@ -139,10 +156,11 @@ def _version() -> str:
         return "unknown (the grpo-cluster package is not installed: pip install -e .)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.")
+def build_parser() -> Parser:
+    parser = Parser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.",
+                    epilog="grpo-cluster COMMAND --help describes a command; docs/getting_started.md the rest.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run a job spec on a local Ray cluster (or join --address)")
     run.add_argument("spec", help="job spec YAML")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field (repeatable)")
@@ -158,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="GSM8K pass@1 of a model folder (greedy, vLLM)")
     ev.add_argument("--model", required=True, help="HF model folder, builtin:<name> or hub id")
     ev.add_argument("--data", required=True, help="GSM8K jsonl (question, answer)")
-    ev.add_argument("--limit", type=int, default=None, help="first N rows only")
-    ev.add_argument("--max-tokens", type=int, default=256, help="generation cap per problem")
+    ev.add_argument("--limit", type=whole_number(1), default=None, metavar="N", help="first N rows only")
+    ev.add_argument("--max-tokens", type=whole_number(1), default=256, metavar="N", help="generation cap per problem")
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.add_argument("--per-problem", metavar="FILE", help="write each problem's outcome and completion (jsonl)")
     ev.add_argument("--against", metavar="FILE", help=(
@@ -168,15 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNG of a run's reward, held-out accuracy, length, KL and guard trips")
     plot.add_argument("run_dir", help="the job's output_dir (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")
+    plot.add_argument("--title", default=None, help="figure title; default the job's name (RUN_DIR/spec.yaml)")
     plot.set_defaults(func=_cmd_plot)
     add_validate_command(sub)
     add_merge_command(sub)
+    add_spec_command(sub)
     add_job_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command ``argv`` names (default ``sys.argv[1:]``); returns the exit code (module docstring). No
+    command: the help, 0."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad argument (2, message printed): a code, as commands give
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except KeyboardInterrupt:
