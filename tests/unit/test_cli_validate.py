@@ -97,7 +97,7 @@ def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, 
     assert main(["validate", str(spec), "--set", "rollout.resources={rollout_node: 1}"]) == 2
     err = capsys.readouterr().err
     assert "needs rollout_node 1 (rollout 1 x 1), cluster has 0" in err
-    assert "the local Ray cluster `run` starts without --address has no custom resources" in err
+    assert "the local Ray cluster `run` starts without --address: CPU " in err and "no custom resources" in err
     assert main(["validate", str(spec)]) == 0
     assert not (tmp_path / "out").exists()
 
@@ -118,5 +118,5 @@ def test_cpu_affinity_outside_this_machine_exits_2(tmp_path, tiny_model_dir, cap
     assert main(["validate", str(spec), "--set", f"rollout.cpu_affinity=[{allowed[-1]}]", "--set",
                  f"train.cpu_affinity=[{allowed[0]}]"]) == 0
     out = capsys.readouterr().out
-    assert f"on cores [{allowed[-1]}]" in out and f"backend auto; on cores [{allowed[0]}]" in out, out
+    assert f"on cores [{allowed[-1]}]" in out and f"backend gloo (auto); on cores [{allowed[0]}]" in out, out
     assert not (tmp_path / "out").exists()
