@@ -243,7 +243,8 @@ def add_job_commands(sub) -> None:
     scale = with_address(sub.add_parser("scale", help="resize a running job's rollout pool"))
     scale.add_argument("job", help="job id (submission id; the spec name for `grpo-cluster run --address`)")
     scale.add_argument("spec", nargs="?", default=None, help="changed job spec: its rollout.replicas is applied")
-    scale.add_argument("--rollout-replicas", type=whole_number(1), default=None, metavar="N", help="desired rollout engines")
+    scale.add_argument("--rollout-replicas", type=whole_number(1), default=None, metavar="N",
+                       help="desired rollout engines")
     scale.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of SPEC.yaml")
     scale.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                        help="module to import before loading SPEC.yaml")

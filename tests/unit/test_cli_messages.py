@@ -68,7 +68,8 @@ def test_a_missing_spec_file_is_not_found_not_invalid(tmp_path, capsys):
     for command in ("validate", "run"):
         assert main([command, str(tmp_path / "missing.yaml")]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"grpo-cluster: {tmp_path / 'missing.yaml'}: spec file not found") and "invalid" not in err
+        assert err.startswith(f"grpo-cluster: {tmp_path / 'missing.yaml'}: spec file not found")
+        assert "invalid" not in err
 
 
 def test_a_conflict_caused_by_set_is_blamed_on_the_set(tmp_path, capsys):
