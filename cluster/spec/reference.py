@@ -1,9 +1,9 @@
 """The spec described by itself: a complete spec of defaults, and its JSON Schema (``grpo-cluster spec``).
 
 - :func:`default_spec` / :func:`default_spec_yaml`: every field at its default, plus the few values a spec must give
-  (``output_dir``, ``total_steps``, ``data``) chosen so that the result needs no file outside the project: the
-  generated task of the CPU demo (reasoning-gym ``chain_sum``) scored by its own reward. ``grpo-cluster validate``
-  accepts it as printed.
+  (``output_dir``, ``total_steps``, ``data``) chosen so that the result needs no file outside the project: a
+  generated reasoning-gym task (``chain_sum``), which implies its own reward. ``grpo-cluster validate`` accepts it as
+  printed.
 - :func:`spec_json_schema`: :class:`~cluster.spec.job.JobSpec`'s JSON Schema (pydantic's, draft 2020-12), with the
   field descriptions, defaults, bounds and ``additionalProperties: false``, for editor completion (the
   ``yaml-language-server`` comment in :data:`SCHEMA_HINT`).
@@ -28,10 +28,9 @@ REQUIRED_CHOICES: dict[str, Any] = {
              "reasoning_gym": {"task": "chain_sum",
                                "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
                                "answer_extraction": "last_number"}},
-    "algorithm": {"rewards": {"reasoning_gym": 1.0}},
 }
 """The values :func:`default_spec` sets beyond the defaults: the required fields (``output_dir``, ``total_steps``,
-``data``), and the reward the generated task needs (the default rewards score GSM8K answers)."""
+``data``). The generated task implies its own reward (``algorithm.rewards: {reasoning_gym: 1.0}``)."""
 
 SCHEMA_HINT = "# yaml-language-server: $schema=grpo-cluster.schema.json"
 """The first line of a spec file that makes editors with the YAML language server (VS Code's YAML extension, neovim,
@@ -53,7 +52,7 @@ def default_spec_yaml() -> str:
     header = [
         SCHEMA_HINT,
         "# A complete grpo-cluster job spec, written by `grpo-cluster spec --defaults`: every field at its default",
-        f"# except {', '.join(REQUIRED_CHOICES)}, which a spec must give (here: the generated chain_sum task",
+        f"# except {', '.join(REQUIRED_CHOICES)}, which a spec must give (here: the generated chain_sum task,",
         "# scored by its own reward, so no data file is needed). docs/configuration.md describes every field.",
     ]
     return "\n".join(header) + "\n" + spec_to_yaml(default_spec())
