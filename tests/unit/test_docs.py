@@ -150,3 +150,32 @@ def test_every_grpo_cluster_command_in_the_docs_matches_its_help(where, text):
 def test_the_docs_show_commands_of_every_kind():
     shown = {shlex.split(t)[0] for _, t in COMMANDS if t.strip() and not t.strip().startswith("-")}
     assert {"run", "validate", "eval", "plot", "submit", "scale", "spec"} <= shown, shown
+
+
+_LINK = re.compile(r"\]\(([^)#\s]*)(#[^)\s]*)?\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", title)))
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_links_between_the_docs_lead_somewhere(page):
+    """Every relative link names a file of the repository, and a ``#fragment`` a heading of that page."""
+    prose = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target, fragment in _LINK.findall(prose):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path = (page.parent / target).resolve() if target else page
+        if not path.exists():
+            broken.append(target)
+        elif fragment and path.suffix == ".md" and fragment[1:] not in _anchors(path):
+            broken.append(target + fragment)
+    assert not broken, f"{page.relative_to(REPO)}: links to nothing: {broken}"
