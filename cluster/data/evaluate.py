@@ -125,7 +125,8 @@ def eval_questions(data: str, limit: int | None) -> list[str]:
 
 def check_writable(path: str, data: str) -> None:
     """Raise OSError unless ``path`` can take a ``--per-problem`` file: not a folder, not the ``--data`` file, in an
-    existing folder this process may write to. Checked before the evaluation, so its work is not lost to a typo."""
+    existing folder where a file can be created (tried: a probe file is created and removed). Checked before the
+    evaluation, so its work is not lost to a typo."""
     target = Path(path)
     if target.is_dir():
         raise OSError(f"--per-problem {path}: is a folder; give a file path")
@@ -134,7 +135,13 @@ def check_writable(path: str, data: str) -> None:
     folder = target.parent
     if not folder.is_dir():
         raise OSError(f"--per-problem {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    try:  # for real, as write_per_problem will: os.access answers yes for root even where nothing can be written
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(f"--per-problem {path}: a file cannot be created in {folder} ({exc.strerror or exc})") from None
+    if target.exists() and not os.access(target, os.W_OK):
         raise OSError(f"--per-problem {path}: not writable (permission denied)")
 
 

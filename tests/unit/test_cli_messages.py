@@ -160,6 +160,15 @@ def test_eval_names_its_flags_not_spec_fields(tmp_path, capsys):
     assert f"--against {tmp_path / 'b.jsonl'}: cannot read it: No such file or directory" in capsys.readouterr().err
 
 
+def test_eval_per_problem_folder_is_tried_for_real(tmp_path, capsys):
+    """``grpo-cluster eval --model M --data D --per-problem /proc/out.jsonl``: root passes os.access there, but no
+    file can be created; refused before the engine starts."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1?", "answer": "#### 2"}) + "\n")
+    assert main(["eval", "--model", str(tmp_path / "m"), "--data", str(data), "--per-problem", "/proc/out.jsonl"]) == 2
+    assert "--per-problem /proc/out.jsonl: a file cannot be created in /proc" in capsys.readouterr().err
+
+
 def test_plot_of_a_running_job_leaves_out_the_partial_last_line_with_a_note(tmp_path, capsys):
     """``grpo-cluster plot RUN_DIR`` while the job is writing metrics.jsonl's last line; the title is the job's name
     from its spec.yaml and counts training steps (the step-0 evaluation row is not a step)."""
