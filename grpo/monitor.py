@@ -3,7 +3,7 @@
 Signatures the detectors look for:
 - seed article 004: mean response length up ≈ 50 % while accuracy stays flat (the policy pads to earn length-
   correlated reward);
-- its mirror image, measured on this project's 40-step GSM8K demo (README, issue #14): response length 125 → 10
+- its mirror image, measured on this project's 40-step GSM8K demo (docs/results.md, a gameable format reward): length 125 → 10
   tokens, ``reward/format`` 0.013 → 0.944 while ``reward/accuracy`` 0.031 → 0.006, ``actor/kl`` 0.0004 → 2.0,
   GSM8K pass@1 3.0 % → 1.5 % (the policy learned to print ``#### <number>`` at once).
 
