@@ -43,7 +43,8 @@ def test_unknown_key_names_key_line_and_allowed(tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     msg = str(info.value)
-    assert f"{path}:7: rollout.group_sise: unknown key 'group_sise' (did you mean 'group_size'?); allowed: replicas," in msg
+    assert (f"{path}:7: rollout.group_sise: unknown key 'group_sise' (did you mean 'group_size'?); allowed: "
+            f"replicas,") in msg
     assert "group_size" in msg
 
 
@@ -114,9 +115,11 @@ def test_overrides_parse_values_as_yaml(tmp_path):
 
 def test_override_errors(tmp_path):
     path = write(tmp_path, MINIMAL)
-    with pytest.raises(SpecError, match=r"unknown key 'group_sise' at rollout \(did you mean 'group_size'\?\); allowed: replicas, "):
+    with pytest.raises(SpecError, match=r"unknown key 'group_sise' at rollout \(did you mean 'group_size'\?\); "
+                                        r"allowed: replicas, "):
         load_spec(path, ["rollout.group_sise=8"])
-    with pytest.raises(SpecError, match=r"unknown key 'rolout' at top level \(did you mean 'rollout'\?\); allowed: name, seed"):
+    with pytest.raises(SpecError, match=r"unknown key 'rolout' at top level \(did you mean 'rollout'\?\); "
+                                        r"allowed: name, seed"):
         load_spec(path, ["rolout.group_size=8"])
     with pytest.raises(SpecError, match=r"rollout.replicas is a value, not a section"):
         load_spec(path, ["rollout.replicas.x=1"])
