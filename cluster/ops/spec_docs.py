@@ -74,12 +74,17 @@ def _type_text(prop: dict[str, Any], defs: dict[str, Any]) -> str:
 
 
 def _bounds(prop: dict[str, Any]) -> str:
-    """``, >= 1, <= 4096`` from a property's numeric and length constraints, or ``""``."""
+    """``, >= 1, <= 4096`` from a property's numeric and length constraints (``, e.g. "64MiB"`` for a formatted
+    string with examples), or ``""``."""
     marks = [(key, symbol) for key, symbol in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
-                                                ("exclusiveMaximum", "<"), ("minLength", "length >="),
-                                                ("pattern", "matching"))
+                                                ("exclusiveMaximum", "<"), ("minLength", "length >="))
              if key in prop]
-    return "".join(f", {symbol} {_number(prop[key])}" for key, symbol in marks)
+    text = "".join(f", {symbol} {_number(prop[key])}" for key, symbol in marks)
+    if "examples" in prop:
+        text += ", e.g. " + ", ".join(json.dumps(e) for e in prop["examples"])
+    elif "pattern" in prop:
+        text += f", matching `{prop['pattern']}`"
+    return text
 
 
 def _number(value: Any) -> str:

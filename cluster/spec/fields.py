@@ -126,4 +126,5 @@ def parse_byte_size(value: Any) -> Any:
 #: editor does not flag ``bucket_bytes: 64MiB``).
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), WithJsonSchema({
     "anyOf": [{"type": "integer", "minimum": 0},
-              {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(([kKmMgGtT][iI]?)?[bB])?\s*$"}]})]
+              {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(([kKmMgGtT][iI]?)?[bB])?\s*$",
+               "examples": ["64MiB", "512MB", "1GiB"]}]})]
