@@ -11,6 +11,7 @@
     grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]   # GSM8K rows
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
     grpo-cluster merge CKPT --out DIR [--base MODEL]   # a LoRA checkpoint's adapters merged into an HF folder
+    grpo-cluster spec --defaults | --schema     # a complete spec of defaults (YAML), or the spec's JSON Schema
 
 Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDRESS or http://127.0.0.1:8265):
 
@@ -18,18 +19,20 @@ Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDR
     grpo-cluster status JOB | logs JOB [--follow] | stop JOB
     grpo-cluster scale JOB --rollout-replicas N | scale JOB SPEC.yaml [--set k=v ...]
 
-Exit codes: 0 done; 2 bad input or cluster/job not found (nothing submitted, message on stderr); ``logs --follow``
-and ``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
+Exit codes: 0 done (``grpo-cluster`` with no command prints this help and exits 0); 2 bad input or cluster/job not
+found (nothing submitted, one message on stderr naming the flag or spec field as written); ``logs --follow`` and
+``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from cluster.ops.cli_args import Parser
 from cluster.ops.cli_eval import add_eval_command
 from cluster.ops.cli_jobs import add_job_commands
 from cluster.ops.cli_merge import add_merge_command
+from cluster.ops.cli_spec import add_spec_command
 from cluster.ops.cli_validate import add_validate_command
 from cluster.ops.prepare import prepare_job
 
@@ -82,11 +85,14 @@ def _cmd_run(args) -> int:
 def _cmd_plot(args) -> int:
     from cluster.ops.plot import PlotError, plot_run
 
+    notes: list[str] = []
     try:
-        out = plot_run(args.run_dir, args.out)
+        out = plot_run(args.run_dir, args.out, title=args.title, notes=notes)
     except (PlotError, OSError) as exc:
         print(f"grpo-cluster plot: {exc}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"grpo-cluster plot: note: {note}", file=sys.stderr)
     print(f"wrote {out}")
     return 0
 
@@ -101,10 +107,11 @@ def _version() -> str:
         return "unknown (the grpo-cluster package is not installed: pip install -e .)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.")
+def build_parser() -> Parser:
+    parser = Parser(prog="grpo-cluster", description="GRPO training on Ray with vLLM and FSDP2.",
+                    epilog="grpo-cluster COMMAND --help describes a command; docs/getting_started.md the rest.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="run a job spec on a local Ray cluster (or join --address)")
     run.add_argument("spec", help="job spec YAML")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a spec field (repeatable)")
@@ -124,15 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="PNG of a run's reward, held-out accuracy, length, KL and guard trips")
     plot.add_argument("run_dir", help="the job's output_dir (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")
+    plot.add_argument("--title", default=None, help="figure title; default the job's name (RUN_DIR/spec.yaml)")
     plot.set_defaults(func=_cmd_plot)
     add_validate_command(sub)
     add_merge_command(sub)
+    add_spec_command(sub)
     add_job_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command ``argv`` names (default ``sys.argv[1:]``); returns the exit code (module docstring). No
+    command: the help, 0."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad argument (2, message printed): a code, as commands give
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -3,9 +3,9 @@
 Signatures the detectors look for:
 - seed article 004: mean response length up ≈ 50 % while accuracy stays flat (the policy pads to earn length-
   correlated reward);
-- its mirror image, measured on this project's 40-step GSM8K demo (README, issue #14): response length 125 → 10
-  tokens, ``reward/format`` 0.013 → 0.944 while ``reward/accuracy`` 0.031 → 0.006, ``actor/kl`` 0.0004 → 2.0,
-  GSM8K pass@1 3.0 % → 1.5 % (the policy learned to print ``#### <number>`` at once).
+- its mirror image, measured on this project's 40-step GSM8K demo with a gameable format reward (docs/results.md):
+  response length 125 → 10 tokens, ``reward/format`` 0.013 → 0.944 while ``reward/accuracy`` 0.031 → 0.006,
+  ``actor/kl`` 0.0004 → 2.0, GSM8K pass@1 3.0 % → 1.5 % (the policy learned to print ``#### <number>`` at once).
 
 Windows. Each metric key keeps its own series of finite values; its *baseline* is the mean of its first
 ``baseline_steps`` values, its *recent* value the mean of its last ``window_steps`` values after those (fewer while

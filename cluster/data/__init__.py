@@ -34,13 +34,14 @@ __all__ = ["ANSWER_MARKER", "BadRows", "DataError", "Example", "RowFormat", "as_
            "load_jsonl_examples", "parse_record", "reference_of", "row_columns", "PromptSampler",
            "build_chat_prompt", "chat_prompt_ids", "chat_template_text"]
 
-_HOW_TO_GET_DATA = (
-    "Point data.train_path (and data.test_path) at a jsonl file with one JSON object per line: a prompt column "
-    "(data.prompt_field) and any other columns your rewards read, e.g. GSM8K's 'question' and 'answer' (the answer "
-    "ending in '#### <final answer>'): ../shared/data/gsm8k/train.jsonl, "
-    "https://github.com/openai/grade-school-math (grade_school_math/data/train.jsonl) or the Hugging Face dataset "
-    "'openai/gsm8k' (data.source: hf_hub). See docs/own_task.md."
-)
+def how_to_get_data(setting: str = "data.train_path (and data.test_path)") -> str:
+    """The advice given with a missing or unusable data file: point ``setting`` (the spec field, or the command-line
+    flag, that named the file) at a jsonl file of the expected shape, and where GSM8K can be found."""
+    return (f"Point {setting} at a jsonl file with one JSON object per line: a prompt column (data.prompt_field) and "
+            "any other columns your rewards read, e.g. GSM8K's 'question' and 'answer' (the answer ending in '#### "
+            "<final answer>'): ../shared/data/gsm8k/train.jsonl, https://github.com/openai/grade-school-math "
+            "(grade_school_math/data/train.jsonl) or the Hugging Face dataset 'openai/gsm8k' (data.source: hf_hub). "
+            "See docs/own_task.md.")
 
 
 def _parse_line(raw: bytes, index: int, fmt: RowFormat) -> Example:
@@ -62,7 +63,7 @@ def _parse_line(raw: bytes, index: int, fmt: RowFormat) -> Example:
 
 def load_jsonl_examples(path: str | Path, *, question_field: str = "question", answer_field: str = "answer",
                         on_bad_row: Literal["error", "skip"] = "error", prompt_field: str | None = None,
-                        checks: Sequence = ()) -> tuple[list[Example], int]:
+                        checks: Sequence = (), setting: str | None = None) -> tuple[list[Example], int]:
     """Read a jsonl file of rows (module docstring; :func:`cluster.data.rows.parse_record`).
 
     Args:
@@ -72,6 +73,8 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
         on_bad_row: ``error`` stops at the end of the file naming the first bad row; ``skip`` drops and counts them.
         checks: the row checks of the rewards the job uses (``grpo.rewards.checks.row_checks``); none by default, so
             no row is refused for its answer's format.
+        setting: what named the file, as the user wrote it (a command-line flag such as ``--data``): the advice
+            says to point it at a usable file. None: the spec's ``data.train_path`` / ``data.test_path``.
 
     Returns:
         (examples, skipped): skipped counts bad rows dropped with ``on_bad_row="skip"``.
@@ -88,9 +91,10 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
            RowFormat(question_field, answer_field, tuple(checks),
                      f"data.prompt_field (unset, so data.question_field {question_field!r})"))
     path = Path(path)
+    advice = how_to_get_data() if setting is None else how_to_get_data(setting)
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "not found"
-        raise DataError(f"data file {path} {what} (absolute: {path.absolute()}). {_HOW_TO_GET_DATA}")
+        raise DataError(f"data file {path} {what} (absolute: {path.absolute()}). {advice}")
     examples: list[Example] = []
     bad = BadRows(str(path))
     try:
@@ -109,7 +113,7 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
         raise bad.error()
     empty = bad.empty(len(examples))
     if empty is not None:
-        raise DataError(f"{empty} {_HOW_TO_GET_DATA}")
+        raise DataError(f"{empty} {advice}")
     return examples, bad.count
 
 

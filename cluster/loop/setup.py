@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,17 +45,24 @@ class Prompts:
 
 
 def ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
-    """Create ``path`` and prove it is writable now, before any worker starts; with ``create=False``, only check
-    that it could be: the deepest folder of ``path`` that exists is a folder this process may write into.
+    """Create ``path`` and prove it is writable now, before any worker starts; with ``create=False``, prove that it
+    could be, leaving nothing behind: the deepest folder of ``path`` that exists is a folder where a file can be
+    created and removed. Both try for real (``os.access`` answers yes for root, even in ``/proc``).
 
     Raises:
         SetupError: naming the spec field, the path and the OS error.
     """
     if not create:
         existing = next(p for p in (path, *path.parents) if p.exists())
-        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-            what = "not a folder" if not existing.is_dir() else "not writable"
-            raise SetupError(f"{field}: cannot write to {path}: {existing} is {what}")
+        if not existing.is_dir():
+            raise SetupError(f"{field}: cannot write to {path}: {existing} is not a folder")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".grpo-cluster-write-test.", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise SetupError(f"{field}: cannot write to {path}: a file cannot be created in {existing} "
+                             f"({exc.strerror or exc})") from None
         return
     try:
         path.mkdir(parents=True, exist_ok=True)

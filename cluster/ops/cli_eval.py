@@ -17,6 +17,18 @@ from __future__ import annotations
 import json
 import sys
 
+from cluster.ops.cli_args import whole_number
+
+
+def _read_against(path: str) -> list[dict]:
+    """The ``--against`` file's rows; an unreadable file is an OSError naming the flag."""
+    from cluster.data.evaluate import read_per_problem
+
+    try:
+        return read_per_problem(path)
+    except OSError as exc:
+        raise OSError(f"--against {path}: cannot read it: {exc.strerror or exc}") from None
+
 
 def _paired(args, baseline: list[dict] | None, problems: list[dict], summary: dict) -> None:
     """Print the ``--against`` comparison and add it to ``summary`` (nothing without a baseline)."""
@@ -54,8 +66,7 @@ def _finish(args, summary: dict, write_error: str | None) -> int:
 
 def _cmd_eval_data(args) -> int:
     from cluster.data import DataError
-    from cluster.data.evaluate import (check_same_problems, check_writable, eval_questions, evaluate_gsm8k,
-                                       read_per_problem)
+    from cluster.data.evaluate import check_same_problems, check_writable, eval_questions, evaluate_gsm8k
     from cluster.data.models import ModelError
 
     if args.engine != "vllm":
@@ -63,12 +74,12 @@ def _cmd_eval_data(args) -> int:
         return 2
     try:  # everything that can be checked without the engine, before the (slow) evaluation
         questions = eval_questions(args.data, args.limit)
-        baseline = read_per_problem(args.against) if args.against else None
+        baseline = _read_against(args.against) if args.against else None
         if baseline is not None:
             check_same_problems(baseline, questions, args.against)
         if args.per_problem:
             check_writable(args.per_problem, args.data)
-        result = evaluate_gsm8k(args.model, args.data, limit=args.limit,
+        result = evaluate_gsm8k(args.model, args.data, limit=args.limit, model_setting="--model",
                                 max_tokens=256 if args.max_tokens is None else args.max_tokens)
     except (DataError, ModelError, ValueError, OSError) as exc:
         print(f"grpo-cluster eval: {exc}", file=sys.stderr)
@@ -94,7 +105,7 @@ def _spec_overrides(args) -> list[str]:
 
 def _cmd_eval_spec(args) -> int:
     from cluster.data import DataError
-    from cluster.data.evaluate import check_same_problems, check_writable, read_per_problem
+    from cluster.data.evaluate import check_same_problems, check_writable
     from cluster.data.models import ModelError
     from cluster.ops.prepare import import_modules
     from cluster.ops.spec_eval import SpecEvalError, evaluate_prepared, prepare_spec_eval, spec_engine
@@ -113,7 +124,7 @@ def _cmd_eval_spec(args) -> int:
         return 2
     try:  # everything that can be checked without the engine, before the (slow) evaluation
         prepared = prepare_spec_eval(spec, args.model)
-        baseline = read_per_problem(args.against) if args.against else None
+        baseline = _read_against(args.against) if args.against else None
         if baseline is not None:
             if spec.eval.samples != 1:
                 raise ValueError(f"--against compares problems solved or not: expected eval.samples 1, got "
@@ -168,8 +179,9 @@ def add_eval_command(sub) -> None:
                     help="with --spec: import this module first, e.g. one that registers reward functions")
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help=(
         "with --spec: the loop's vLLM engine (default) or the in-process transformers sampler"))
-    ev.add_argument("--limit", type=int, default=None, help="first N held-out rows only (with --spec: eval.limit)")
-    ev.add_argument("--max-tokens", type=int, default=None, help=(
+    ev.add_argument("--limit", type=whole_number(1), default=None, metavar="N",
+                    help="first N held-out rows only (with --spec: eval.limit)")
+    ev.add_argument("--max-tokens", type=whole_number(1), default=None, metavar="N", help=(
         "generation cap per problem (with --spec: eval.max_tokens, default the spec's; with --data: 256)"))
     ev.add_argument("--json", action="store_true", help="also print the result as one JSON line")
     ev.add_argument("--per-problem", metavar="FILE", help="write each problem's outcome and completion (jsonl)")

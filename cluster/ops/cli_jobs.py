@@ -12,6 +12,7 @@ import argparse
 import sys
 from datetime import datetime
 
+from cluster.ops.cli_args import seconds, whole_number
 from cluster.ops.prepare import import_modules
 
 PREFIX = "grpo-cluster"
@@ -33,7 +34,7 @@ def _load(command: str, spec_path: str, overrides, imports):
     try:
         return load_spec(spec_path, ["ray.address=auto", *(overrides or ())])
     except SpecError as exc:
-        return _fail(command, f"invalid spec, nothing submitted:\n{exc}")
+        return _fail(command, f"nothing submitted: {exc}")
 
 
 def _env_pairs(pairs) -> dict[str, str]:
@@ -236,16 +237,17 @@ def add_job_commands(sub) -> None:
 
     stop = with_address(sub.add_parser("stop", help="stop a submitted job"))
     stop.add_argument("job", help="job (submission) id")
-    stop.add_argument("--wait-s", type=float, default=30.0, help="wait this long for it to end (0: do not wait)")
+    stop.add_argument("--wait-s", type=seconds(0), default=30.0, help="wait this long for it to end (0: do not wait)")
     stop.set_defaults(func=_cmd_stop)
 
     scale = with_address(sub.add_parser("scale", help="resize a running job's rollout pool"))
     scale.add_argument("job", help="job id (submission id; the spec name for `grpo-cluster run --address`)")
     scale.add_argument("spec", nargs="?", default=None, help="changed job spec: its rollout.replicas is applied")
-    scale.add_argument("--rollout-replicas", type=int, default=None, metavar="N", help="desired rollout engines")
+    scale.add_argument("--rollout-replicas", type=whole_number(1), default=None, metavar="N",
+                       help="desired rollout engines")
     scale.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of SPEC.yaml")
     scale.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                        help="module to import before loading SPEC.yaml")
-    scale.add_argument("--timeout-s", type=float, default=120.0, help="wait this long for the control job")
+    scale.add_argument("--timeout-s", type=seconds(1), default=120.0, help="wait this long for the control job")
     with_python(scale)
     scale.set_defaults(func=_cmd_scale)

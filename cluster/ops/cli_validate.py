@@ -2,19 +2,21 @@
 it starts anything (:func:`cluster.ops.prepare.prepare_job`: dependencies, spec, cluster address, output folders,
 model and tokenizer, data, prompt lengths, earlier checkpoints), then — when the job would join a cluster
 (``--address``, ``ray.address`` or ``$RAY_ADDRESS``) — whether that cluster has the CPUs, GPUs and custom resources
-the pools reserve; for the local cluster ``run`` would start, that no custom resource (``rollout.resources``,
-``train.resources``) is reserved, since that cluster has none and ``run`` would stop at once, and that the
-``cpu_affinity`` cores are among this machine's (:func:`cluster.ops.prepare.local_cores_problem`).
-Prints the resolved spec's summary (with the behaviour correction the train ranks apply in ``rollout.mode``
-one_step_off/async; a job that turns it off, ``algorithm.off_policy_correction: none``, is warned about on stderr by
-the job's own check). Starts no Ray cluster, engine or worker, and writes nothing.
+the pools reserve; for the local cluster ``run`` would start, the same check against what that cluster would have
+(:func:`cluster.ray_shell.ray_init.local_cluster_resources`: this machine's CPUs, or ``ray.num_cpus``, and GPUs as
+Ray counts them; no custom resource), and that the ``cpu_affinity`` cores are among this machine's
+(:func:`cluster.ops.prepare.local_cores_problem`).
+Prints the resolved spec's summary: what runs, on what (pools, strategy, torch.distributed backend), how (learning
+rate and its schedule, the objective, the rewards and their weights), from which inputs, reserving what. Starts no
+Ray cluster, engine or worker, and leaves nothing behind (the output folder is proven writable by creating and
+removing a file). The ``off-policy`` line names the behaviour correction the train ranks apply in ``rollout.mode``
+one_step_off/async; a job that turns it off (``algorithm.off_policy_correction: none``) is warned about on stderr.
 
 Exit codes: 0 the job can run as given; 2 a problem (printed on stderr, spec values with file:line).
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
@@ -28,15 +30,12 @@ def _cmd_validate(args) -> int:
     job, address, source = prepared
     from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources
 
-    have = None
-    if address is None:  # the local cluster `run` starts has CPUs (checked in the spec), its GPUs, no custom resource
-        try:
-            check_cluster_resources(job.spec, {"CPU": math.inf, "GPU": math.inf})
-        except InsufficientResources as exc:
-            print(f"grpo-cluster: {exc} (the local Ray cluster `run` starts without --address has no custom "
-                  f"resources: pass --address of a cluster whose nodes advertise them, or remove rollout.resources "
-                  f"/ train.resources)", file=sys.stderr)
-            return 2
+    if address is None:  # the local cluster `run` starts: this machine's CPUs and GPUs as Ray counts them, no custom
+        from cluster.ray_shell.ray_init import local_cluster_resources
+
+        have = local_cluster_resources(job.spec)
+        where = (f"the local Ray cluster `run` starts without --address: CPU {have['CPU']:g}, GPU {have['GPU']:g}, "
+                 f"no custom resources; pass --address of a cluster that has them, or change the pools")
     else:
         import ray
 
@@ -51,11 +50,12 @@ def _cmd_validate(args) -> int:
             have = ray.cluster_resources()
         finally:
             ray.shutdown()
-        try:
-            check_cluster_resources(job.spec, have)
-        except InsufficientResources as exc:
-            print(f"grpo-cluster: {exc} ({address}, {source})", file=sys.stderr)
-            return 2
+        where = f"{address}, {source}"
+    try:
+        check_cluster_resources(job.spec, have)
+    except InsufficientResources as exc:
+        print(f"grpo-cluster: {exc} ({where})", file=sys.stderr)
+        return 2
     print(summary(job, args.spec, address, source, have))
     return 0
 
@@ -93,6 +93,42 @@ def episode_summary(rollout) -> str:
             f"(observations included)")
 
 
+def train_summary(t) -> str:
+    """The train pool: ranks, strategy (and its layout), the torch.distributed backend, cores, LoRA."""
+    backend = t.backend if t.backend != "auto" else ("nccl" if t.num_gpus_per_worker > 0 else "gloo")
+    layout = (f" (tensor parallel {t.tensor_parallel_size} x pipeline parallel {t.pipeline_parallel_size}"
+              f"{', sequence parallel' if t.sequence_parallel else ''})"
+              if (t.tensor_parallel_size, t.pipeline_parallel_size) != (1, 1) else "")
+    return (f"{t.world_size} rank(s), strategy {t.strategy}{layout}, torch.distributed backend {backend}"
+            + (" (auto)" if t.backend == "auto" else "")
+            + (f"; on cores {t.cpu_affinity}" if t.cpu_affinity is not None else "")
+            + (f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
+               f"{t.lora.sync}" if t.lora is not None else "; full fine-tuning"))
+
+
+def optimizer_summary(t, total_steps: int) -> str:
+    """AdamW's learning rate and its schedule over the run (``train.lr_schedule`` and its warmup, when the spec has
+    them), weight decay and the gradient clip."""
+    schedule = getattr(t, "lr_schedule", "constant")
+    warmup = getattr(t, "warmup_steps", 0)
+    ratio = getattr(t, "warmup_ratio", None)
+    if ratio is not None:
+        warmup = round(ratio * total_steps)
+    shape = f"{schedule} over {total_steps} steps" + (f" after {warmup} warmup steps" if warmup else "")
+    if schedule != "constant":
+        shape += f", down to {getattr(t, 'min_lr_ratio', 0.0):g} x lr"
+    return (f"AdamW lr {t.lr:g} ({shape}), weight decay {t.weight_decay:g}, betas {tuple(t.betas)}, gradient "
+            f"norm clipped at {t.max_grad_norm:g}")
+
+
+def algorithm_summary(a) -> str:
+    """The GRPO objective in one line: advantages, loss aggregation, clip range, KL."""
+    kl = (f"KL {a.kl_estimator} to the reference policy, beta {a.kl_coef:g} ({a.kl_controller}"
+          f"{', in the reward' if a.kl_in_reward else ''})" if a.kl_coef > 0 else "no KL term (kl_coef 0)")
+    return (f"advantages {a.advantage_estimator}, policy loss {a.policy_loss}, aggregation {a.loss_agg}, ratio clipped to [{1 - a.clip_eps_low:g}, "
+            f"{1 + a.clip_eps_high:g}], {a.num_iterations} update(s) per batch; {kl}")
+
+
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
@@ -103,11 +139,9 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
     need = resources_needed(s)
     start = (f"resume from {job.resume_from} (step {job.step}, policy version {job.policy_version})"
              if job.resume_from is not None else "from step 0")
-    if address is None:
-        cluster = f"a local Ray cluster on 127.0.0.1 with {s.ray.num_cpus or 'all'} CPUs, started by `run`"
-    else:
-        cluster = (f"{address} ({source}): has CPU {have.get('CPU', 0):g}, GPU {have.get('GPU', 0):g} — "
-                   f"enough")
+    has = f"CPU {have.get('CPU', 0):g}, GPU {have.get('GPU', 0):g}: enough"
+    cluster = (f"a local Ray cluster on 127.0.0.1, started by `run`; has {has}" if address is None else
+               f"{address} ({source}); has {has}")
     lines = [
         ("spec", f"{Path(spec_path)} — job {s.name!r}, {s.total_steps} steps, {start}, seed {s.seed}"),
         ("model", f"{s.model.path} -> {job.model_path} ({s.model.dtype}); tokenizer loaded"),
@@ -115,13 +149,13 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
                  f"{job.prompts_filtered} over data.max_prompt_tokens={s.data.max_prompt_tokens} dropped)"),
         *([("held-out", held_out_summary(s.data))] if s.data.source == "reasoning_gym" else []),
         ("rollout", f"{r.replicas} engine(s); {r.prompts_per_step} prompts x G={r.group_size} completions per step, "
-                    f"at most {r.max_response_tokens} tokens each"
+                    f"at most {r.max_response_tokens} tokens each, temperature {r.temperature:g}; mode {r.mode}"
+                    + (f" (max_staleness {r.max_staleness})" if r.mode != "sync" else "")
                     + (f"; on cores {r.cpu_affinity}" if r.cpu_affinity is not None else "")),
         *([("episodes", episode_summary(r))] if r.multi_turn is not None else []),
-        ("train", f"{t.world_size} rank(s), backend {t.backend}"
-         + (f"; on cores {t.cpu_affinity}" if t.cpu_affinity is not None else "") + (
-            f"; LoRA rank {t.lora.rank}, alpha/rank {t.lora.scaling:g}, on {t.lora.target_modules}, sync "
-            f"{t.lora.sync}" if t.lora is not None else "")),
+        ("train", train_summary(t)),
+        ("optimizer", optimizer_summary(t, s.total_steps)),
+        ("algorithm", algorithm_summary(s.algorithm)),
         ("rewards", reward_summary(s)),
         ("off-policy", describe_off_policy(s.algorithm, r)),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),

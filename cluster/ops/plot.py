@@ -12,7 +12,12 @@ Panels, all against the training step (x axis, shared):
 
 Every step with ``monitor/tripped`` == 1 is also drawn as a red vertical line across all panels. A panel whose keys are
 absent from the file says "not logged" instead of drawing; nothing in the file's content makes the plot fail except a
-line that is not JSON.
+line that is not JSON before the last one. A running job may be writing its last line: a last line that is not JSON
+(and has no line break after it) is left out with a note, so ``plot`` works while the job runs.
+
+The title is the job's name (``name`` in the run folder's ``spec.yaml``, which every job writes there; the folder's
+name without one) and the number of training steps (steps >= 1; the step-0 row is the evaluation of the starting
+weights, not a step).
 
 The data each panel draws is computed by :func:`plot_data` (no matplotlib), the drawing by :func:`render_png`
 (matplotlib's Agg canvas, no display needed, pyplot's global state untouched).
@@ -27,11 +32,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cluster.ops.metrics import read_metrics_jsonl
 from grpo.monitor import DETECTORS, TRIPPED_KEY
 from grpo.rewards import REWARD_SUMMARY_METRICS
 
-__all__ = ["PlotData", "PlotError", "Series", "plot_data", "plot_run", "render_png", "series"]
+__all__ = ["PlotData", "PlotError", "Series", "job_name", "plot_data", "plot_run", "read_records", "render_png",
+           "series"]
 
 METRICS_FILE = "metrics.jsonl"
 DEFAULT_PNG = "plot.png"
@@ -72,7 +77,8 @@ class PlotData:
     eval_best: the held-out accuracy series (fractions in [0, 1]); the band is drawn over the steps that have both
     bounds. length: mean response length, tokens. kl: nats per token. detectors: detector name → steps on which
     ``monitor/<name>`` was 1, for every detector the file logs. trips: steps with ``monitor/tripped`` == 1.
-    guard_logged: whether any ``monitor/*`` key is in the file. num_steps: distinct steps in the file.
+    guard_logged: whether any ``monitor/*`` key is in the file. num_steps: distinct training steps in the file (steps
+    >= 1; a step-0 row holds the starting weights' evaluation).
     """
 
     rewards: tuple[Series, ...]
@@ -142,7 +148,7 @@ def plot_data(records: Sequence[Mapping[str, Any]]) -> PlotData:
         length=series(records, LENGTH_KEY), kl=series(records, KL_KEY),
         detectors=detectors, trips=_steps_where_one(records, TRIPPED_KEY),
         guard_logged=any(k.startswith("monitor/") for k in keys),
-        num_steps=len({s for s in map(_step, records) if s is not None}),
+        num_steps=len({s for s in map(_step, records) if s is not None and s >= 1}),
     )
 
 
@@ -235,8 +241,14 @@ def render_png(data: PlotData, out: str | Path, title: str = "") -> Path:
     return out
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot_run(run_dir: str | Path, out: str | Path | None = None, title: str | None = None,
+             notes: list[str] | None = None) -> Path:
     """Read ``RUN_DIR/metrics.jsonl`` and write the PNG (default ``RUN_DIR/plot.png``); returns its path.
+
+    Args:
+        title: the figure's title; None: :func:`job_name` of the run folder.
+        notes: when given, what was left out of the file (a partial last line) is appended to it, for the caller to
+            print.
 
     Raises:
         PlotError: as :func:`run_data`; values cannot be drawn; or ``out`` is not a ``.png`` name or would overwrite a
@@ -246,19 +258,61 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     out = run_dir / DEFAULT_PNG if out is None else Path(out)
     _check_out(out, run_dir / METRICS_FILE)
-    data = run_data(run_dir)
+    data = run_data(run_dir, notes)
     try:
-        return render_png(data, out, title=run_dir.name)
+        return render_png(data, out, title=job_name(run_dir) if title is None else title)
     except (ValueError, OverflowError) as exc:  # values matplotlib cannot place on an axis (e.g. ±1e308)
         raise PlotError(f"{run_dir / METRICS_FILE}: cannot draw its values ({type(exc).__name__}: {exc})") from None
 
 
-def run_data(run_dir: str | Path) -> PlotData:
-    """The panels' data of a run folder: :func:`plot_data` of its metrics.jsonl, plus the trips the guard recorded
-    in ``checkpoints/guard.json`` (a rollback cuts metrics.jsonl back before the tripped row).
+def job_name(run_dir: str | Path) -> str:
+    """The job's ``name`` from ``RUN_DIR/spec.yaml`` (written by every job at start), else the folder's name."""
+    import yaml
+
+    run_dir = Path(run_dir)
+    try:
+        name = yaml.safe_load((run_dir / "spec.yaml").read_text(encoding="utf-8")).get("name")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        name = None
+    return name if isinstance(name, str) and name else run_dir.resolve().name
+
+
+def read_records(path: Path, notes: list[str] | None = None) -> list[Any]:
+    """The JSON records of a metrics.jsonl file, leaving out a last line that is still being written (not JSON and
+    not ended by a line break: a running job's), with a note appended to ``notes``.
 
     Raises:
-        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line is not JSON, or no record has a step.
+        ValueError: any other line is not JSON (file:line). OSError, UnicodeDecodeError: the file cannot be read.
+    """
+    text = path.read_text(encoding="utf-8")
+    head, _, last = text.rpartition("\n")
+    if last.strip():
+        try:
+            json.loads(last)
+        except ValueError:
+            line_no = text.count("\n") + 1
+            if notes is not None:
+                notes.append(f"{path}:{line_no}: left out a partial last line ({len(last)} characters, no line "
+                             f"break: the job is still writing it)")
+            text = head + "\n"
+    records = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {exc.msg} at column {exc.colno}") from None
+    return records
+
+
+def run_data(run_dir: str | Path, notes: list[str] | None = None) -> PlotData:
+    """The panels' data of a run folder: :func:`plot_data` of its metrics.jsonl (:func:`read_records`: a partial
+    last line is left out, noted in ``notes``), plus the trips the guard recorded in ``checkpoints/guard.json`` (a
+    rollback cuts metrics.jsonl back before the tripped row).
+
+    Raises:
+        PlotError: RUN_DIR is not a folder, has no metrics.jsonl, a line before the last is not JSON, or no record
+            has a step.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -270,7 +324,7 @@ def run_data(run_dir: str | Path) -> PlotData:
         raise PlotError(f"{path}: no {METRICS_FILE} in the run folder; expected the output_dir of a job that ran "
                         f"at least one step")
     try:
-        records = read_metrics_jsonl(path)
+        records = read_records(path, notes)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise PlotError(f"cannot read {path}: {exc}") from None
     records = [r for r in records if isinstance(r, dict) and _step(r) is not None]

@@ -84,7 +84,7 @@ def prepare_job(args, dry_run: bool = False):
     try:
         spec = load_spec(args.spec, args.set or ())
     except SpecError as exc:
-        print(f"grpo-cluster: invalid spec:\n{exc}", file=sys.stderr)
+        print(f"grpo-cluster: {exc}", file=sys.stderr)  # its own header: file and problem count, or one line
         return 2
     if not dry_run:  # run: library notes below ERROR to OUTPUT_DIR/driver.log before anything loads a library
         from pathlib import Path

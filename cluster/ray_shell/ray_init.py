@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-__all__ = ["LOCAL_NODE_IP", "AddressError", "init_ray", "job_address", "reachable"]
+__all__ = ["LOCAL_NODE_IP", "AddressError", "init_ray", "job_address", "local_cluster_resources", "reachable"]
 
 LOCAL_NODE_IP = "127.0.0.1"
 """Node IP of a locally started cluster: every Ray port of that cluster listens on loopback only."""
@@ -101,6 +101,26 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
     with _loopback_only():
         ray.init(address="local", num_cpus=spec.ray.num_cpus, include_dashboard=False,
                  dashboard_host=spec.ray.dashboard_host, log_to_driver=log_to_driver)
+
+
+def local_cluster_resources(spec) -> dict[str, float]:
+    """What the local cluster :func:`init_ray` starts would have, computed the way Ray computes it when it starts,
+    without starting it: ``CPU`` = ``ray.num_cpus`` or the CPUs Ray detects (container limits included), ``GPU`` =
+    the GPUs Ray detects and this process may see (``CUDA_VISIBLE_DEVICES``), no custom resource. ``validate``
+    checks a spec against it, so a job that asks for a GPU on a machine without one is refused there, as ``run``
+    would be refused."""
+    from ray._private import accelerators
+    from ray._private.utils import get_num_cpus
+
+    gpus = 0
+    manager = accelerators.get_accelerator_manager_for_resource("GPU")
+    if manager is not None:
+        gpus = manager.get_current_node_num_accelerators()
+        visible = manager.get_current_process_visible_accelerator_ids()
+        if visible is not None:
+            gpus = min(gpus, len(visible))
+    cpus = spec.ray.num_cpus if spec.ray.num_cpus is not None else get_num_cpus()
+    return {"CPU": float(cpus), "GPU": float(gpus)}
 
 
 @contextlib.contextmanager

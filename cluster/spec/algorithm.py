@@ -1,6 +1,6 @@
 """The ``algorithm`` section of a job spec: the GRPO objective and the sampling rules around it.
 
-Every option maps to a pure function in ``grpo/`` (formulas and sources in the README's "Algorithm" section and in
+Every option maps to a pure function in ``grpo/`` (formulas and sources in docs/algorithm.md and in
 those functions' docstrings). Checks that involve other sections (``rollout.max_response_tokens``,
 ``rollout.group_size``) are in :func:`algorithm_conflicts`, which ``JobSpec`` runs. The fields that select a
 registered variant (``advantage_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``, ``tis_level``,

@@ -18,7 +18,7 @@ import math
 import re
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 __all__ = [
     "SPEC_CONFIG", "MAX_SEQUENCE_TOKENS", "MAX_SEED", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TIMEOUT_S",
@@ -133,4 +133,9 @@ def parse_byte_size(value: Any) -> Any:
     return int(number)
 
 
-ByteSize = Annotated[int, BeforeValidator(parse_byte_size)]
+#: A byte count: an int, or a string with a unit that :func:`parse_byte_size` reads (its JSON Schema says both, so an
+#: editor does not flag ``bucket_bytes: 64MiB``).
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size), WithJsonSchema({
+    "anyOf": [{"type": "integer", "minimum": 0},
+              {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(([kKmMgGtT][iI]?)?[bB])?\s*$",
+               "examples": ["64MiB", "512MB", "1GiB"]}]})]

@@ -5,11 +5,12 @@ Imports only pydantic and :mod:`cluster.spec` modules.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
+from cluster.spec.data import implied_source
 from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
 from cluster.spec.lora import lora_conflicts
@@ -62,6 +63,27 @@ class JobSpec(BaseModel):
     @classmethod
     def _register_endpoints(cls, endpoints: dict[str, RewardEndpointSpec]) -> dict[str, RewardEndpointSpec]:
         return register_endpoints(endpoints)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_by_generated_data(cls, data: Any) -> Any:
+        """A generated task (``data.source: reasoning_gym``, given or implied) is scored by its own scorer, so the
+        settings that name the task's reward default to it when the spec leaves them out: ``algorithm.rewards``
+        ``{reasoning_gym: 1.0}``, ``eval.accuracy_reward`` (without an ``eval.data_path``) and
+        ``monitor.verifiable_reward``. Values the spec gives are kept and checked as written."""
+        if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
+            return data
+        section = data["data"]
+        if (section.get("source") or implied_source(section)) != "reasoning_gym":
+            return data
+        data = dict(data)
+        for name, key, value, unless in (("algorithm", "rewards", {"reasoning_gym": 1.0}, None),
+                                         ("eval", "accuracy_reward", "reasoning_gym", "data_path"),
+                                         ("monitor", "verifiable_reward", "reasoning_gym", None)):
+            block = data.get(name, {} if name == "algorithm" else None)
+            if isinstance(block, dict) and key not in block and (unless is None or block.get(unless) is None):
+                data[name] = {**block, key: value}
+        return data
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> JobSpec:

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import os
 import re
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from cluster.spec.algorithm import FieldConflict
+from cluster.spec.errors import Loc, format_errors, model_at, problem_line, unknown_key_message, where
 from cluster.spec.job import JobSpec
 
 __all__ = ["SpecError", "load_spec", "load_spec_text", "locate_field_error", "spec_to_yaml"]
@@ -44,8 +43,6 @@ __all__ = ["SpecError", "load_spec", "load_spec_text", "locate_field_error", "sp
 class SpecError(ValueError):
     """A job spec could not be read or validated; the message lists every problem, one per line."""
 
-
-Loc = tuple[str, ...]
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -105,25 +102,25 @@ def load_spec_text(text: str, *, source: str = "<string>", base_dir: str | Path 
                         f"({', '.join(JobSpec.model_fields)}), got {type(data).__name__}")
     if base_dir is not None:
         _resolve_relative_paths(data, Path(base_dir))
-    for section in [k for k, v in data.items() if v is None and _model_at((str(k),)) is not None
+    for section in [k for k, v in data.items() if v is None and model_at((str(k),)) is not None
                     and JobSpec.model_fields[str(k)].default is not None]:
         data[section] = {}  # a section whose keys are all commented out means "all defaults" (optional ones: off)
     set_by = _apply_overrides(data, overrides)
     try:
         return JobSpec.model_validate(data, context={"base_dir": str(base_dir) if base_dir is not None else None})
     except ValidationError as exc:
-        raise SpecError(_format_errors(exc, source, lines, set_by)) from None
+        raise SpecError(format_errors(exc, source, lines, set_by)) from None
 
 
 def locate_field_error(message: str, path: str | Path, overrides: Sequence[str] = ()) -> str:
     """``message`` prefixed with where its field's value came from, when it starts with a spec field (``model.path:
-    model folder ... not found`` → ``job.yaml:11: model.path: ...`` or ``--set model.path: model.path: ...``), for
+    model folder ... not found`` → ``job.yaml:11: model.path: ...`` or ``--set model.path: model folder ...``), for
     the input checks made after the spec is valid (model, data, output folders). Other messages, or a spec file
     that can no longer be read, are returned unchanged."""
     field = message.split(": ", 1)[0] if ": " in message else ""
     loc = tuple(field.split("."))
     if not field or loc[0] not in JobSpec.model_fields or (len(loc) > 1 and (
-            (cls := _model_at(loc[:-1])) is None or loc[-1] not in cls.model_fields)):
+            (cls := model_at(loc[:-1])) is None or loc[-1] not in cls.model_fields)):
         return message
     lines: dict[Loc, int] = {}
     try:
@@ -133,7 +130,7 @@ def locate_field_error(message: str, path: str | Path, overrides: Sequence[str] 
     except (OSError, UnicodeDecodeError, yaml.YAMLError, SpecError):
         return message
     set_by = {tuple(raw.partition("=")[0].strip().split(".")): raw.partition("=")[0].strip() for raw in overrides}
-    return f"{_where(loc, str(path), lines, set_by)}: {message}"
+    return problem_line(where(loc, str(path), lines, set_by), loc, message.split(": ", 1)[1])
 
 
 def spec_to_yaml(spec: JobSpec) -> str:
@@ -198,35 +195,20 @@ def _resolve_relative_paths(data: dict, base_dir: Path) -> None:
                 block[key] = os.path.normpath(os.path.abspath(candidate))
 
 
-def _model_at(loc: Sequence[str]) -> type[BaseModel] | None:
-    """The spec model class found by walking field names from JobSpec, or None if loc leaves the models. An
-    optional section (``eval: EvalSpec | None``) counts as its model."""
-    cls: type[BaseModel] = JobSpec
-    for part in loc:
-        field = cls.model_fields.get(part)
-        ann = field.annotation if field is not None else None
-        if isinstance(ann, types.UnionType):
-            ann = next((a for a in ann.__args__ if a is not type(None)), None) if len(ann.__args__) == 2 else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        cls = ann
-    return cls
-
-
 def _check_override_key(loc: Loc, raw: str) -> None:
     """Raise SpecError unless loc names a spec field (or an entry of a dict-valued field)."""
     for depth, part in enumerate(loc):
         parent = loc[:depth]
-        cls = _model_at(parent)
+        cls = model_at(parent)
         if cls is None:
-            field = _model_at(parent[:-1]).model_fields[parent[-1]]
+            field = model_at(parent[:-1]).model_fields[parent[-1]]
             if getattr(field.annotation, "__origin__", None) is dict and depth == len(loc) - 1:
                 return
             raise SpecError(f"--set {raw}: {'.'.join(parent)} is a value, not a section; "
                             f"cannot set {'.'.join(loc)!r}")
         if part not in cls.model_fields:
             level = ".".join(parent) or "top level"
-            raise SpecError(f"--set {raw}: unknown key {part!r} at {level}; allowed: {', '.join(cls.model_fields)}")
+            raise SpecError(f"--set {raw}: {unknown_key_message(part, list(cls.model_fields), level)}")
 
 
 def _apply_overrides(data: dict, overrides: Sequence[str]) -> dict[Loc, str]:
@@ -253,47 +235,3 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> dict[Loc, str]:
         block[loc[-1]] = value
         set_by[loc] = key
     return set_by
-
-
-def _format_errors(exc: ValidationError, source: str, lines: Mapping[Loc, int], set_by: Mapping[Loc, str]) -> str:
-    """One ``<where>: <dotted.field>: <message> (got <value>)`` line per pydantic error."""
-    out = []
-    for err in exc.errors():
-        loc: Loc = tuple(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        cause = (err.get("ctx") or {}).get("error")
-        show_value = err["type"] not in ("missing", "extra_forbidden", "value_error")  # our messages name it
-        if isinstance(cause, FieldConflict):
-            loc, msg, show_value = tuple(cause.field.split(".")), str(cause), False
-        elif err["type"] == "extra_forbidden":
-            cls = _model_at(loc[:-1])
-            allowed = ", ".join(cls.model_fields) if cls is not None else "?"
-            msg = f"unknown key {loc[-1]!r}; allowed: {allowed}"
-        elif err["type"] == "missing":
-            msg = f"required key {loc[-1]!r} is missing"
-        where = _where(loc, source, lines, set_by)
-        got = f" (got {_short_repr(err['input'])})" if show_value else ""
-        out.append(f"{where}: {'.'.join(loc) or '<spec>'}: {msg}{got}")
-    header = f"{source}: invalid job spec ({len(out)} problem{'s' if len(out) != 1 else ''}):"
-    return "\n".join([header, *("  " + line for line in out)])
-
-
-def _where(loc: Loc, source: str, lines: Mapping[Loc, int], set_by: Mapping[Loc, str]) -> str:
-    """Where loc's value came from, most specific first: an override of loc or a parent (``--set key``); else
-    overrides of keys inside loc (``--set algorithm.rewards.nope=1`` for an error at ``algorithm.rewards``); else
-    loc's YAML line, or its nearest parent's."""
-    for end in range(len(loc), 0, -1):
-        if loc[:end] in set_by:
-            return f"--set {set_by[loc[:end]]}"
-    inside = [key for set_loc, key in set_by.items() if loc and set_loc[:len(loc)] == loc]
-    if inside:
-        return ", ".join(f"--set {key}" for key in inside)
-    for end in range(len(loc), 0, -1):
-        if loc[:end] in lines:
-            return f"{source}:{lines[loc[:end]]}"
-    return source
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -90,7 +90,8 @@ class RolloutSpec(BaseModel):
     max_staleness: int = Field(0, ge=0, le=1_000_000, strict=True, description=(
         "Largest accepted (trainer policy version - sample policy version); 0 is on-policy. Older samples are "
         "refused and sampled again. mode one_step_off trains on samples one version old: it needs >= 1; mode async "
-        "lets the producer run up to this many versions ahead: it needs >= 1."))
+        "lets the producer run up to this many versions ahead: it needs >= 1. Left out, it is 0 in mode sync and 1 "
+        "in modes one_step_off and async."))
     mode: Literal["sync", "one_step_off", "async"] = Field("sync", description=(
         "When each step's batch is generated (cluster.loop.overlap). 'sync': generate, then train, then sync the "
         "weights; every sample is on-policy. 'one_step_off': the batch of step k+1 is generated on the weights step k "
@@ -101,7 +102,8 @@ class RolloutSpec(BaseModel):
         "rollout/stale_dropped, and their prompts drawn again). Weights are synced between generate calls, so a step "
         "lasts at least until the slowest generate call started during it ends, unless partial_rollout is on."))
     partial_rollout: bool = Field(False, strict=True, description=(
-        "Partial rollouts (mode async only; AReaL's interruptible rollout, PipelineRL's in-flight weight updates): "
+        "Partial rollouts (mode async only, which true implies when mode is left out; AReaL's interruptible rollout, "
+        "PipelineRL's in-flight weight updates): "
         "after each train step the producer's generate call is interrupted instead of awaited; unfinished "
         "completions are aborted in vLLM, the new weights are synced, and the next producer call continues them "
         "from their tokens on the new weights (their KV cache is recomputed: one prefill of prompt + tokens so far). "
@@ -128,6 +130,21 @@ class RolloutSpec(BaseModel):
 
     multi_turn: MultiTurnSpec | None = Field(None, description=(
         f"{MultiTurnSpec.__doc__} null (the default): one completion per prompt, no environment."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_settings(cls, data):
+        """What a chosen mode implies when the spec leaves the setting out: ``partial_rollout: true`` implies
+        ``mode: async``; ``mode`` one_step_off or async implies ``max_staleness: 1`` (the least either can run with).
+        A value the spec gives is kept, and checked by :meth:`_mode_needs_staleness`."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("partial_rollout") is True and "mode" not in data:
+            data["mode"] = "async"
+        if data.get("mode") in ("one_step_off", "async") and "max_staleness" not in data:
+            data["max_staleness"] = 1
+        return data
 
     @field_validator("resources")
     @classmethod
@@ -207,14 +224,16 @@ class TrainSpec(BaseModel):
         "Training strategy, the train backend started on every rank",
         "fsdp (FSDP2, data parallelism), megatron (Megatron-core tensor and pipeline parallelism, float32)"))
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
-        "Megatron tensor-parallel ranks per model replica (strategy megatron); must divide the model's attention "
+        "Megatron tensor-parallel ranks per model replica (strategy megatron, which > 1 implies when strategy is left "
+        "out); must divide the model's attention "
         "heads and kv heads. Data-parallel size = world_size / (tensor_parallel_size × pipeline_parallel_size)."))
     pipeline_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
-        "Megatron pipeline stages per model replica (strategy megatron; megatron-core's 1F1B schedule); must divide "
-        "the model's layers."))
+        "Megatron pipeline stages per model replica (strategy megatron, which > 1 implies when strategy is left out; "
+        "megatron-core's 1F1B schedule); must divide the model's layers."))
     sequence_parallel: bool = Field(False, strict=True, description=(
-        "Megatron sequence parallelism (strategy megatron): activations outside attention/MLP split by sequence "
-        "over the tensor-parallel ranks; needs tensor_parallel_size > 1."))
+        "Megatron sequence parallelism (strategy megatron, which true implies when strategy is left out): "
+        "activations outside attention/MLP split by sequence over the tensor-parallel ranks; needs "
+        "tensor_parallel_size > 1."))
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "Ray placement-group strategy for the train ranks' bundles."))
     resources: CustomResources = Field(default_factory=dict, description=(
@@ -256,6 +275,20 @@ class TrainSpec(BaseModel):
     @classmethod
     def _cpu_cores(cls, cores: list[int] | None) -> list[int] | None:
         return check_cpu_cores(cores)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _implied_strategy(cls, data):
+        """A model-parallel layout (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1, or
+        ``sequence_parallel: true``) with ``strategy`` left out implies the model-parallel strategy, when exactly one
+        is registered (megatron); a strategy the spec gives is kept and checked by :meth:`_model_parallel_layout`."""
+        if not isinstance(data, dict) or "strategy" in data:
+            return data
+        layout = (data.get("tensor_parallel_size", 1), data.get("pipeline_parallel_size", 1),
+                  data.get("sequence_parallel", False))
+        if layout == (1, 1, False) or len(parallel := model_parallel_strategies()) != 1:
+            return data
+        return {**data, "strategy": parallel[0]}
 
     @field_validator("betas")
     @classmethod

@@ -11,10 +11,11 @@ from tests.unit.test_driver_staleness import SPEC
 ASYNC = ["rollout.mode=async", "rollout.max_staleness=2"]
 
 
-def test_async_needs_max_staleness_1_named_before_start():
+def test_async_implies_max_staleness_1_and_refuses_an_explicit_0():
+    assert load_spec_text(SPEC, overrides=["rollout.mode=async"]).rollout.max_staleness == 1
     with pytest.raises(SpecError, match=r"rollout.max_staleness: rollout.mode 'async' .* expected max_staleness >= 1, "
                                         r"got 0"):
-        load_spec_text(SPEC, overrides=["rollout.mode=async"])
+        load_spec_text(SPEC, overrides=["rollout.mode=async", "rollout.max_staleness=0"])
     spec = load_spec_text(SPEC, overrides=ASYNC)
     assert spec.rollout.mode == "async" and spec.rollout.max_staleness == 2
     again = load_spec_text(spec_to_yaml(spec))

@@ -66,9 +66,7 @@ def test_bad_inputs_exit_2_naming_the_field(tmp_path, tiny_model_dir, capsys):
 
 
 def test_version_is_the_package_metadata(capsys):
-    with pytest.raises(SystemExit) as done:
-        main(["--version"])
-    assert done.value.code == 0
+    assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"grpo-cluster {version('grpo-cluster')}\n"
 
 
@@ -81,7 +79,7 @@ def test_input_errors_name_the_spec_file_and_line_of_the_field(tmp_path, tiny_mo
     assert capsys.readouterr().err.startswith(f"grpo-cluster: {spec}:{line}: model.path: model folder "
                                               f"{tmp_path / 'no_model'} not found")
     assert main(["validate", str(spec), "--set", f"model.path={tmp_path / 'nope'}"]) == 2
-    assert capsys.readouterr().err.startswith("grpo-cluster: --set model.path: model.path: model folder")
+    assert capsys.readouterr().err.startswith("grpo-cluster: --set model.path: model folder")
     spec = _spec_file(tmp_path, tiny_model_dir)
     (tmp_path / "train.jsonl").unlink()
     line = next(i for i, text in enumerate(spec.read_text().splitlines(), 1) if text.startswith("data:"))
@@ -99,7 +97,7 @@ def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, 
     assert main(["validate", str(spec), "--set", "rollout.resources={rollout_node: 1}"]) == 2
     err = capsys.readouterr().err
     assert "needs rollout_node 1 (rollout 1 x 1), cluster has 0" in err
-    assert "the local Ray cluster `run` starts without --address has no custom resources" in err
+    assert "the local Ray cluster `run` starts without --address: CPU " in err and "no custom resources" in err
     assert main(["validate", str(spec)]) == 0
     assert not (tmp_path / "out").exists()
 
@@ -115,10 +113,10 @@ def test_cpu_affinity_outside_this_machine_exits_2(tmp_path, tiny_model_dir, cap
     absent = max(allowed) + 1
     assert main(["validate", str(spec), "--set", f"train.cpu_affinity=[{allowed[0]}, {absent}]"]) == 2
     err = capsys.readouterr().err
-    assert (f"--set train.cpu_affinity: train.cpu_affinity: cores [{absent}] are not among this machine's usable "
+    assert (f"--set train.cpu_affinity: cores [{absent}] are not among this machine's usable "
             f"cores {allowed}") in err, err
     assert main(["validate", str(spec), "--set", f"rollout.cpu_affinity=[{allowed[-1]}]", "--set",
                  f"train.cpu_affinity=[{allowed[0]}]"]) == 0
     out = capsys.readouterr().out
-    assert f"on cores [{allowed[-1]}]" in out and f"backend auto; on cores [{allowed[0]}]" in out, out
+    assert f"on cores [{allowed[-1]}]" in out and f"backend gloo (auto); on cores [{allowed[0]}]" in out, out
     assert not (tmp_path / "out").exists()

@@ -183,7 +183,7 @@ def test_last_number_extraction_rides_in_the_reference_and_pays_the_right_number
     (RG_DATA.replace('"min_terms": 2', '"min_terms": 5'), RG_REWARDS, "data.reasoning_gym.config", "chain_sum"),
     (RG_DATA.replace("seed: 7}", "seed: 7, held_out_seed: 20}"), RG_REWARDS, "data.reasoning_gym.held_out_seed",
      "overlap"),
-    (RG_DATA, "", "algorithm.rewards", "'reasoning_gym' weight"),
+    (RG_DATA, "algorithm:\n  rewards: {format: 1.0}\n", "algorithm.rewards", "'reasoning_gym' weight"),
     (RG_DATA + "  test_path: test.jsonl\n", RG_REWARDS, "data.test_path", "not used with data.source 'reasoning_gym'"),
     (RG_DATA, "algorithm:\n  rewards: {reasoning_gym: 1.0, accuracy: 1.0}\n", "algorithm.rewards", "accuracy"),
 ])
@@ -292,7 +292,17 @@ def test_eval_reads_the_reasoning_gym_held_out_split_and_scores_it_with_the_task
     held_out, _ = load_examples(spec.data, "held_out")
     assert evalset.examples == held_out[:5] and evalset.field == "data.reasoning_gym"
     with pytest.raises(SpecError, match=r"eval\.accuracy_reward: .*expected 'reasoning_gym', got 'accuracy'"):
-        load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS + "eval: {}\n"))
+        load_spec(_spec(tmp_path, RG_DATA, RG_REWARDS + "eval: {accuracy_reward: accuracy}\n"))
+
+
+def test_a_generated_task_implies_its_own_reward_where_the_spec_leaves_it_out(tmp_path):
+    """``data: {reasoning_gym: {task: chain_sum}}`` with no source, no rewards, ``eval: {}`` and ``monitor: {}``: the
+    task implies data.source, algorithm.rewards, eval.accuracy_reward and monitor.verifiable_reward."""
+    implied = RG_DATA.replace("  source: reasoning_gym\n", "")
+    assert implied != RG_DATA
+    spec = load_spec(_spec(tmp_path, implied, "eval: {limit: 5}\nmonitor: {action: warn}\n"))
+    assert spec.data.source == "reasoning_gym" and dict(spec.algorithm.rewards) == {"reasoning_gym": 1.0}
+    assert spec.eval.accuracy_reward == "reasoning_gym" and spec.monitor.verifiable_reward == "reasoning_gym"
 
 
 def test_the_reasoning_gym_reward_in_eval_needs_the_reasoning_gym_split(tmp_path):

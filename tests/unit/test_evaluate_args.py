@@ -17,13 +17,13 @@ from cluster.data.evaluate import check_eval_args, engine_max_model_len, evaluat
 
 
 @pytest.mark.parametrize("limit, max_tokens, message", [
-    (0, 256, r"limit: expected None \(all rows\) or a whole number of rows >= 1, got 0"),
-    (-3, 256, r"limit: .* got -3"),
-    (True, 256, r"limit: .* got True"),
-    (2.5, 256, r"limit: .* got 2.5"),
-    (None, 0, r"max_tokens: expected a whole number of tokens >= 1, got 0"),
-    (5, -1, r"max_tokens: .* got -1"),
-    (5, 1.5, r"max_tokens: .* got 1.5"),
+    (0, 256, r"--limit: expected a whole number >= 1 \(or no --limit: all rows\), got 0"),
+    (-3, 256, r"--limit: .* got -3"),
+    (True, 256, r"--limit: .* got True"),
+    (2.5, 256, r"--limit: .* got 2.5"),
+    (None, 0, r"--max-tokens: expected a whole number >= 1, got 0"),
+    (5, -1, r"--max-tokens: .* got -1"),
+    (5, 1.5, r"--max-tokens: .* got 1.5"),
 ])
 def test_bad_arguments_raise_before_loading_anything(tmp_path, limit, max_tokens, message):
     with pytest.raises(ValueError, match=message):
@@ -78,7 +78,7 @@ def install_fakes(monkeypatch) -> dict:
     import cluster.data.models
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda path: FakeTokenizer()))
-    monkeypatch.setattr(cluster.data.models, "resolve_model_path", lambda model: model)
+    monkeypatch.setattr(cluster.data.models, "resolve_model_path", lambda model, **_: model)
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         monkeypatch.delenv(name, raising=False)
     return seen

@@ -139,7 +139,8 @@ def test_unreachable_address_exits_2(argv, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["scale", "j"], "give exactly one of --rollout-replicas N or a changed SPEC.yaml"),
     (["scale", "j", str(EXAMPLE), "--rollout-replicas", "2"], "give exactly one of"),
-    (["scale", "j", "--rollout-replicas", "0"], "expected an integer in [1, 4096], got 0"),
+    (["scale", "j", "--rollout-replicas", "0"], "--rollout-replicas: expected a whole number >= 1, got 0"),
+    (["scale", "j", "--rollout-replicas", "5000"], "expected an integer in [1, 4096], got 5000"),
     (["scale", "j", "--rollout-replicas", "2", "--set", "train.lr=1"], "--set applies to SPEC.yaml"),
     (["submit", str(EXAMPLE), "--env", "NOVALUE"], "--env 'NOVALUE': expected KEY=VALUE"),
     (["submit", str(EXAMPLE), "--import", "no_such_module_xyz"], "--import no_such_module_xyz"),

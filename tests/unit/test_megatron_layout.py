@@ -69,7 +69,17 @@ def test_megatron_strategy_accepted_once_registered():
 ])
 def test_megatron_fields_refused_with_fsdp(override, field):
     with pytest.raises(SpecError, match=rf"{field}.*needs strategy 'megatron'; strategy 'fsdp'"):
-        load("train.world_size=4", override)
+        load("train.world_size=4", "train.strategy=fsdp", override)
+
+
+@pytest.mark.parametrize("overrides", [
+    ("train.tensor_parallel_size=2",), ("train.pipeline_parallel_size=2",),
+    ("train.tensor_parallel_size=2", "train.sequence_parallel=true"),
+])
+def test_a_megatron_layout_implies_the_megatron_strategy_when_none_is_given(overrides):
+    """``grpo-cluster validate SPEC --set train.tensor_parallel_size=2``: the layout implies the one model-parallel
+    strategy instead of being refused for the default fsdp."""
+    assert load("train.world_size=4", *overrides).train.strategy == "megatron"
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -222,10 +232,12 @@ def test_megatron_state_dict_round_trip_every_layout(config, tp, pp):
 @pytest.mark.parametrize("overrides, message", [
     # only the pipeline size breaks the layout: tp 1 (the default, never set) divides anything
     (("train.world_size=2", "train.pipeline_parallel_size=3"),
-     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*1 × 3 = 3 must divide "
+     r"--set train.pipeline_parallel_size, --set train.world_size: train.pipeline_parallel_size: .*1 × 3 = 3 "
+     r"must divide "
      r"train.world_size = 2"),
     (("train.world_size=4", "train.tensor_parallel_size=2", "train.pipeline_parallel_size=3"),
-     r"--set train.pipeline_parallel_size: train.pipeline_parallel_size: .*2 × 3 = 6 must divide"),
+     r"--set train.pipeline_parallel_size, --set train.world_size, --set train.tensor_parallel_size: "
+     r"train.pipeline_parallel_size: .*2 × 3 = 6 must divide"),
 ])
 def test_megatron_layout_refusal_names_the_pipeline_size_when_it_alone_does_not_divide(megatron_registered,
                                                                                        overrides, message):

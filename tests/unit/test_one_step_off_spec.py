@@ -15,10 +15,13 @@ from cluster.spec import SpecError, load_spec_text, spec_to_yaml
 from tests.unit.test_driver_staleness import SPEC, FakeRollout, FakeSync
 
 
-def test_one_step_off_needs_max_staleness_1_named_before_start():
-    with pytest.raises(SpecError, match=r"rollout.max_staleness: rollout.mode 'one_step_off' .* expected "
-                                        r"max_staleness >= 1, got 0"):
-        load_spec_text(SPEC, overrides=["rollout.mode=one_step_off"])
+def test_one_step_off_implies_max_staleness_1_and_refuses_an_explicit_0_naming_the_set():
+    """``grpo-cluster validate SPEC --set rollout.mode=one_step_off``: the mode implies max_staleness 1; an explicit
+    0 is refused, blamed on the --set that made the spec inconsistent."""
+    assert load_spec_text(SPEC, overrides=["rollout.mode=one_step_off"]).rollout.max_staleness == 1
+    with pytest.raises(SpecError, match=r"--set rollout.max_staleness, --set rollout.mode: rollout.max_staleness: "
+                                        r"rollout.mode 'one_step_off' .* expected max_staleness >= 1, got 0"):
+        load_spec_text(SPEC, overrides=["rollout.mode=one_step_off", "rollout.max_staleness=0"])
     spec = load_spec_text(SPEC, overrides=["rollout.mode=one_step_off", "rollout.max_staleness=1"])
     assert spec.rollout.mode == "one_step_off"
     again = load_spec_text(spec_to_yaml(spec))

@@ -119,8 +119,10 @@ def test_partial_rollout_spec_refusals():
     with pytest.raises(Exception, match="rollout.partial_rollout") as info:
         load_spec_text(base + "rollout: {mode: one_step_off, max_staleness: 1, partial_rollout: true}\n")
     assert "expected mode 'async', got 'one_step_off'" in str(info.value)
+    implied = load_spec_text(base + "rollout: {partial_rollout: true}\n").rollout  # implies mode async, staleness 1
+    assert (implied.mode, implied.max_staleness) == ("async", 1)
     with pytest.raises(Exception, match="rollout.partial_rollout"):
-        load_spec_text(base + "rollout: {partial_rollout: true}\n")
+        load_spec_text(base + "rollout: {mode: sync, partial_rollout: true}\n")
     with pytest.raises(Exception, match="dynamic_sampling false"):
         load_spec_text(base + "rollout: {mode: async, max_staleness: 1, partial_rollout: true}\n"
                        "algorithm: {dynamic_sampling: true}\n")

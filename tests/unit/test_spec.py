@@ -43,7 +43,8 @@ def test_unknown_key_names_key_line_and_allowed(tmp_path):
     with pytest.raises(SpecError) as info:
         load_spec(path)
     msg = str(info.value)
-    assert f"{path}:7: rollout.group_sise: unknown key 'group_sise'; allowed: replicas," in msg
+    assert (f"{path}:7: rollout.group_sise: unknown key 'group_sise' (did you mean 'group_size'?); allowed: "
+            f"replicas,") in msg
     assert "group_size" in msg
 
 
@@ -114,15 +115,17 @@ def test_overrides_parse_values_as_yaml(tmp_path):
 
 def test_override_errors(tmp_path):
     path = write(tmp_path, MINIMAL)
-    with pytest.raises(SpecError, match=r"unknown key 'group_sise' at rollout; allowed: replicas, "):
+    with pytest.raises(SpecError, match=r"unknown key 'group_sise' at rollout \(did you mean 'group_size'\?\); "
+                                        r"allowed: replicas, "):
         load_spec(path, ["rollout.group_sise=8"])
-    with pytest.raises(SpecError, match=r"unknown key 'rolout' at top level; allowed: name, seed"):
+    with pytest.raises(SpecError, match=r"unknown key 'rolout' at top level \(did you mean 'rollout'\?\); "
+                                        r"allowed: name, seed"):
         load_spec(path, ["rolout.group_size=8"])
     with pytest.raises(SpecError, match=r"rollout.replicas is a value, not a section"):
         load_spec(path, ["rollout.replicas.x=1"])
     with pytest.raises(SpecError, match=r"expected 'dotted.key=value'"):
         load_spec(path, ["rollout.group_size"])
-    with pytest.raises(SpecError, match=r"--set rollout.group_size: rollout.group_size: Input should be greater "
+    with pytest.raises(SpecError, match=r"--set rollout.group_size: Input should be greater "
                                         r"than or equal to 2 \(got 1\)"):
         load_spec(path, ["rollout.group_size=1"])
 
@@ -274,7 +277,7 @@ def test_integer_fields_are_strict(tmp_path, section, key, value):
     dotted = section if key is None else f"{section}.{key}"
     with pytest.raises(SpecError, match=rf"{dotted}: Input should be a valid integer"):
         load_spec(write(tmp_path, with_value(section, key, value)))
-    with pytest.raises(SpecError, match=rf"--set {dotted}: {dotted}: Input should be a valid integer"):
+    with pytest.raises(SpecError, match=rf"--set {dotted}: Input should be a valid integer"):
         load_spec(write(tmp_path, MINIMAL), [f"{dotted}={value}"])
 
 
@@ -326,7 +329,7 @@ def test_float_fields_refuse_booleans_and_strings(tmp_path, section, key):
             text, base = with_value(section, key, value), MINIMAL
         with pytest.raises(SpecError, match=rf"{section}.{key}: Input should be a valid number"):
             load_spec(write(tmp_path, text))
-        with pytest.raises(SpecError, match=rf"--set {section}.{key}: {section}.{key}: Input should be a valid number"):
+        with pytest.raises(SpecError, match=rf"--set {section}.{key}: Input should be a valid number"):
             load_spec(write(tmp_path, base), [f"{section}.{key}={value}"])
 
 
@@ -363,7 +366,7 @@ def test_integer_fields_accept_yaml_and_set_ints(tmp_path):
     ("algorithm.group_size_max", 1025, "less than or equal to 1024"),
 ])
 def test_counts_have_upper_bounds(tmp_path, dotted, value, bound):
-    with pytest.raises(SpecError, match=rf"--set {dotted}: {dotted}: Input should be {bound} \(got {value}\)"):
+    with pytest.raises(SpecError, match=rf"--set {dotted}: Input should be {bound} \(got {value}\)"):
         load_spec(write(tmp_path, MINIMAL), [f"{dotted}={value}"])
 
 
