@@ -1,10 +1,11 @@
 """One vLLM engine in this process as the loop's rollout side, for benchmarks of multi-turn episodes.
 
 :class:`EngineAsFleet` gives :class:`cluster.loop.episodes.EpisodeRunner` what it calls of a
-``contract.protocols.Fleet`` (``generate`` and ``restarts``) over a :class:`rollout_workers.engine.RolloutEngine` built here, without Ray: the
-requests go to the engine as they would from ``cluster.ray_shell.fleet.EngineFleet`` (one ``generate`` call,
-results in request order). :class:`FixedLengthEngine` makes every completion exactly its cap long (vLLM's
-``min_tokens``: no EOS before it), so two runs sample the same number of tokens.
+``contract.protocols.Fleet`` (``generate`` and ``restarts``) over a :class:`rollout_workers.engine.RolloutEngine`
+built here, without Ray: the requests go to the engine as they would from
+``cluster.ray_shell.fleet.EngineFleet`` (one ``generate`` call, results in request order).
+:class:`FixedLengthEngine` makes every completion exactly its cap long (vLLM's ``min_tokens``: no EOS before it), so
+two runs sample the same number of tokens.
 """
 
 from __future__ import annotations

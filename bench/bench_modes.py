@@ -158,7 +158,8 @@ def report(results: list[dict], engine_cores: list[int], train_cores: list[int])
     headers = ["mode", "rc", "steps", "steps/h", "s/step", "gen s", "train s", "sync s", "stale mean", "stale max",
                "logprob gap", "KL(b||cur)", "reward", "interrupted", "resumed"]
     table = [[r["mode"], r["rc"], r.get("steps", 0), num(r, "steps_per_hour", "{:.1f}"),
-              num(r, "step_s_mean", "{:.1f}"), num(r, "generate_s", "{:.1f}"), num(r, "train_s", "{:.1f}"), num(r, "sync_s", "{:.1f}"),
+              num(r, "step_s_mean", "{:.1f}"), num(r, "generate_s", "{:.1f}"), num(r, "train_s", "{:.1f}"),
+              num(r, "sync_s", "{:.1f}"),
               num(r, "staleness_mean", "{:.2f}"), num(r, "staleness_max", "{:.0f}"), num(r, "logprob_diff", "{:.2e}"),
               num(r, "kl_behaviour_current", "{:.2e}"), num(r, "reward_mean", "{:.3f}"),
               r.get("partial_interrupted", "-") if r["mode"] == "async+partial" else "-",

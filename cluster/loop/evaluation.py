@@ -88,6 +88,11 @@ class EvalSet:
     bad_rows: int
     filtered: int
 
+    @property
+    def dropped(self) -> int:
+        """Held-out rows read but not evaluated (``eval/dropped``): unreadable or also in training, or too long."""
+        return self.filtered + self.bad_rows
+
 
 def _held_out_split(data, checks) -> tuple[str, str, list[Example], int]:
     """(field, what, examples, bad rows) of the source's own held-out split: ``data.test_path``, ``data.hub.
@@ -277,7 +282,7 @@ class HeldOutEval:
         self._new_best_at = None
         if self.best_accuracy is None or metrics["eval/accuracy"] > self.best_accuracy:
             self.best_step, self.best_accuracy, self._new_best_at = step, metrics["eval/accuracy"], step
-        return {**metrics, "eval/dropped": float(self.evalset.filtered + self.evalset.bad_rows),
+        return {**metrics, "eval/dropped": float(self.evalset.dropped),
                 "eval/seconds": time.perf_counter() - t0, "eval/best_accuracy": self.best_accuracy,
                 "eval/best_step": float(self.best_step)}
 

@@ -125,8 +125,8 @@ def algorithm_summary(a) -> str:
     """The GRPO objective in one line: advantages, loss aggregation, clip range, KL."""
     kl = (f"KL {a.kl_estimator} to the reference policy, beta {a.kl_coef:g} ({a.kl_controller}"
           f"{', in the reward' if a.kl_in_reward else ''})" if a.kl_coef > 0 else "no KL term (kl_coef 0)")
-    return (f"advantages {a.advantage_estimator}, policy loss {a.policy_loss}, aggregation {a.loss_agg}, ratio clipped to [{1 - a.clip_eps_low:g}, "
-            f"{1 + a.clip_eps_high:g}], {a.num_iterations} update(s) per batch; {kl}")
+    return (f"advantages {a.advantage_estimator}, loss {a.loss_agg}, ratio clipped to [{1 - a.clip_eps_low:g}, "
+            f"{1 + a.clip_eps_high:g}] (policy loss {a.policy_loss}), {a.num_iterations} update(s) per batch; {kl}")
 
 
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:

@@ -48,7 +48,10 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
 
 
 def _type_text(prop: dict[str, Any], defs: dict[str, Any]) -> str:
-    """A JSON Schema property as a short type with its bounds: ``int, 1 to 4096``, ``"sync" | "async"``, ...."""
+    """A JSON Schema property as a short type with its bounds: ``int, 1 to 4096``, ``"sync" | "async"``, ....
+    A boolean schema (``additionalProperties: true``, a ``dict[str, Any]``) is ``any``."""
+    if not isinstance(prop, dict):
+        return "any"
     if "$ref" in prop:
         return "section"
     if "anyOf" in prop:

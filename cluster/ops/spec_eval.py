@@ -120,7 +120,7 @@ def evaluate_prepared(prepared: SpecEval, generate: Generate) -> dict:
     generated = time.perf_counter() - t0
     ev = prepared.spec.eval
     scores = score_problems(groups, prepared.held_out.rows, ev.accuracy_reward, ev.format_reward)
-    metrics = eval_metrics(groups, scores)
+    metrics = {**eval_metrics(groups, scores), "eval/dropped": float(prepared.evalset.dropped)}
     seconds = time.perf_counter() - t0
     tokens = sum(len(ids) for g in groups for ids in g.response_ids)
     problems, start = [], 0

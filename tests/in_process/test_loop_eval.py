@@ -27,16 +27,16 @@ ACCURACY = [sum(scores) / PROBLEMS for scores in SCRIPT]
 
 @pytest.fixture(scope="module")
 def eval_script():
-    """Register ``eval_script``: in the i-th evaluation (PROBLEMS calls, one per problem) problem j scores
-    SCRIPT[i][j]."""
+    """Register ``eval_script``: in the i-th evaluation (one call over the PROBLEMS completions, as
+    ``cluster.loop.evaluation.score_problems`` calls it) problem j scores SCRIPT[i][j]."""
     from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
 
     calls = []
 
     def script(completions: list[str], references: list[str]) -> list[float]:
-        calls.append(len(completions))
-        evaluation, problem = divmod(len(calls) - 1, PROBLEMS)
-        return [SCRIPT[evaluation][problem]] * len(completions)
+        calls.append(len(completions))  # one call per evaluation, over its PROBLEMS completions (eval.samples 1)
+        assert len(completions) == PROBLEMS, completions
+        return list(SCRIPT[len(calls) - 1])
 
     register_reward_function("eval_script")(script)
     yield calls
@@ -67,7 +67,7 @@ def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, t
 
 EVAL_KEYS = {"eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/n", "eval/problems",
              "eval/response_length_mean", "eval/truncated_fraction", "eval/format_rate", "eval/seconds",
-             "eval/best_accuracy", "eval/best_step"}
+             "eval/best_accuracy", "eval/best_step", "eval/dropped"}
 
 
 def test_step_0_row_then_eval_keys_on_every_step_row(eval_run):

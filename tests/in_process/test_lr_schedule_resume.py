@@ -40,17 +40,31 @@ def _adam_steps(job) -> set[float]:
     return {float(state["step"]) for state in job.trainer.worker.optimizer.state.values()}
 
 
+class StopAfter:
+    """A control channel (``contract.protocols.ControlChannel``) that asks its job to stop once step ``step`` is done:
+    the job reads it before each step, so the request made when ``step - 1`` steps are done ends the run after
+    ``step``."""
+
+    def __init__(self, step: int):
+        self.step, self.job = step, None
+
+    def desired_rollout_replicas(self) -> None:
+        return None
+
+    def report(self, status) -> None:
+        if status["step"] == self.step - 1:
+            self.job.request_stop(f"test: stop after step {self.step}")
+
+    def close(self) -> None:
+        pass
+
+
 def _run(spec, resume: bool = False, stop_after: int | None = None):
     """Run a job; with ``stop_after`` the job stops cleanly after that step. Returns (history, AdamW step counts)."""
-    job = local_job(spec, progress=False, resume=resume)
-    if stop_after is not None:
-        log_step = job._log_step
-
-        def log_and_stop(metrics):
-            log_step(metrics)
-            if job.step == stop_after:
-                job.request_stop(f"test: stop after step {stop_after}")
-        job._log_step = log_and_stop
+    control = StopAfter(stop_after) if stop_after is not None else None
+    job = local_job(spec, progress=False, resume=resume, control=control)
+    if control is not None:
+        control.job = job
     with stopped_after(job):
         history = job.run()
         steps = _adam_steps(job)

@@ -127,7 +127,7 @@ def test_own_task_eval_spec_command_line(tiny_model_dir, tmp_path, stand_in_engi
 
 @pytest.mark.parametrize("args, message", [
     (["--against", "{base}"], "--against {base}: 2 problems, this evaluation has 5"),
-    (["--limit", "0"], "--set eval.limit: eval.limit: Input should be greater than or equal to 1"),
+    (["--limit", "0"], "grpo-cluster eval: --limit: expected a whole number >= 1, got 0"),
     (["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--against", "{base}"],
      "--against compares problems solved or not: expected eval.samples 1, got 2"),
     (["--per-problem", "{spec}"], "is the --data file"),

@@ -31,6 +31,8 @@ NO_TENSOR = {
     "train.num_cpus_per_worker": "a Ray resource amount",
     "train.num_gpus_per_worker": "a Ray resource amount",
     "train.resources": "Ray resource amounts, bounded by check_custom_resources",
+    "reward_pool.num_cpus_per_worker": "a Ray resource amount",
+    "reward_pool.resources": "Ray resource amounts, bounded by check_custom_resources",
     "data.reasoning_gym.config": "a reasoning-gym task generator's settings, checked by reasoning-gym",
     "algorithm.kl_target": "compared with the measured KL in Python (the adaptive controller), never a tensor",
 }
@@ -98,7 +100,7 @@ def test_every_float_field_is_bounded_or_never_reaches_a_tensor():
     *((override, field) for field, override in VALIDATED.items()),
 ])
 def test_a_value_beyond_float32_is_refused_naming_the_field(override, field):
-    with pytest.raises(SpecError, match=rf": {field.replace('.', r'[.]')}: "):
+    with pytest.raises(SpecError, match=rf"(: |--set ){field.replace('.', r'[.]')}: "):
         load_spec_text(MINIMAL, source="job.yaml", overrides=[override])
 
 

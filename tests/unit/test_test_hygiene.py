@@ -239,3 +239,18 @@ def test_test_modules_have_unique_names():
             clashes.append(f"{seen[path.name].relative_to(TESTS)} and {path.relative_to(TESTS)}")
         seen.setdefault(path.name, path)
     assert not clashes, "test modules with the same file name: " + "; ".join(clashes)
+
+
+def test_no_test_module_imports_a_module_that_registers_on_import():
+    """``tests/parity_reward.py`` registers ``parity`` when imported (for submitted jobs' ``--import``); a test module
+    that imports it leaves ``parity`` registered for the rest of its worker's session, which changes every other
+    test's "allowed: ..." list. Tests register it for one module with ``tests.registered.temporarily_registered``."""
+    offenders = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "tests.parity_reward" for n in names):
+                offenders.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not offenders, "test modules importing tests.parity_reward: " + ", ".join(offenders)

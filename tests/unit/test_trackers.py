@@ -7,6 +7,9 @@ not installed is refused before the job starts, naming ``metrics.trackers``."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import importlib.util
 import json
 from pathlib import Path
@@ -36,16 +39,17 @@ def _spec(tmp_path: Path, model: str, trackers: list[str], metrics: str = ""):
         f"metrics: {{port: null, trackers: {json.dumps(trackers)}{metrics}}}\n")
 
 
-def _run(spec, mp) -> tuple[list[dict], list[str]]:
+def _run(spec) -> tuple[list[dict], list[str]]:
     """Run the job over the stand-ins; returns (metrics.jsonl rows, the job's status lines, where tracker warnings
-    go). ``mp``: a pytest MonkeyPatch (the job's status method is redirected while it lives)."""
-    lines: list[str] = []
-    mp.setattr(GRPOJob, "status", lambda self, message: lines.append(message))
-    job = GRPOJob(spec, fleet=StandInFleet(), trainer=StandInTrainer(), progress=False)
-    try:
-        job.run()
-    finally:
-        job.close()
+    go)."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):  # GRPOJob.status writes "[grpo-cluster] <message>" lines there
+        job = GRPOJob(spec, fleet=StandInFleet(), trainer=StandInTrainer(), progress=False)
+        try:
+            job.run()
+        finally:
+            job.close()
+    lines = [line.removeprefix("[grpo-cluster] ") for line in stderr.getvalue().splitlines()]
     out = Path(spec.output_dir)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], lines
 
@@ -60,7 +64,7 @@ def tracked(tiny_model_dir, tmp_path_factory):
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.delenv("WANDB_MODE", raising=False)
         spec = _spec(tmp, tiny_model_dir, INSTALLED)
-        rows, lines = _run(spec, mp)
+        rows, lines = _run(spec)
     return {"rows": rows, "lines": lines, "out": Path(spec.output_dir), "spec": spec}
 
 
@@ -142,7 +146,7 @@ def test_unreachable_server_warns_once_and_training_goes_on(tmp_path, tiny_model
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     spec = _spec(tmp_path, tiny_model_dir, ["mlflow"], metrics=", mlflow_tracking_uri: 'http://127.0.0.1:9'")
-    rows, lines = _run(spec, monkeypatch)
+    rows, lines = _run(spec)
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     warnings = [line for line in lines if "tracker 'mlflow' failed" in line]
     assert len(warnings) == 1 and "starting the run" in warnings[0] and "training goes on" in warnings[0]
@@ -164,7 +168,7 @@ def test_a_tracker_raising_mid_run_is_switched_off_after_one_warning(tmp_path, t
     _need("tensorboard")
     monkeypatch.setitem(backends.BACKENDS, "tensorboard", _FailsAtStep2)
     _FailsAtStep2.calls = []
-    rows, lines = _run(_spec(tmp_path, tiny_model_dir, ["tensorboard"]), monkeypatch)
+    rows, lines = _run(_spec(tmp_path, tiny_model_dir, ["tensorboard"]))
     assert [r["step"] for r in rows] == list(range(STEPS + 1))
     assert _FailsAtStep2.calls == [0, 1, 2]  # nothing sent after the failure
     warnings = [line for line in lines if "tracker 'tensorboard' failed" in line]
