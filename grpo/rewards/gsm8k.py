@@ -8,7 +8,7 @@ line "#### <answer>". A completion's answer is, in order of preference:
 The text is normalised first (:func:`grpo.rewards.answer_text.clean_text`: sign characters, currency prefixes,
 spaces, LaTeX and Unicode fractions) and numbers are read and compared by :mod:`grpo.rewards.numbers` (mixed
 numbers, what is not a number, exact comparison with a relative tolerance of 1e-6); the kinds of notation and the
-rule for each are listed in those two modules' docs and in the README's checker section. Everything here is pure and
+rule for each are listed in those two modules' docs and in docs/own_task.md. Everything here is pure and
 deterministic.
 
 Format rule (``format_reward``): it pays 1.0 only for a worked solution in GSM8K's own shape, never for an answer

@@ -115,9 +115,10 @@ def test_absurd_timeouts_are_spec_errors(field):
 
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_run_with_a_jobs_api_http_address_exits_2(tmp_path, tiny_model_dir, monkeypatch, capsys, how):
-    """``run --address http://HOST:8265`` (or ``RAY_ADDRESS=http://HOST:8265`` exported for ``submit``, as the README
-    suggests) ended in ray.init's ValueError traceback (exit 1) instead of exit 2 pointing at ``submit`` / a GCS
-    address. ray.init rejects the address before starting anything, so this test starts no cluster."""
+    """``run --address http://HOST:8265`` (or ``RAY_ADDRESS=http://HOST:8265`` exported for ``submit``, as
+    docs/operations.md suggests) ended in ray.init's ValueError traceback (exit 1) instead of exit 2 pointing at
+    ``submit`` / a GCS address. ray.init rejects the address before starting anything, so this test starts no
+    cluster."""
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
     args = ["run", "examples/tiny_cpu.yaml", "--no-progress", "--set", f"model.path={tiny_model_dir}",

@@ -240,7 +240,7 @@ def test_partial_credit_is_off_by_default_and_rides_in_the_reference(tmp_path):
 
 
 def test_the_learning_example_spec_evaluates_and_guards_the_task_it_trains():
-    """examples/learn_cpu.yaml, the measured laptop run (README): eval at step 0, every 10 steps and at the end on the
+    """examples/learn_cpu.yaml, the measured run (results.md): eval at step 0, every 10 steps and at the end on the
     held-out split, scored like training (last-number fallback); the guard's verifiable reward is the task scorer."""
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "learn_cpu.yaml")
     rg = spec.data.reasoning_gym

@@ -53,7 +53,7 @@ def _eval_row(accuracy: float, n: int = 200) -> dict:
 
 def short_answer_hack(step: int, ramp: int) -> tuple:
     """The demo's measured run: length 125 → 10, format 0.013 → 0.944, accuracy 0.031 → 0.006, KL → 2.0 (entropy
-    1.2 → 0.5 assumed: not in the README's table)."""
+    1.2 → 0.5 assumed: not in docs/results.md's table)."""
     kl = 0.0004 if step < ONSET else min(2.0, 0.0004 * 3.0 ** (step - ONSET + 1))
     return (_ramp(step, 0.031, 0.006, ramp), _ramp(step, 0.013, 0.944, ramp), _ramp(step, 125, 10, ramp), kl,
             _ramp(step, 1.2, 0.5, ramp))

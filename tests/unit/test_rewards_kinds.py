@@ -1,5 +1,5 @@
 """The answer checker's notation kinds, each tested over all its members (grpo.rewards.answer_text and
-grpo.rewards.numbers module docs, the README's checker section): sign characters × currency prefixes, mixed numbers
+grpo.rewards.numbers module docs, docs/own_task.md): sign characters × currency prefixes, mixed numbers
 (sign × whole × separator × fraction writing), LaTeX fraction macros (macro × argument form × sign × context), and
 the non-members of each kind. Every member is read through every path that reads numbers: the answer after "####",
 the last number of a text, the last number in \\boxed{}, the reference parser and the format rule (F3)."""
