@@ -14,8 +14,10 @@ PARALLEL_TIERS = tests/unit tests/distributed tests/in_process
 test: setup
 	bash scripts/install_test_tools.sh
 	status=0; \
-	.venv/bin/python -m pytest $(PARALLEL_TIERS) -q -rs --durations=15 -n 2 || status=$$?; \
-	.venv/bin/python -m pytest tests -q -rs --durations=15 $(addprefix --ignore=,$(PARALLEL_TIERS)) || status=$$?; \
+	.venv/bin/python -m pytest $(PARALLEL_TIERS) -q -rs --durations=15 -n 2 \
+		--junitxml=test-results/parallel.xml || status=$$?; \
+	.venv/bin/python -m pytest tests -q -rs --durations=15 $(addprefix --ignore=,$(PARALLEL_TIERS)) \
+		--junitxml=test-results/serial.xml || status=$$?; \
 	exit $$status
 
 # Every test that starts no vLLM engine (markers: tests/conftest.py).

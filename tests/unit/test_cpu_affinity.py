@@ -11,7 +11,7 @@ import torch
 
 from cluster.spec import SpecError, load_spec
 from cluster.spec.sections import RolloutSpec, TrainSpec
-from rollout_workers import cpu_engine as engine
+from rollout_workers import cpu_engine, engine
 from train_workers import cpu_affinity
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "gsm8k_smollm2_cpu.yaml"
@@ -61,31 +61,31 @@ def test_rollout_cpu_affinity_must_split_over_tensor_parallel_ranks():
     ([0], "0"), ([1, 0], "0-1"), ([5, 0, 1, 2], "0-2,5"), ([0, 2, 4], "0,2,4"), ([7, 8, 3, 9, 4], "3-4,7-9"),
 ])
 def test_core_ranges(cores, expected):
-    assert engine.core_ranges(cores) == expected
+    assert cpu_engine.core_ranges(cores) == expected
 
 
 def test_omp_threads_bind_splits_cores_per_tensor_parallel_rank():
-    assert engine.omp_threads_bind([0]) == "0"
-    assert engine.omp_threads_bind([2, 3, 4, 6]) == "2-4,6"
-    assert engine.omp_threads_bind([0, 1, 2, 3], 2) == "0-1|2-3"
-    assert engine.omp_threads_bind([4, 0, 5, 1], 2) == "0,4|1,5"  # the given order decides which rank gets which
+    assert cpu_engine.omp_threads_bind([0]) == "0"
+    assert cpu_engine.omp_threads_bind([2, 3, 4, 6]) == "2-4,6"
+    assert cpu_engine.omp_threads_bind([0, 1, 2, 3], 2) == "0-1|2-3"
+    assert cpu_engine.omp_threads_bind([4, 0, 5, 1], 2) == "0,4|1,5"  # the given order decides which rank gets which
     with pytest.raises(ValueError, match=r"rollout.cpu_affinity: expected a positive multiple of "
                                          r"tensor_parallel_size=2 core ids, got 3"):
-        engine.omp_threads_bind([0, 1, 2], 2)
+        cpu_engine.omp_threads_bind([0, 1, 2], 2)
 
 
 def test_configure_cpu_env_binds_vllm_threads_to_the_given_cores(monkeypatch):
     for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
         monkeypatch.delenv(name, raising=False)
-    engine.configure_cpu_env(2.0)
+    cpu_engine.configure_cpu_env(2.0)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{os.cpu_count() - 1}"  # no cores: every core, as before
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2" and os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
-    engine.configure_cpu_env(2.0, [0])  # the spec's cores win over a value already in the environment
+    cpu_engine.configure_cpu_env(2.0, [0])  # the spec's cores win over a value already in the environment
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0"
-    engine.configure_cpu_env(2.0, [3, 2, 1, 0], tensor_parallel_size=2)
+    cpu_engine.configure_cpu_env(2.0, [3, 2, 1, 0], tensor_parallel_size=2)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2-3|0-1"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
-    engine.configure_cpu_env(2.0)  # no cores: a value in the environment is kept
+    cpu_engine.configure_cpu_env(2.0)  # no cores: a value in the environment is kept
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 

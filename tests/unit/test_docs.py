@@ -23,6 +23,7 @@ import yaml
 
 from cluster.cli import build_parser
 from cluster.spec import SpecError, load_spec_text
+from grpo.rewards import REWARD_FUNCTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -84,10 +85,14 @@ def test_every_yaml_block_in_the_docs_is_a_valid_spec(block, monkeypatch):
     spec = data if whole else _merge(FRAGMENT_BASE, data)
     spec_dir = SPEC_DIR.search(block.above)
     base_dir = REPO / spec_dir.group(1) if spec_dir else REPO
+    before = set(REWARD_FUNCTIONS)
     try:
         load_spec_text(yaml.safe_dump(spec), source=str(block), base_dir=base_dir)
     except SpecError as exc:
         pytest.fail(f"{block}: the spec {'block' if whole else 'fragment'} does not validate:\n{exc}")
+    finally:  # a block's reward endpoints are registered when it validates: not for the rest of the session
+        for name in set(REWARD_FUNCTIONS) - before:
+            REWARD_FUNCTIONS.pop(name)
 
 
 def test_the_docs_hold_spec_blocks():
