@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import select
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import threading
 from cluster.rewards.calls import evaluate_call
 from cluster.rewards.inline import InlineRewardPool
 from cluster.rewards.pool import WorkerLost, WorkerPool
-from cluster.rewards.stdio import CHILD_COMMAND, read_frame, write_frame
+from cluster.rewards.stdio import CHILD_COMMAND, parent_connections
 from cluster.rewards.worker import RewardPlan, WireError, build_plan, raise_wire_error
 from contract.rewards import RewardCall, RewardScores
 from grpo.rewards.calling import RewardError
@@ -58,8 +57,9 @@ class ProcessRewardWorker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self.process = subprocess.Popen([sys.executable, "-c", CHILD_COMMAND], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, env=env)
+        self._sender, self._receiver = parent_connections(self.process)
         try:
-            write_frame(self.process.stdin, plan)
+            self._sender.send(plan)
             ready = self._receive(start_timeout_s, "to load the reward functions")
         except (WorkerLost, OSError):
             self.close()
@@ -74,13 +74,11 @@ class ProcessRewardWorker:
         return self.process.pid
 
     def _receive(self, timeout_s: float, what: str):
-        fd = self.process.stdout.fileno()
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        if not ready:
-            raise WorkerLost(f"reward worker process {self.pid} took more than {timeout_s:g} s {what}",
-                             timed_out=True)
         try:
-            return read_frame(fd)
+            if not self._receiver.poll(timeout_s):
+                raise WorkerLost(f"reward worker process {self.pid} took more than {timeout_s:g} s {what}",
+                                 timed_out=True)
+            return self._receiver.recv()
         except (EOFError, OSError, pickle.UnpicklingError) as exc:
             try:
                 code = self.process.wait(timeout=5)
@@ -91,7 +89,7 @@ class ProcessRewardWorker:
     def call(self, call: RewardCall, timeout_s: float) -> RewardScores:
         """Score ``call`` in the process (``cluster.rewards.pool.RewardWorker.call``)."""
         try:
-            write_frame(self.process.stdin, call)
+            self._sender.send(call)
         except OSError as exc:  # a closed pipe: the process is gone
             raise WorkerLost(f"reward worker process {self.pid} cannot be reached: {exc}") from None
         result = self._receive(timeout_s, f"to score {len(call)} completions")
@@ -104,11 +102,8 @@ class ProcessRewardWorker:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for fh in (self.process.stdin, self.process.stdout):
-            try:
-                fh.close()
-            except OSError:
-                pass
+        self._sender.close()
+        self._receiver.close()
 
 
 class ThreadRewardWorker:

@@ -1,65 +1,52 @@
-"""A reward worker as a plain child process speaking pickle frames over its stdin and stdout (the in-process runtime's
-workers, ``cluster.in_process.reward_pool``).
+"""A reward worker as a plain child process exchanging pickled messages over its stdin and stdout (the in-process
+runtime's workers, ``cluster.in_process.reward_pool``).
 
 The child is a fresh interpreter started with ``subprocess`` (not ``multiprocessing``: the caller's ``__main__`` is
 never imported again, so a script without an ``if __name__ == "__main__"`` guard works, and a reward function may
 start ``multiprocessing`` children of its own) running :func:`serve_stdio`.
 
-Protocol. A frame is an 8-byte big-endian length, then a pickled object. The parent sends the
+Protocol, over standard-library ``multiprocessing.connection`` connections on the two pipes (pickled messages,
+:func:`parent_connections`, :func:`child_connections`). The parent sends the
 :class:`~cluster.rewards.worker.RewardPlan` first; the child answers ``"ready"`` or the
 :class:`~cluster.rewards.worker.WireError` that stopped it loading the functions, then answers every
-:class:`~contract.rewards.RewardCall` frame with :meth:`~cluster.rewards.worker.RewardWorkerCore.score`'s result. The
-frames go to a private copy of the child's stdout (its fd 1 is pointed at stderr, so what a reward function prints
+:class:`~contract.rewards.RewardCall` with :meth:`~cluster.rewards.worker.RewardWorkerCore.score`'s result. The
+answers go to a private copy of the child's stdout (its fd 1 is pointed at stderr, so what a reward function prints
 cannot corrupt them). The child exits when its stdin closes or its parent process is gone.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import struct
-import sys
+import subprocess
 import threading
 import time
-from typing import Any, BinaryIO
+from multiprocessing.connection import Connection
 
-__all__ = ["CHILD_COMMAND", "read_frame", "serve_stdio", "write_frame"]
+__all__ = ["CHILD_COMMAND", "child_connections", "parent_connections", "serve_stdio"]
 
-_HEADER = struct.Struct(">Q")
 #: What the parent runs with ``sys.executable -c``.
 CHILD_COMMAND = "from cluster.rewards.stdio import serve_stdio; serve_stdio()"
 
 
-def write_frame(fh: BinaryIO, obj: Any) -> None:
-    """Pickle ``obj`` into one frame on ``fh`` and flush.
-
-    Raises:
-        pickle.PicklingError (or AttributeError, TypeError): ``obj`` cannot be pickled. OSError: ``fh`` is closed.
-    """
-    data = pickle.dumps(obj)
-    fh.write(_HEADER.pack(len(data)) + data)
-    fh.flush()
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, n - got)
-        if not chunk:
-            raise EOFError("the other side closed the pipe")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+def parent_connections(process: subprocess.Popen) -> tuple[Connection, Connection]:
+    """(sender to the child's stdin, receiver of its stdout) for a child started with both as pipes: standard-library
+    ``multiprocessing.connection`` connections (length-prefixed pickles; ``recv`` raises EOFError when the child is
+    gone, ``poll(timeout)`` waits for a message) on copies of the pipe ends. The process's own pipe file objects are
+    closed, so closing the two connections closes the pipes."""
+    sender = Connection(os.dup(process.stdin.fileno()), readable=False)
+    receiver = Connection(os.dup(process.stdout.fileno()), writable=False)
+    process.stdin.close()
+    process.stdout.close()
+    return sender, receiver
 
 
-def read_frame(fd: int) -> Any:
-    """The next frame's object from file descriptor ``fd`` (blocks until it is whole).
-
-    Raises:
-        EOFError: the pipe closed (the other side is gone).
-    """
-    (length,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    return pickle.loads(_read_exact(fd, length))
+def child_connections() -> tuple[Connection, Connection]:
+    """In the child: (receiver of stdin, sender to a private copy of stdout); file descriptor 1 is then pointed at
+    stderr, so what the child's code prints cannot corrupt the messages."""
+    receiver = Connection(os.dup(0), writable=False)
+    sender = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)
+    return receiver, sender
 
 
 def _watch_parent(parent: int) -> None:
@@ -74,22 +61,20 @@ def serve_stdio() -> None:
     """The child's loop (module docstring)."""
     from cluster.rewards.worker import RewardWorkerCore, WireError
 
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
+    receiver, sender = child_connections()
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    stdin = sys.stdin.buffer.fileno()
     try:
-        plan = read_frame(stdin)
+        plan = receiver.recv()
         core = RewardWorkerCore(plan)
     except EOFError:
         return
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it at start
-        write_frame(out, WireError("reward", f"reward worker could not load the reward functions: {exc}"))
+        sender.send(WireError("reward", f"reward worker could not load the reward functions: {exc}"))
         return
-    write_frame(out, "ready")
+    sender.send("ready")
     while True:
         try:
-            call = read_frame(stdin)
+            call = receiver.recv()
         except EOFError:
             return
-        write_frame(out, core.score(call))
+        sender.send(core.score(call))

@@ -9,10 +9,11 @@ target, ``path/to/file.py:function`` (loaded by path) or ``module:function``, wi
 the caller enforces the deadline: an item that takes longer than ``timeout_s`` has its process killed (SIGKILL) and is
 reported as timed out; a fresh process serves the items after it.
 
-Protocol (pickle frames: an 8-byte big-endian length, then the pickled object), on a private copy of the child's
-stdout (its fd 1 is pointed at stderr, so prints of the verifier cannot corrupt frames): the child sends ``("ready",)``
-once it has imported the function, then, for each ``(index, item)`` frame read from stdin, ``(index, "ok", value)`` or
-``(index, "error", "Type: message")``. The child exits when stdin closes or when its parent process is gone.
+Protocol: pickled messages over standard-library ``multiprocessing.connection`` connections on the two pipes, the
+child's side on a private copy of its stdout (its fd 1 is pointed at stderr, so prints of the verifier cannot corrupt
+messages). The child sends ``("ready",)`` once it has imported the function, then, for each ``(index, item)`` read
+from stdin, ``(index, "ok", value)`` or ``(index, "error", "Type: message")``. The child exits when stdin closes or
+when its parent process is gone.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ import importlib
 import importlib.util
 import os
 import pickle
-import select
-import struct
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import Any, Literal, NamedTuple
 
 __all__ = ["Outcome", "VerifierProcess"]
 
-_HEADER = struct.Struct(">Q")
 #: The child's command: load this file by path (not as ``grpo.rewards....``: no package import) and serve.
 _BOOTSTRAP = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('grpo_verifier_process', "
               "sys.argv[1]); m = importlib.util.module_from_spec(s); s.loader.exec_module(m); m._serve(sys.argv[2])")
@@ -48,26 +47,14 @@ class Outcome(NamedTuple):
     value: Any = None
 
 
-def _write_frame(fh, obj: Any) -> None:
-    data = pickle.dumps(obj)
-    fh.write(_HEADER.pack(len(data)) + data)
-    fh.flush()
-
-
-def _read_exact(fd: int, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, n - got)
-        if not chunk:
-            raise EOFError("the verifier process closed its output")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(fd: int) -> Any:
-    (length,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
-    return pickle.loads(_read_exact(fd, length))
+def _pipe_connections(process: subprocess.Popen) -> tuple[Connection, Connection]:
+    """(sender to the child's stdin, receiver of its stdout): standard-library connections on copies of the pipe
+    ends; the process's own pipe file objects are closed, so closing the connections closes the pipes."""
+    sender = Connection(os.dup(process.stdin.fileno()), readable=False)
+    receiver = Connection(os.dup(process.stdout.fileno()), writable=False)
+    process.stdin.close()
+    process.stdout.close()
+    return sender, receiver
 
 
 class VerifierProcess:
@@ -97,6 +84,7 @@ class VerifierProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self._proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, os.path.abspath(__file__), self.target],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._sender, self._receiver = _pipe_connections(self._proc)
         frame = self._receive(self.start_timeout_s)
         if frame != ("ready",):
             self._kill()
@@ -104,22 +92,20 @@ class VerifierProcess:
                                f"(got {frame!r}); see its stderr above")
 
     def _receive(self, timeout_s: float) -> Any:
-        """The next frame, or None at the deadline or when the process ended."""
-        fd = self._proc.stdout.fileno()
-        ready, _, _ = select.select([fd], [], [], timeout_s)
-        if not ready:
-            return None
+        """The next message, or None at the deadline or when the process ended."""
         try:
-            return _read_frame(fd)
-        except (EOFError, pickle.UnpicklingError, struct.error):
+            if not self._receiver.poll(timeout_s):
+                return None
+            return self._receiver.recv()
+        except (EOFError, OSError, pickle.UnpicklingError):
             return None
 
     def _kill(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
-            for fh in (self._proc.stdin, self._proc.stdout):
-                fh.close()
+            self._sender.close()
+            self._receiver.close()
             self._proc = None
 
     def map(self, items: Sequence[Any]) -> list[Outcome]:
@@ -141,7 +127,7 @@ class VerifierProcess:
         first = len(out)
         try:
             for index in range(first, len(items)):
-                _write_frame(self._proc.stdin, (index, items[index]))
+                self._sender.send((index, items[index]))
         except (BrokenPipeError, OSError):
             pass  # the process is gone: the next receive says so
         while len(out) < len(items):
@@ -171,8 +157,9 @@ def _watch_parent(parent: int) -> None:
 
 def _serve(target: str) -> None:
     """The child's loop (module docstring)."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # prints go to stderr, frames to the private copy
+    receiver = Connection(os.dup(0), writable=False)
+    sender = Connection(os.dup(1), readable=False)
+    os.dup2(2, 1)  # prints go to stderr, messages to the private copy
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     module, _, name = target.rpartition(":")
     if module.endswith(".py"):
@@ -182,11 +169,10 @@ def _serve(target: str) -> None:
     else:
         loaded = importlib.import_module(module)
     fn = getattr(loaded, name)
-    _write_frame(out, ("ready",))
-    stdin = sys.stdin.buffer.fileno()
+    sender.send(("ready",))
     while True:
         try:
-            index, item = _read_frame(stdin)
+            index, item = receiver.recv()
         except EOFError:
             return
         try:
@@ -194,4 +180,4 @@ def _serve(target: str) -> None:
             pickle.dumps(frame)
         except Exception as exc:  # noqa: BLE001 - reported to the caller as this item's error
             frame = (index, "error", f"{type(exc).__name__}: {exc}")
-        _write_frame(out, frame)
+        sender.send(frame)

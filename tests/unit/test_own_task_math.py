@@ -72,10 +72,11 @@ def test_own_task_math_reference_check():
 
 @pytest.fixture
 def quick_math(monkeypatch):
-    """The math reward with a 3-second deadline per completion (its own worker, closed afterwards)."""
-    worker = VerifierProcess(f"{math_worker.__file__}:verify_item", timeout_s=3.0)
+    """The math reward with a 10-second deadline per completion (room for a loaded machine); its own worker, closed
+    afterwards."""
+    worker = VerifierProcess(f"{math_worker.__file__}:verify_item", timeout_s=10.0)
     monkeypatch.setattr(math_reward_module, "_worker", worker)
-    monkeypatch.setattr(math_reward_module, "MATH_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(math_reward_module, "MATH_TIMEOUT_S", 10.0)
     yield worker
     worker.close()
 
@@ -125,7 +126,7 @@ def test_own_task_math_worker_death_is_no_score(monkeypatch, tmp_path):
     path = tmp_path / "dies.py"
     path.write_text("import os\n\ndef verify_item(item):\n    os._exit(1) if item[2] == 'crash' else None\n"
                     "    return 1.0\n")
-    worker = VerifierProcess(f"{path}:verify_item", timeout_s=5.0)
+    worker = VerifierProcess(f"{path}:verify_item", timeout_s=15.0)
     monkeypatch.setattr(math_reward_module, "_worker", worker)
     try:
         assert math_reward_module.math_reward(["fine", "crash", "fine"], ["1", "1", "1"]) == [1.0, None, 1.0]
