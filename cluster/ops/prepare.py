@@ -9,7 +9,9 @@ gets one line saying what is missing.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from pathlib import Path
 
 DRIVER_MODULES = ("torch", "transformers", "ray", "pydantic", "yaml", "safetensors", "prometheus_client", "tqdm",
                   "filelock", "psutil")
@@ -40,10 +42,16 @@ def import_modules(modules) -> str | None:
     import importlib
 
     for name in modules or ():
+        if not name.strip():
+            return f"--import {name!r}: expected a module name, e.g. my_rewards"
         try:
             importlib.import_module(name)
         except ImportError as exc:
             return f"--import {name}: {exc}"
+        except SystemExit as exc:  # the module called sys.exit() while it was imported
+            return f"--import {name}: the module exited while it was imported (SystemExit: {exc.code})"
+        except Exception as exc:  # noqa: BLE001 - any error the module raises on import is the user's to see
+            return f"--import {name}: the module raised while it was imported: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -75,7 +83,7 @@ def prepare_job(args, dry_run: bool = False):
     if problem:
         print(f"grpo-cluster: {problem}", file=sys.stderr)
         return 2
-    from cluster.spec import SpecError, load_spec, locate_field_error
+    from cluster.spec import SpecError, load_spec
 
     problem = import_modules(args.imports)
     if problem:
@@ -86,15 +94,30 @@ def prepare_job(args, dry_run: bool = False):
     except SpecError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)  # its own header: file and problem count, or one line
         return 2
+    fresh = _absent_folders(spec)  # a refused run removes the folders it created (nothing else)
     if not dry_run:  # run: library notes below ERROR to OUTPUT_DIR/driver.log before anything loads a library
-        from pathlib import Path
-
         from contract.console import route_logs
 
         try:
             route_logs(Path(spec.output_dir) / "driver.log", verbose=getattr(args, "verbose", False))
         except OSError:
             pass  # an output_dir that cannot be written is reported below, naming the field
+    prepared = _prepare_spec_job(args, spec, dry_run)
+    if isinstance(prepared, int):
+        for folder in fresh:
+            shutil.rmtree(folder, ignore_errors=True)
+    return prepared
+
+
+def _absent_folders(spec) -> list[Path]:
+    """``output_dir`` and ``checkpoint.dir`` where they do not exist yet (a refused run leaves no folder behind)."""
+    folders = [Path(spec.output_dir)] + ([Path(spec.checkpoint.dir)] if spec.checkpoint.dir else [])
+    return [f for f in folders if not f.exists()]
+
+
+def _prepare_spec_job(args, spec, dry_run: bool):
+    """:func:`prepare_job` after the spec is loaded: the job, the cluster address and its source, or exit code 2."""
+    from cluster.spec import locate_field_error
     from cluster.data import DataError
     from cluster.data.models import ModelError
     from cluster.ray_shell.runtime import build_job

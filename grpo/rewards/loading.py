@@ -123,7 +123,7 @@ def _import_file(loc: RewardLocation):
     sys.modules[name] = module  # dataclasses and pickling look the module up while it executes
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - any error in user code is reported with its location, never a traceback
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in user code, with its location, no traceback
         sys.modules.pop(name, None)
         raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, path)}: cannot import {path}: "
                           f"{type(exc).__name__}: {exc}") from None
@@ -143,7 +143,7 @@ def _import_module(loc: RewardLocation, base_dir: Path):
                               f"{loc.function}'") from None
         raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
                           f"{type(exc).__name__}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - as in _import_file
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - as in _import_file
         raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
                           f"{type(exc).__name__}: {exc}") from None
 
