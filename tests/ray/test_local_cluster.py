@@ -94,7 +94,7 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
                            "rollout.num_cpus_per_replica=0.5"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert fits.returncode == 0, fits.stderr[-3000:]
-    assert f"cluster:    127.0.0.1:{head.gcs_port} (--address): has CPU 1, GPU 0: enough" in fits.stdout
+    assert f"cluster:    127.0.0.1:{head.gcs_port} (--address); has CPU 1, GPU 0: enough" in fits.stdout
     assert not (tmp_path / "out").exists()
 
 
