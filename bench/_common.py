@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +58,22 @@ def load_note() -> dict:
     """CPU count and 1-minute load average: other processes on the machine make every number here noisy (with
     2 cores and a load above ~2, multi-threaded torch ops can slow down many times over)."""
     return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+def cli_run_command(spec: str | Path, overrides: list[str]) -> list[str]:
+    """``python -m cluster.cli run SPEC --no-progress --set k=v ...``: a job in a process of its own."""
+    return [sys.executable, "-m", "cluster.cli", "run", str(spec), "--no-progress",
+            *[x for o in overrides for x in ("--set", o)]]
+
+
+def run_logged(cmd: list[str], log: Path, timeout_s: float, tag: str) -> tuple[int, float]:
+    """Run ``cmd`` from the repo root with stdout and stderr into ``log``; returns (exit code, 124 after
+    ``timeout_s`` seconds; wall seconds). Prints the command under ``[tag]`` first."""
+    print(f"[{tag}] {' '.join(cmd[1:])}  (log: {log})", flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        try:
+            rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - t0

@@ -45,14 +45,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench._common import REPO_ROOT, gsm8k_overrides, load_note, print_json, print_table
+from bench._common import REPO_ROOT, cli_run_command, gsm8k_overrides, load_note, print_json, print_table, run_logged
 from cluster.ops.metrics import read_metrics_jsonl
 
 DEMO = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
@@ -126,17 +124,8 @@ def run_mode(mode: str, steps: int, out: Path, engine_cores: list[int], train_co
     """
     run_dir = out / mode.replace("+", "_")
     overrides = mode_overrides(mode, steps, run_dir, engine_cores, train_cores, extra)
-    cmd = [sys.executable, "-m", "cluster.cli", "run", str(DEMO), "--no-progress",
-           *[x for o in overrides for x in ("--set", o)]]
-    log = out / f"{mode.replace('+', '_')}.log"
-    print(f"[bench_modes] {mode}: {' '.join(cmd[1:])}  (log: {log})", flush=True)
-    t0 = time.perf_counter()
-    with log.open("w") as fh:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    wall = time.perf_counter() - t0
+    rc, wall = run_logged(cli_run_command(DEMO, overrides), out / f"{mode.replace('+', '_')}.log", timeout_s,
+                          f"bench_modes {mode}")
     row: dict = {"mode": mode, "rc": rc, "wall_s": wall, "overrides": overrides}
     try:
         row.update(summarize(run_dir, mode))

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench._common import REPO_ROOT, print_json, print_table
+from bench._common import REPO_ROOT, print_json, print_table, run_logged
 
 DEMO = REPO_ROOT / "examples" / "learn_cpu.yaml"
 #: Each loss's own overrides (its clip bounds), beside the shared ones.
@@ -82,15 +81,8 @@ def run_loss(loss: str, steps: int, eval_every: int, iterations: int, out: Path,
     """Run one loss (output in ``out/<loss>.log``) and summarize it; ``rc`` != 0 and ``error`` (the log's last lines)
     when it failed or timed out."""
     cmd = command(loss, steps, eval_every, iterations, out)
-    log = out / f"{loss}.log"
-    print(f"[bench_policy_losses] {loss}: {' '.join(cmd[1:])}  (log: {log})", flush=True)
-    t0 = time.perf_counter()
-    with log.open("w") as fh:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    row: dict = {"loss": loss, "rc": rc, "wall_s": time.perf_counter() - t0, "overrides": cmd[7::2]}
+    rc, wall = run_logged(cmd, out / f"{loss}.log", timeout_s, f"bench_policy_losses {loss}")
+    row: dict = {"loss": loss, "rc": rc, "wall_s": wall, "overrides": cmd[7::2]}
     try:
         row.update(summarize(out / loss))
     except (OSError, ValueError) as exc:

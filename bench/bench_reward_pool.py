@@ -29,12 +29,10 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from bench._common import REPO_ROOT, load_note, print_json, print_table
+from bench._common import REPO_ROOT, cli_run_command, load_note, print_json, print_table, run_logged
 from cluster.ops.metrics import read_metrics_jsonl
 
 DEMO = REPO_ROOT / "examples" / "learn_cpu.yaml"
@@ -63,17 +61,9 @@ def run_variant(variant: str, steps: int, out: Path, extra: list[str], timeout_s
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*COMMON, f"total_steps={steps}", f"output_dir={run_dir}", f"name=bench_reward_pool_{variant}",
                  *VARIANTS[variant], *extra]
-    cmd = [sys.executable, "-m", "cluster.cli", "run", str(DEMO), "--no-progress",
-           *[x for o in overrides for x in ("--set", o)]]
-    log = out / f"{variant}.log"
-    print(f"[bench_reward_pool] {variant}: {' '.join(cmd[1:])}  (log: {log})", flush=True)
-    t0 = time.perf_counter()
-    with log.open("w") as fh:
-        try:
-            rc = subprocess.run(cmd, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    row: dict = {"variant": variant, "rc": rc, "wall_s": time.perf_counter() - t0, "step_s": [], "score_s": []}
+    rc, wall = run_logged(cli_run_command(DEMO, overrides), out / f"{variant}.log", timeout_s,
+                          f"bench_reward_pool {variant}")
+    row: dict = {"variant": variant, "rc": rc, "wall_s": wall, "step_s": [], "score_s": []}
     try:
         rows = [r for r in read_metrics_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r][1:]
         row["step_s"] = [float(r["timing/step_s"]) for r in rows]
