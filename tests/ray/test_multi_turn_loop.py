@@ -34,8 +34,8 @@ def tool_run(local_ray, tmp_path_factory):
     spec = load_spec(EXAMPLE, [f"output_dir={out}", "total_steps=2", "rollout.prompts_per_step=2",
                                "rollout.max_response_tokens=48", "rollout.multi_turn.max_turns=2",
                                "rollout.multi_turn.max_episode_tokens=160", "rollout.multi_turn.environment=scripted",
-                               'rollout.multi_turn.options={observations: ["The calculator is down; answer yourself."], '
-                               'done_after: 2}', "eval.limit=4", "metrics.port=null",
+                               'rollout.multi_turn.options={observations: ["The calculator is down; answer '
+                               'yourself."], done_after: 2}', "eval.limit=4", "metrics.port=null",
                                "checkpoint.save_final=false", "resume=never"])
     with stopped_after(build_job(spec, progress=False)) as job:
         history = job.run()

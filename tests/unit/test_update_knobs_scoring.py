@@ -106,8 +106,8 @@ NOT_THE_UPDATE = {
     "train.lora.target_modules": "which modules get adapters (tests/unit/test_lora_adapters.py)",
     "train.lora.init": "the adapters' initialisation (tests/unit/test_lora_adapters.py)",
     "train.lora.sync": "what the engines receive, not the update (weight-sync tests)",
-    "algorithm.off_policy_correction": "the default TIS in off-policy modes (tests/in_process/test_off_policy_default.py"
-                                       ": same batches, a different step-2 update)",
+    "algorithm.off_policy_correction": ("the default TIS in off-policy modes (tests/in_process/"
+                                        "test_off_policy_default.py: same batches, a different step-2 update)"),
     "train.activation_checkpointing": "memory, not the update (tests/in_process/test_memory_knobs.py: equal update)",
     "train.cpu_offload": "where optimizer state lives, not the update (tests/in_process/test_memory_knobs.py)",
     **{f"train.{name}": "the learning rate of each step (tests/unit/test_training_knobs_spec.py, tests/in_process/"
