@@ -20,14 +20,22 @@ the reference pass is the policy with its adapters off, no reference copy is bui
 
 With ``--activation-checkpointing`` (``train.activation_checkpointing``) the policy's decoder layers recompute their
 activations in the backward; with ``--cpu-offload`` (``train.cpu_offload``) FSDP2 keeps the policy's shards, gradients
-and AdamW state on the CPU (on CPU ranks nothing moves: it measures the policy's own overhead). Compare peak RSS and
-seconds per step against a run without the flag on the same batch (docs/results.md).
+and AdamW state on the CPU (on CPU ranks nothing moves: it measures the policy's own overhead). Compare the memory
+measures below and seconds per step against a run without the flag on the same batch (docs/results.md).
+
+Memory, per rank, in GiB (``bench._memory.StepPeakMeter``): *runtime RSS* before the models are built (the Python and
+torch runtime); *resting RSS* just before the first timed step (models, reference, AdamW state after the warm-up step,
+free heap handed back to the OS); *step peak RSS* the largest peak RSS (``VmHWM``, reset before each step) of a timed
+step; *step above rest* the largest (step peak − that step's resting RSS): the step's own activations and temporaries,
+what activation checkpointing addresses; *process peak RSS* the whole process's peak since it started (model loading
+included). The per-step reset also resets the kernel counter behind ``ru_maxrss``, so the step metrics'
+``memory/train_peak_rss_gib`` here is the peak since the step began.
 
 With ``--strategy megatron`` on a machine without CUDA, each rank first installs the CPU shims of
 ``tests/megatron_cpu.py`` (megatron-core 0.16.1 assumes CUDA in three places; the backend itself carries no shim).
 
 Reported: packed tokens per step (all ranks; prompt + response tokens the forward passes compute), seconds per step,
-tokens/s, each rank's peak RSS (``ru_maxrss`` at the end) and AdamW state bytes, trainable parameters, and achieved
+tokens/s, each rank's memory (above) and AdamW state bytes, trainable parameters, and achieved
 GFLOP/s = (6·N_params·T [policy fwd+bwd] + 2·N_params·T [reference fwd]) / seconds, with
 N_params the policy's parameter count (tied embedding counted once) and T the packed tokens. That convention
 over-counts the LM head (applied only at response positions) and the embedding lookup, and ignores attention's
@@ -53,6 +61,7 @@ import statistics
 import time
 
 from bench._common import DEFAULT_MODEL, load_note, print_json, print_table, resolve_model
+from bench._memory import StepPeakMeter
 from train_workers.registry import TRAIN_BACKENDS  # names only: no backend is imported
 
 
@@ -110,6 +119,8 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     algorithm = AlgorithmSpec(kl_coef=args.kl_coef)
     worker = train_backend(args.strategy)(rank, args.world_size, model_path, train, algorithm, temperature=1.0,
                                           max_response_tokens=args.resp_max, dtype="float32", seed=args.seed)
+    meter = StepPeakMeter()
+    runtime_rss = meter.rss_gib()
     t0 = time.perf_counter()
     info = worker.init_distributed("127.0.0.1", port)
     init_s = time.perf_counter() - t0
@@ -121,24 +132,28 @@ def _rank_main(rank: int, args: argparse.Namespace, model_path: str, port: int, 
     num_tokens = sum(len(r) for r in batch["response_ids"])
     num_sequences = len(batch["response_ids"])
 
-    step_s, compute_s, metrics = [], [], None
+    step_s, compute_s, steps_memory, metrics = [], [], [], None
     for step in range(1 + args.steps):
+        meter.start()
         dist.barrier()
         t0 = time.perf_counter()
         metrics = worker.train_step(mbs, num_tokens, num_sequences).metrics
         dist.barrier()
         seconds = time.perf_counter() - t0
+        steps_memory.append(meter.stop())
         if step > 0:
             step_s.append(seconds)
             compute_s.append(metrics["timing/train_compute_s"])
         elif rank == 0:
             print(f"warm-up step: {seconds:.2f}s", flush=True)
-    import resource
-
     optimizer_bytes = sum((v.to_local() if hasattr(v, "to_local") else v).nbytes
                           for state in worker.optimizer.state.values() for v in state.values()
                           if isinstance(v, torch.Tensor))
-    queue.put({"rank": rank, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    timed = steps_memory[1:]
+    queue.put({"rank": rank, "peak_rss_gib": meter.process_peak_gib, "runtime_rss_gib": runtime_rss,
+               "rest_rss_gib": timed[0].rest_gib, "step_peak_rss_gib": max(m.peak_gib for m in timed),
+               "step_above_rest_gib": max(m.above_rest_gib for m in timed),
+               "warmup_step": {"rest_rss_gib": steps_memory[0].rest_gib, "peak_rss_gib": steps_memory[0].peak_gib},
                "optimizer_state_bytes": optimizer_bytes,
                "trainable_parameters": sum(p.numel() for p in worker.optimizer.param_groups[0]["params"])})
     if rank == 0:
@@ -218,9 +233,13 @@ def main() -> None:
     print(f"\nN_params={n_params / 1e6:.1f}M, {flop_per_token / 1e9:.2f} GFLOP/token "
           f"({'6+2 (policy fwd+bwd, reference fwd)' if args.kl_coef > 0 else '6 (policy fwd+bwd)'}); "
           f"tokens per rank {r['tokens_per_rank']}; init {r['init_s']:.1f}s; whole run {total_s:.0f}s")
-    print("per rank: " + "; ".join(
-        f"rank {x['rank']} peak RSS {x['peak_rss_gib']:.2f} GiB, AdamW state {x['optimizer_state_bytes'] / 2**20:.3f} "
-        f"MiB (local shard)" for x in ranks) + f"; trainable parameters {ranks[0]['trainable_parameters']:,}")
+    print()
+    print_table(["rank", "runtime RSS", "resting RSS", "step peak RSS", "step above rest", "process peak RSS",
+                 "AdamW state (MiB)"],
+                [[x["rank"], x["runtime_rss_gib"], x["rest_rss_gib"], x["step_peak_rss_gib"], x["step_above_rest_gib"],
+                  x["peak_rss_gib"], x["optimizer_state_bytes"] / 2**20] for x in ranks],
+                title="memory per rank, GiB (timed steps; AdamW state: the rank's local shard)")
+    print(f"trainable parameters {ranks[0]['trainable_parameters']:,}")
     m = r["last_metrics"]
     print(f"last step: loss {m['actor/loss']:.4f}, kl {m['actor/kl']:.2e}, grad_norm {m['actor/grad_norm']:.3f}, "
           f"update_skipped {m['actor/update_skipped']:.0f}")
