@@ -25,8 +25,8 @@ def _threads_cpu_s(native_ids: set[int]) -> float:
 
 
 def cpu_used(pids: Sequence[int], native_ids: Sequence[int], seconds: float) -> tuple[dict[int, float], float]:
-    """CPU seconds (user + system) used over the next ``seconds`` wall seconds by each process of ``pids`` and, together,
-    by the threads of this process whose ``threading.Thread.native_id`` is in ``native_ids``.
+    """CPU seconds (user + system) used over the next ``seconds`` wall seconds by each process of ``pids`` and,
+    together, by the threads of this process whose ``threading.Thread.native_id`` is in ``native_ids``.
 
     Returns:
         ({pid: CPU seconds}, CPU seconds of the threads).
