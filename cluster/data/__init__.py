@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from cluster.data.rows import (ANSWER_MARKER, BadRows, DataError, Example, RowFormat, as_example, extract_reference,
-                               parse_record, reference_of, row_columns)
+from cluster.data.rows import (ANSWER_MARKER, SPEC_RELATIVE_PATHS, BadRows, DataError, Example, RowFormat, as_example,
+                               extract_reference, parse_record, reference_of, row_columns)
 
 __all__ = ["ANSWER_MARKER", "BadRows", "DataError", "Example", "RowFormat", "as_example", "extract_reference",
            "load_jsonl_examples", "parse_record", "reference_of", "row_columns", "PromptSampler",
@@ -94,7 +94,9 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
     advice = how_to_get_data() if setting is None else how_to_get_data(setting)
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "not found"
-        raise DataError(f"data file {path} {what} (absolute: {path.absolute()}). {advice}")
+        where = (f"absolute: {path.absolute()}" if path.is_absolute() or setting is not None else
+                 f"absolute: {path.absolute()}; {SPEC_RELATIVE_PATHS}")
+        raise DataError(f"data file {path} {what} ({where}). {advice}")
     examples: list[Example] = []
     bad = BadRows(str(path))
     try:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from cluster.data.rows import SPEC_RELATIVE_PATHS
+
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = {
     # alias → (python package shipping the file, file name inside the package)
@@ -114,7 +116,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None, setting: str = "
     local = Path(path).expanduser()
     if not local.exists() and not _looks_like_hub_id(path):
         builtins = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)
-        raise ModelError(f"{setting}: model folder {path} not found (absolute: {local.absolute()}); give an HF model "
+        where = f"absolute: {local.absolute()}" + ("" if local.is_absolute() or setting != "model.path" else
+                                                    f"; {SPEC_RELATIVE_PATHS}")
+        raise ModelError(f"{setting}: model folder {path} not found ({where}); give an HF model "
                          f"folder, a hub id like 'org/name', or a builtin ({builtins})")
     if local.exists():
         if not local.is_dir() or not (local / "config.json").is_file():

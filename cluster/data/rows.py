@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ANSWER_MARKER", "BadRows", "DataError", "Example", "RowFormat", "as_example", "extract_reference",
-           "parse_record", "reference_of", "row_columns"]
+           "parse_record", "reference_of", "row_columns", "SPEC_RELATIVE_PATHS"]
 
 ANSWER_MARKER = "####"
+#: Where a relative path written in a spec is looked for (``cluster.spec.loading``): said when one is not found.
+SPEC_RELATIVE_PATHS = (
+    "a relative path in the spec is looked for next to the spec file first, then in the working folder")
 #: Column names that usually hold the prompt, suggested when the configured one is missing.
 _LIKELY_PROMPT_COLUMNS = ("prompt", "question", "problem", "input", "instruction", "query", "messages", "text")
 _ROLES = ("system", "user", "assistant", "tool")

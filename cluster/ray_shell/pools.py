@@ -49,6 +49,22 @@ def resources_needed(spec) -> dict[str, tuple[float, str]]:
             for res in names}
 
 
+def reserving_fields(spec, resource: str) -> list[str]:
+    """The spec fields that reserve ``resource`` (``"CPU"``, ``"GPU"`` or a custom one) with a non-zero amount, e.g.
+    ``["rollout.num_gpus_per_replica", "train.num_gpus_per_worker"]``: what a shortage message tells the user to
+    change. A reward pool without workers reserves nothing."""
+    r, t, w = spec.rollout, spec.train, spec.reward_pool
+    per = {"CPU": [("rollout.num_cpus_per_replica", r.num_cpus_per_replica),
+                   ("train.num_cpus_per_worker", t.num_cpus_per_worker)]
+                  + ([("reward_pool.num_cpus_per_worker", w.num_cpus_per_worker)] if w.workers else []),
+           "GPU": [("rollout.num_gpus_per_replica", r.num_gpus_per_replica),
+                   ("train.num_gpus_per_worker", t.num_gpus_per_worker)]}
+    if resource in per:
+        return [name for name, amount in per[resource] if amount]
+    pools = [("rollout", r.resources), ("train", t.resources)] + ([("reward_pool", w.resources)] if w.workers else [])
+    return [f"{section}.resources.{resource}" for section, resources in pools if resources.get(resource)]
+
+
 def check_cluster_resources(spec, have: dict[str, float] | None = None) -> None:
     """Fail at once, listing what is missing, when the cluster cannot hold the pools (Ray would wait forever).
 
@@ -59,10 +75,12 @@ def check_cluster_resources(spec, have: dict[str, float] | None = None) -> None:
         spec: the validated JobSpec.
         have: the cluster's total resources; default ``ray.cluster_resources()`` of the connected cluster.
     Raises:
-        InsufficientResources: e.g. ``needs GPU 3 (rollout 1 x 1 + train 2 x 1), cluster has 0``.
+        InsufficientResources: e.g. ``needs GPU 3 (rollout 1 x 1 + train 2 x 1), cluster has 0 (set by
+            rollout.num_gpus_per_replica, train.num_gpus_per_worker)``.
     """
     have = ray.cluster_resources() if have is None else have
-    missing = [f"{res} {amount:g} ({how}), cluster has {have.get(res, 0):g}"
+    missing = [f"{res} {amount:g} ({how}), cluster has {have.get(res, 0):g} (set by "
+               f"{', '.join(reserving_fields(spec, res))})"
                for res, (amount, how) in resources_needed(spec).items() if amount > have.get(res, 0) + 1e-9]
     if missing:
         raise InsufficientResources("the Ray cluster cannot hold this job: needs " + "; needs ".join(missing))

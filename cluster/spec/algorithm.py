@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
-from cluster.spec.fields import MAX_COEFFICIENT, MAX_RATIO
+from cluster.spec.fields import MAX_COEFFICIENT, MAX_COUNT, MAX_RATIO, FieldConflict, unused_when_off
 from cluster.spec.variants import (ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, POLICY_LOSS,
                                    TIS_LEVEL)
 
@@ -77,14 +77,6 @@ def check_reward_key(key: str, info: ValidationInfo | None = None) -> str:
     except RewardError as exc:
         raise ValueError(str(exc)) from None
     return key
-
-
-class FieldConflict(ValueError):
-    """A cross-field check failed; ``field`` is the dotted path (from the job root) the message should point at."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 class MisSpec(BaseModel):
@@ -181,8 +173,9 @@ class AlgorithmSpec(BaseModel):
         "Put the KL in the reward as a per-token penalty (return-to-go added to the advantage) instead of the loss."))
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: beta = kl_coef; adaptive: beta steered so the measured KL approaches kl_target (Ziegler et al. 2019)."))
-    kl_target: float = Field(0.01, strict=True, gt=0, description="Adaptive controller: target KL in nats per token.")
-    kl_horizon_sequences: int = Field(10_000, ge=1, strict=True, description=(
+    kl_target: float = Field(0.01, strict=True, gt=0, le=MAX_COEFFICIENT, description=(
+        "Adaptive controller: target KL in nats per token."))
+    kl_horizon_sequences: int = Field(10_000, ge=1, le=MAX_COUNT, strict=True, description=(
         "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
     # ---- rewards
     rewards: dict[str, StrictFloat] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
@@ -293,6 +286,13 @@ class AlgorithmSpec(BaseModel):
             raise FieldConflict("algorithm.off_policy_correction", (
                 f"'none' turns every behaviour correction off, but algorithm.{chosen[0]} is set; remove "
                 f"off_policy_correction: none to use it, or set {' and '.join(chosen)} to null"))
+        return self
+
+    @model_validator(mode="after")
+    def _adaptive_settings_need_the_controller(self) -> AlgorithmSpec:
+        if self.kl_controller == "fixed":
+            unused_when_off(self, ("kl_target", "kl_horizon_sequences"), "algorithm",
+                            "algorithm.kl_controller: adaptive")
         return self
 
     @model_validator(mode="after")

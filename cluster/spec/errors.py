@@ -140,10 +140,22 @@ def format_errors(exc: ValidationError, source: str, lines: Mapping[Loc, int], s
             msg = unknown_key_message(loc[-1], list(cls.model_fields) if cls is not None else [])
         elif err["type"] == "missing":
             msg = f"required key {loc[-1]!r} is missing"
+        elif err["type"] == "string_too_short" and (err.get("ctx") or {}).get("min_length") == 1:
+            msg, show_value = empty_string_message(loc), False
         got = f" (got {_short_repr(err['input'])})" if show_value else ""
         out.append(problem_line(place or where(loc, source, lines, set_by), loc, msg + got))
     header = f"{source}: invalid job spec ({len(out)} problem{'s' if len(out) != 1 else ''}):"
     return "\n".join([header, *("  " + line for line in out)])
+
+
+def empty_string_message(loc: Loc) -> str:
+    """What an empty string in a field that needs text means: for an optional field (a path, an address, a host),
+    that the default is written null or left out — ``""`` is never taken as the default."""
+    cls = model_at(loc[:-1]) if loc else None
+    field = cls.model_fields.get(loc[-1]) if cls is not None else None
+    optional = field is not None and not field.is_required()
+    return "empty string: expected a non-empty value" + (
+        " (for the default, write null or leave the key out)" if optional else "")
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

@@ -23,7 +23,8 @@ from pydantic import BeforeValidator, ConfigDict, Field, WithJsonSchema
 __all__ = [
     "SPEC_CONFIG", "MAX_SEQUENCE_TOKENS", "MAX_SEED", "MAX_TOP_K", "MIN_TEMPERATURE", "MAX_TIMEOUT_S",
     "MAX_CUSTOM_RESOURCE", "CustomResources", "check_custom_resources", "parse_byte_size", "ByteSize",
-    "MAX_CPU_ID", "CpuCores", "check_cpu_cores", "MAX_RATIO", "MAX_COEFFICIENT",
+    "MAX_CPU_ID", "CpuCores", "check_cpu_cores", "MAX_RATIO", "MAX_COEFFICIENT", "MAX_DEVICES_PER_ACTOR",
+    "MAX_MEMORY_GIB", "MAX_BUCKET_BYTES", "MAX_COUNT", "NonEmptyStr", "FieldConflict", "unused_when_off",
 ]
 
 #: Model config of every spec section: unknown keys rejected, frozen after validation, no inf/NaN.
@@ -49,6 +50,27 @@ MAX_RATIO = math.exp(20.0)
 #: reward weights, ``lr``, ...): with per-token terms at most ~e^20 (k3 at the ratio clamp) the products stay below
 #: 1e15, far from float32's 3.4e38, and no useful setting comes near it.
 MAX_COEFFICIENT = 1e6
+
+#: Largest CPU or GPU count one actor (a replica, a rank, a reward worker) may reserve: above any node built today;
+#: a typo guard (``num_cpus_per_replica: 1e39`` is refused at load, not as an unschedulable actor).
+MAX_DEVICES_PER_ACTOR = 4096.0
+#: Largest memory size in GiB a field may ask for (``rollout.kv_cache_gib``): 64 TiB, above any node; a typo guard.
+MAX_MEMORY_GIB = 65536.0
+#: Largest weight-sync bucket: 64 GiB (a bucket is one allocation on the trainer and on every engine).
+MAX_BUCKET_BYTES = 64 * 2**30
+#: Largest count of steps, sequences or versions a setting may name (every_steps, horizons, ...): a typo guard.
+MAX_COUNT = 1_000_000_000
+#: A string that must not be empty: an optional path, address or host written as ``""`` is refused (write null, or
+#: leave the key out, for the default) instead of being taken silently as the default or as "every interface".
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+class FieldConflict(ValueError):
+    """A cross-field check failed; ``field`` is the dotted path (from the job root) the message should point at."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
 
 #: Ray's builtin resources (lower case) → the field that sets each per actor; None: not settable per pool.
 _BUILTIN_RESOURCES = {"cpu": "num_cpus", "gpu": "num_gpus", "memory": None, "object_store_memory": None}
@@ -139,3 +161,23 @@ ByteSize = Annotated[int, BeforeValidator(parse_byte_size), WithJsonSchema({
     "anyOf": [{"type": "integer", "minimum": 0},
               {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*(([kKmMgGtT][iI]?)?[bB])?\s*$",
                "examples": ["64MiB", "512MB", "1GiB"]}]})]
+
+
+def unused_when_off(section: Any, fields: tuple[str, ...], prefix: str, needs: str) -> None:
+    """Refuse a setting that takes effect only with another one, when it is set away from its default while that
+    other one is off (the kind: ``reward_pool.resources`` with ``workers: 0``, ``algorithm.kl_target`` with a fixed
+    KL coefficient): the user believes it acts.
+
+    Args:
+        section: the validated section model. fields: its settings that need ``needs``. prefix: the section's dotted
+            name (``"reward_pool"``). needs: the condition they need, as the user would write it.
+    Raises:
+        FieldConflict: naming the first such field.
+    """
+    for name in fields:
+        default = type(section).model_fields[name].get_default(call_default_factory=True)
+        if getattr(section, name) != default:
+            raise FieldConflict(f"{prefix}.{name}", (
+                f"has no effect unless {needs}: leave it out (default {default!r}) or set {needs}; got "
+                f"{getattr(section, name)!r}"))
+

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from cluster.spec.fields import SPEC_CONFIG
+from cluster.spec.fields import MAX_COUNT, SPEC_CONFIG, NonEmptyStr
 
 __all__ = ["TRACKERS", "MetricsSpec", "TrackerName"]
 
@@ -27,10 +27,11 @@ class MetricsSpec(BaseModel):
     """metrics.jsonl in output_dir, console lines, a Prometheus endpoint and, optionally, experiment trackers."""
 
     model_config = SPEC_CONFIG
-    host: str = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
+    host: NonEmptyStr = Field("127.0.0.1", description="Address the Prometheus HTTP server binds to.")
     port: int | None = Field(9300, ge=0, le=65535, strict=True, description=(
         "Prometheus port; 0 picks a free one, null disables."))
-    log_every_steps: int = Field(1, ge=1, strict=True, description="Print a console line every this many steps.")
+    log_every_steps: int = Field(1, ge=1, le=MAX_COUNT, strict=True, description=(
+        "Print a console line every this many steps."))
     trackers: list[TrackerName] = Field(default_factory=list, description=(
         "Experiment trackers that receive every step's metrics (same keys as metrics.jsonl), the spec and git "
         "commit as the run's configuration, and at the end the plot picture and the eval table: any of 'wandb' "

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
 from cluster.spec.fields import (
+    MAX_DEVICES_PER_ACTOR, MAX_MEMORY_GIB,
     MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, CpuCores, CustomResources,
     check_cpu_cores, check_custom_resources,
 )
@@ -23,8 +24,10 @@ class RolloutSpec(BaseModel):
 
     model_config = SPEC_CONFIG
     replicas: int = Field(1, ge=1, le=4096, strict=True, description="Number of rollout engine replicas (Ray actors).")
-    num_cpus_per_replica: float = Field(1.0, strict=True, ge=0, description="CPUs Ray reserves per rollout replica.")
-    num_gpus_per_replica: float = Field(0.0, strict=True, ge=0, description="GPUs Ray reserves per rollout replica.")
+    num_cpus_per_replica: float = Field(1.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
+        "CPUs Ray reserves per rollout replica."))
+    num_gpus_per_replica: float = Field(0.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
+        "GPUs Ray reserves per rollout replica."))
     tensor_parallel_size: int = Field(1, ge=1, le=1024, strict=True, description=(
         "Tensor-parallel ranks inside one engine replica."))
     prompts_per_step: int = Field(4, ge=1, le=65536, strict=True, description="B: prompts sampled per training step.")
@@ -44,7 +47,7 @@ class RolloutSpec(BaseModel):
         "after the temperature, before top-k and top-p."))
     max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Completion length cap in tokens."))
-    kv_cache_gib: float = Field(2.0, strict=True, gt=0, description=(
+    kv_cache_gib: float = Field(2.0, strict=True, gt=0, le=MAX_MEMORY_GIB, description=(
         "CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."))
     gpu_memory_utilization: float = Field(0.5, strict=True, gt=0, lt=1, description=(
         "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))

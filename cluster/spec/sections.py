@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, StrictFloat, field_validator, model_valid
 from cluster.spec.algorithm import FieldConflict
 from cluster.spec.data import DEFAULT_SYSTEM_PROMPT, DataSpec, HubDatasetSpec, ReasoningGymSpec
 from cluster.spec.fields import (
+    MAX_BUCKET_BYTES, MAX_COUNT, MAX_DEVICES_PER_ACTOR, NonEmptyStr, unused_when_off,
     MAX_COEFFICIENT, MAX_TIMEOUT_S, SPEC_CONFIG, ByteSize, CpuCores, CustomResources, check_cpu_cores,
     check_custom_resources,
 )
@@ -41,7 +42,7 @@ class ModelSpec(BaseModel):
             "Rollout engine dtype and the policy's compute dtype. float32: pure float32 training. bfloat16/float16: "
             "mixed precision (float32 parameters and AdamW state, forward/backward in this dtype, weights sent to "
             "the engines in this dtype); the frozen reference policy is held in this dtype."))
-    cache_dir: str | None = Field(None, description=(
+    cache_dir: NonEmptyStr | None = Field(None, description=(
         "Folder for converted/downloaded model files; null means ~/.cache/grpo-cluster."))
     revision: str | None = Field(None, min_length=1, description=(
         "Git revision (branch, tag or commit) of a hub model (model.path 'org/name'), passed to every load of the "
@@ -58,8 +59,10 @@ class TrainSpec(BaseModel):
     model_config = SPEC_CONFIG
     world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
         "Number of train ranks (Ray actors in one process group)."))
-    num_cpus_per_worker: float = Field(1.0, strict=True, ge=0, description="CPUs Ray reserves per train rank.")
-    num_gpus_per_worker: float = Field(0.0, strict=True, ge=0, description="GPUs Ray reserves per train rank.")
+    num_cpus_per_worker: float = Field(1.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
+        "CPUs Ray reserves per train rank."))
+    num_gpus_per_worker: float = Field(0.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
+        "GPUs Ray reserves per train rank."))
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description=(
         "torch.distributed backend; 'auto' picks nccl when GPUs are reserved, else gloo."))
     num_threads: int | None = Field(None, ge=1, le=4096, strict=True, description=(
@@ -229,13 +232,13 @@ class SyncSpec(BaseModel):
     """Streaming trainer weights into the rollout engines after each step."""
 
     model_config = SPEC_CONFIG
-    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, strict=True, description=(
+    bucket_bytes: ByteSize = Field(64 * 2**20, ge=1024, le=MAX_BUCKET_BYTES, strict=True, description=(
         "Bytes per broadcast bucket; ints or strings like '64MiB', '512MB', '1GiB'."))
     verify: bool | Literal["sample"] = Field(True, description=(
         "Compare every engine's per-tensor CRC-32 of the received weights with the trainer's: true after every "
         "sync, false never, 'sample' a rotating 1/verify_full_every of the tensors every sync and all of them "
         "every verify_full_every-th policy version."))
-    verify_full_every: int = Field(10, ge=1, strict=True, description=(
+    verify_full_every: int = Field(10, ge=1, le=MAX_COUNT, strict=True, description=(
         "With verify 'sample': policy versions between full checks (K); sampled checks cover every tensor once "
         "per K consecutive versions."))
     timeout_s: float = Field(300, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
@@ -246,13 +249,21 @@ class SyncSpec(BaseModel):
         "CUDA IPC handles on GPU), 'auto' (ipc when every engine is on the trainer rank 0's Ray node)."))
 
 
+    @model_validator(mode="after")
+    def _full_every_needs_sampling(self) -> SyncSpec:
+        if self.verify != "sample":
+            unused_when_off(self, ("verify_full_every",), "sync", "sync.verify: sample")
+        return self
+
+
 class CheckpointSpec(BaseModel):
     """Saving the policy as a Hugging Face folder."""
 
     model_config = SPEC_CONFIG
-    every_steps: int = Field(0, ge=0, strict=True, description="Save every this many steps; 0 saves only at the end.")
+    every_steps: int = Field(0, ge=0, le=MAX_COUNT, strict=True, description=(
+        "Save every this many steps; 0 saves only at the end."))
     save_final: bool = Field(True, description="Save after the last step.")
-    dir: str | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
+    dir: NonEmptyStr | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
     keep_last: int | None = Field(None, ge=1, le=1_000_000, strict=True, description=(
         "Keep only this many newest complete checkpoints (older ones are deleted after a new one is complete); "
         "null keeps all."))
@@ -267,8 +278,9 @@ class RaySpec(BaseModel):
     """Which Ray cluster to run on."""
 
     model_config = SPEC_CONFIG
-    address: str | None = Field(None, description="Existing cluster address ('auto', 'ray://h:p'); null starts one.")
-    num_cpus: int | None = Field(None, ge=1, strict=True, description=(
+    address: NonEmptyStr | None = Field(None, description=(
+        "Existing cluster address ('auto', 'ray://h:p'); null starts one."))
+    num_cpus: int | None = Field(None, ge=1, le=int(MAX_DEVICES_PER_ACTOR) * 1024, strict=True, description=(
         "CPUs of a locally started cluster; null uses all."))
-    dashboard_host: str = Field("127.0.0.1", description="Address the Ray dashboard binds to (local cluster).")
+    dashboard_host: NonEmptyStr = Field("127.0.0.1", description="Address the Ray dashboard binds to (local cluster).")
 

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import string
 import time
 import urllib.error
@@ -71,6 +72,22 @@ def expand_headers(headers: Mapping[str, str], environ: Mapping[str, str] | None
     """
     env = os.environ if environ is None else environ
     return {k: string.Template(v).substitute(env) for k, v in headers.items()}
+
+
+def expand_url(url: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``url`` with ``${VAR}`` replaced from the environment; None stays None.
+
+    Raises:
+        KeyError: a variable that is not set (its name).
+        ValueError: the expanded URL is not http:// or https:// without whitespace (the expanded value shown).
+    """
+    if url is None:
+        return None
+    expanded = string.Template(url).substitute(os.environ if environ is None else environ)
+    if not re.fullmatch(r"https?://\S+", expanded):
+        raise ValueError(f"expected an http:// or https:// URL without spaces, got {expanded!r}"
+                         + (f" (from {url!r})" if expanded != url else ""))
+    return expanded
 
 
 class EndpointReward:

@@ -55,7 +55,7 @@ def test_set_overrides_reach_the_optional_section_and_round_trip():
                                                    "context (data.max_prompt_tokens + rollout.max_response_tokens = "
                                                    "768), got 512 + 300"),
     ("eval: {unknown: 1}", "eval.unknown", "unknown key 'unknown'; allowed: every_steps"),
-    ("eval: {data_path: ''}", "eval.data_path", "String should have at least 1 character"),  # was "file . is a folder"
+    ("eval: {data_path: ''}", "eval.data_path", "empty string: expected a non-empty value"),  # was "file . is a folder"
     ("eval: {temperature: true}", "eval.temperature", "Input should be a valid number"),  # was 1.0
     ("checkpoint: {keep_best: true}", "checkpoint.keep_best", "it needs an eval section"),
 ])
@@ -66,7 +66,7 @@ def test_invalid_values_name_the_field_and_line(section, field, message):
 
 
 def test_a_held_out_file_is_required_and_a_longer_cap_fits_a_larger_context():
-    with pytest.raises(SpecError, match="job.yaml:3: data.test_path: String should have at least 1 character"):
+    with pytest.raises(SpecError, match="job.yaml:3: data.test_path: empty string: expected a non-empty value"):
         load_spec_text("output_dir: o\ntotal_steps: 2\ndata: {train_path: t, test_path: ''}\neval: {}\n",
                        source="job.yaml")
     with pytest.raises(SpecError, match="eval.data_path: expected a held-out file: set eval.data_path"):
