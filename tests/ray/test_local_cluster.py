@@ -82,7 +82,8 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
                            text=True, timeout=300)
     assert short.returncode == 2, short.stderr[-3000:]
     assert (f"the Ray cluster cannot hold this job: needs CPU 2 (rollout 1 x 1 + train 2 x 0.5), cluster has 1 "
-            f"(127.0.0.1:{head.gcs_port}, --address)") in short.stderr, short.stderr[-3000:]
+            f"(set by rollout.num_cpus_per_replica, train.num_cpus_per_worker) (127.0.0.1:{head.gcs_port}, --address)"
+            ) in short.stderr, short.stderr[-3000:]
     assert short.stdout == ""
     fits = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--set", "train.world_size=1", "--set",
                            "rollout.num_cpus_per_replica=0.5"], cwd=REPO, env=env, capture_output=True, text=True,
