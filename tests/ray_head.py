@@ -107,7 +107,10 @@ class RayHead:
         return list(found.values())
 
     def stop(self, grace_s: float = 10) -> None:
-        """SIGTERM this cluster's processes, SIGKILL what is left after ``grace_s``, remove the temp dir."""
+        """SIGTERM this cluster's processes, SIGKILL what is left after ``grace_s``, remove the temp dir. A process
+        that has exited counts as stopped even while it is a zombie (its parent has not collected it: in a container
+        whose PID 1 collects nothing, the children of the head's exited processes stay zombies, and waiting for them
+        to disappear would wait out ``grace_s`` twice)."""
         procs = self.processes()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for proc in procs:
@@ -115,10 +118,31 @@ class RayHead:
                     proc.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
-            _, procs = psutil.wait_procs(procs, timeout=grace_s)
+            procs = _wait_stopped(procs, grace_s)
             if not procs:
                 break
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still run: neither gone nor zombies."""
+    running = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return running
+
+
+def _wait_stopped(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` seconds until none of ``procs`` runs (:func:`_running`), collecting those that are
+    this process's children; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (procs := _running(procs)) and time.monotonic() < deadline:
+        psutil.wait_procs(procs, timeout=0.1)
+    return procs
 
 
 @contextmanager
