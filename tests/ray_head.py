@@ -1,5 +1,6 @@
 """A throwaway Ray head for tests: ``ray start --head`` on 127.0.0.1 with its own temp dir and free ports, stopped
-by killing only its own processes (``ray stop`` would stop every Ray cluster on the machine)."""
+by killing only its own processes (``ray stop`` would stop every Ray cluster on the machine); and such a head that a
+plain ``ray.init()`` finds (:func:`head_found_by_default`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -104,7 +107,10 @@ class RayHead:
         return list(found.values())
 
     def stop(self, grace_s: float = 10) -> None:
-        """SIGTERM this cluster's processes, SIGKILL what is left after ``grace_s``, remove the temp dir."""
+        """SIGTERM this cluster's processes, SIGKILL what is left after ``grace_s``, remove the temp dir. A process
+        that has exited counts as stopped even while it is a zombie (its parent has not collected it: in a container
+        whose PID 1 collects nothing, the children of the head's exited processes stay zombies, and waiting for them
+        to disappear would wait out ``grace_s`` twice)."""
         procs = self.processes()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for proc in procs:
@@ -112,7 +118,45 @@ class RayHead:
                     proc.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
-            _, procs = psutil.wait_procs(procs, timeout=grace_s)
+            procs = _wait_stopped(procs, grace_s)
             if not procs:
                 break
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` that still run: neither gone nor zombies."""
+    running = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return running
+
+
+def _wait_stopped(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait up to ``timeout_s`` seconds until none of ``procs`` runs (:func:`_running`), collecting those that are
+    this process's children; returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    while (procs := _running(procs)) and time.monotonic() < deadline:
+        psutil.wait_procs(procs, timeout=0.1)
+    return procs
+
+
+@contextmanager
+def head_found_by_default(num_cpus: int = 1) -> Iterator[tuple[RayHead, str]]:
+    """A :class:`RayHead` that a plain ``ray.init()`` (no address) finds in a process whose ``RAY_TMPDIR`` is the
+    yielded folder: the head's temp dir is linked as ``<folder>/ray``, Ray's default place for the
+    ``ray_current_cluster`` file, so no other process on the machine sees it (issue 12's setting: a ``ray start
+    --head`` left running). Yields (head, folder); stops the head and removes the folder on leaving."""
+    head = RayHead(num_cpus=num_cpus)
+    tmp = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths must stay < 108 characters
+    os.symlink(head.temp_dir, os.path.join(tmp, "ray"))
+    try:
+        yield head, tmp
+    finally:
+        head.stop()
+        os.unlink(os.path.join(tmp, "ray"))
+        os.rmdir(tmp)

@@ -1,7 +1,14 @@
-"""End to end with the real SmolLM2-135M-Instruct on GSM8K: one GRPO step of the CPU demo spec (shrunk), a verified
-weight sync, and a final checkpoint that vLLM serves with the same logprobs transformers gives (several minutes).
+"""End to end with the real SmolLM2-135M-Instruct on GSM8K: one GRPO step of the CPU demo spec (shrunk) run with
+``grpo-cluster run``, a verified weight sync, and a final checkpoint that vLLM serves with the same logprobs
+transformers gives (several minutes).
 
-    .venv/bin/python -m pytest tests/e2e -m slow -q
+The job runs without an address while a ``ray start --head`` that a plain ``ray.init()`` would join is running
+(tests/ray_head.py ``head_found_by_default``; issue 12: ``ValueError: When connecting to an existing cluster, num_cpus
+and num_gpus must not be provided``): it runs on a Ray cluster of its own. (Formerly also
+tests/ray/test_local_cluster.py::test_run_without_address_beside_a_running_head, a tiny job of its own; that module
+checks the cluster the job starts, bound to 127.0.0.1.)
+
+    flock /tmp/grpo-heavy.lock .venv/bin/python -m pytest tests/e2e/test_smollm2_slow.py -q
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gsm8k_smollm2_cpu.yaml"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "gsm8k_smollm2_cpu.yaml"
 
 # Runs in a fresh interpreter after the job's Ray cluster is gone: vLLM spawns its own engine processes.
 VLLM_PROBE = textwrap.dedent("""
@@ -49,37 +57,47 @@ def smollm2_path() -> str:
     return resolve_model_path("builtin:SmolLM2-135M-Instruct")
 
 
-def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gsm8k_train_path, tmp_path):
-    import ray
+@pytest.fixture(scope="module")
+def head_found_by_default():
+    """A 1-CPU ``ray start --head`` that a plain ``ray.init()`` finds in a process whose ``RAY_TMPDIR`` is the yielded
+    folder (tests/ray_head.py)."""
+    from tests.ray_head import head_found_by_default as found_by_default
+
+    with found_by_default() as found:
+        yield found
+
+
+def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gsm8k_train_path,
+                                                                 head_found_by_default, tmp_path):
     import torch
 
-    from cluster.ray_shell.runtime import build_job
     from cluster.spec import load_spec
 
     out = tmp_path / "run"
-    spec = load_spec(EXAMPLE, [  # the example reads the hub dataset; here its local copy (the spec's comment)
+    overrides = [  # the example reads the hub dataset; here its local copy (the spec's comment)
         f"data.hub.name={gsm8k_train_path.parent}", "data.hub.config=",
         "total_steps=1", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=32",
         f"output_dir={out}", "metrics.port=0", "eval=null",
-    ])
+    ]
+    spec = load_spec(EXAMPLE, overrides)
     assert spec.data.source == "hf_hub" and spec.data.hub.config is None
-    ray.init(num_cpus=spec.ray.num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        job = build_job(spec, progress=False)
-        try:
-            history = job.run()
-        finally:
-            job.close()
-    finally:
-        ray.shutdown()
+    _, ray_tmpdir = head_found_by_default
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmpdir, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "run", str(EXAMPLE),
+                             *(x for o in overrides for x in ("--set", o)), "--no-progress"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "[grpo-cluster] done: 1 steps" in result.stderr
+    assert "joined the existing Ray cluster" not in result.stderr  # a cluster of its own beside the running head
 
-    (m,) = history
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1]
+    (m,) = records
     assert m["sync/verified"] is True and m["policy_version"] == 1
     assert m["actor/update_skipped"] == 0.0
     assert 0 < m["response_length/mean"] <= 32
     assert m["rollout/logprob_diff"] < 1e-3  # the engine sampled with the trainer's weights
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1] and records[0]["sync/verified"] is True
 
     ckpt = out / "checkpoints" / "step_000001"
     assert (out / "checkpoints" / "latest").read_text() == ckpt.name

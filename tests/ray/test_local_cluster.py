@@ -1,6 +1,8 @@
 """A job without an address starts its own Ray cluster, bound to 127.0.0.1, even while another cluster (a ``ray
 start --head`` left running) is on the machine (issue 12: ``ValueError: When connecting to an existing cluster,
-num_cpus and num_gpus must not be provided``). Starts Ray: run under the heavy-run lock."""
+num_cpus and num_gpus must not be provided``). Starts Ray: run under the heavy-run lock. The issue's case end to end,
+``grpo-cluster run`` beside such a head, is the job of tests/e2e/test_smollm2_slow.py (formerly
+test_run_without_address_beside_a_running_head here, a tiny job of its own)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.ray_head import RayHead
+from tests.ray_head import head_found_by_default as found_by_default
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,17 +42,10 @@ ray.shutdown()
 
 @pytest.fixture(scope="module")
 def head_found_by_default():
-    """A ``ray start --head`` that a plain ``ray.init()`` finds: its temp dir is ``$RAY_TMPDIR/ray`` of the probes
-    (Ray's default place for ``ray_current_cluster``), so no other process on the machine sees it."""
-    head = RayHead(num_cpus=1)
-    tmp = tempfile.mkdtemp(prefix="rl", dir="/tmp")
-    os.symlink(head.temp_dir, os.path.join(tmp, "ray"))
-    try:
-        yield head, tmp
-    finally:
-        head.stop()
-        os.unlink(os.path.join(tmp, "ray"))
-        os.rmdir(tmp)
+    """A 1-CPU ``ray start --head`` that a plain ``ray.init()`` of the probes finds (their ``RAY_TMPDIR`` is the
+    yielded folder; tests/ray_head.py)."""
+    with found_by_default() as found:
+        yield found
 
 
 def probe(mode: str, ray_tmpdir: str) -> dict:
@@ -88,7 +82,8 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
                            text=True, timeout=300)
     assert short.returncode == 2, short.stderr[-3000:]
     assert (f"the Ray cluster cannot hold this job: needs CPU 2 (rollout 1 x 1 + train 2 x 0.5), cluster has 1 "
-            f"(127.0.0.1:{head.gcs_port}, --address)") in short.stderr, short.stderr[-3000:]
+            f"(set by rollout.num_cpus_per_replica, train.num_cpus_per_worker) (127.0.0.1:{head.gcs_port}, --address)"
+            ) in short.stderr, short.stderr[-3000:]
     assert short.stdout == ""
     fits = subprocess.run([sys.executable, "-m", "cluster.cli", *args, "--set", "train.world_size=1", "--set",
                            "rollout.num_cpus_per_replica=0.5"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -96,23 +91,3 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
     assert fits.returncode == 0, fits.stderr[-3000:]
     assert f"cluster:    127.0.0.1:{head.gcs_port} (--address); has CPU 1, GPU 0: enough" in fits.stdout
     assert not (tmp_path / "out").exists()
-
-
-def test_run_without_address_beside_a_running_head(head_found_by_default, tiny_model_dir, tmp_path):
-    """The issue's case end to end: ``grpo-cluster run`` (1 step of the tiny job, vLLM engine and 2 FSDP2 ranks)
-    while a head that a plain ``ray.init()`` would join is running: the job runs on a cluster of its own."""
-    from tests.ray.test_submit import PARITY
-
-    head, tmp = head_found_by_default
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_TMPDIR=tmp, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
-    out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "run", "examples/tiny_cpu.yaml", "--set", f"model.path={tiny_model_dir}",
-         "--set", f"output_dir={out}", "--set", PARITY, "--set", "metrics.port=null", "--set", "total_steps=1",
-         "--set", "checkpoint.save_final=false", "--import", "tests.parity_reward", "--no-progress"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "[grpo-cluster] done: 1 steps" in result.stderr
-    assert "joined the existing Ray cluster" not in result.stderr
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1

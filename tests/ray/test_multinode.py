@@ -27,9 +27,16 @@ import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
 #: Wall-time bound of the job in this file after its start: a replacement engine start (≈ 30-60 s on 2 loaded cores),
-#: the 45 s wait for room that finds none, steps of a few seconds.
+#: the :data:`ROOM_WAIT_S` wait for room that finds none, steps of a few seconds.
 JOB_WALL_S = 360
 _NODE = dict(num_cpus=1, object_store_memory=80 * 2**20)
+#: How often the GCS checks each raylet, ms (Ray's default 3000). A killed raylet refuses the check at once, so the
+#: node is marked dead after Ray's 5 failed checks: ≈ 5 s instead of ≈ 15 s. A raylet that is alive but slow is
+#: judged as by default: each check still waits Ray's 10 s for an answer.
+HEALTH_CHECK_PERIOD_MS = 1000
+#: ``rollout.timeout_s`` once the engines have started: the replacement's wait for room when no node joins, seconds
+#: (long enough for the health checks to mark the lost node dead, short enough not to spend minutes waiting).
+ROOM_WAIT_S = 20.0
 
 
 class TwoNodes:
@@ -40,7 +47,8 @@ class TwoNodes:
         from ray.cluster_utils import Cluster
 
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
-            _NODE, resources={"train_node": 2}, include_dashboard=False))
+            _NODE, resources={"train_node": 2}, include_dashboard=False,
+            _system_config={"health_check_period_ms": HEALTH_CHECK_PERIOD_MS}))
         self.rollout_node = None
         self.add_rollout_node()
 
@@ -72,7 +80,8 @@ def two_nodes():
     address file, which a plain ``ray.init()`` elsewhere on the machine would otherwise find)."""
     import ray
 
-    assert not ray.is_initialized(), "another test module left Ray initialised"
+    if ray.is_initialized():  # the local Ray that tests/ray/conftest.py keeps between modules: this one needs it off
+        ray.shutdown()
     temp = tempfile.mkdtemp(prefix="rn", dir="/tmp")  # short: Ray's socket paths must stay < 108 characters
     saved = os.environ.get("RAY_TMPDIR")
     os.environ["RAY_TMPDIR"] = temp
@@ -196,14 +205,15 @@ def test_pools_on_two_nodes_sync_by_broadcast_and_lost_rollout_nodes_are_replace
     there and steps 2-3 run. Every step's sync is verified and its engine logprobs match the trainer's.
 
     The rollout node is lost again before step 4 and no node joins: the replacement engine waits
-    ``min(rollout.timeout_s, 120)`` s for room (here 45 s), then the job stops with ``EngineFailure`` naming the
-    engine, its dead node and what is missing. The engines start under the spec's 240 s (a start takes 30-60 s on 2
-    loaded cores); only then does the rollout pool get ``rollout.timeout_s=45``, the wait under test (long enough for
-    Ray's health checks, ≈ 15 s, to mark the node dead, short enough not to spend minutes waiting)."""
+    ``min(rollout.timeout_s, 120)`` s for room (here :data:`ROOM_WAIT_S`), then the job stops with ``EngineFailure``
+    naming the engine, its dead node and what is missing. The engines start under the spec's 240 s (a start takes
+    30-60 s on 2 loaded cores); only then does the rollout pool get ``rollout.timeout_s`` = :data:`ROOM_WAIT_S`, the
+    wait under test (long enough for Ray's health checks, ≈ 5 s at :data:`HEALTH_CHECK_PERIOD_MS`, to mark the node
+    dead)."""
     from cluster.ray_shell.pools import EngineFailure
 
     spec = make_spec("nodes_lost", "total_steps=4")
-    short = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": 45.0})})
+    short = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"timeout_s": ROOM_WAIT_S})})
     first, second, seen = {}, {}, {}
 
     def node_joins(fleet) -> None:
@@ -238,12 +248,12 @@ def test_pools_on_two_nodes_sync_by_broadcast_and_lost_rollout_nodes_are_replace
     assert [m["workers/restarts"] for m in history] == [0, 1, 1]
     _check_synced_across_nodes(history)
     text = str(info.value)
-    # read after the 45 s wait: by then Ray's health checks have marked the node dead
+    # read after the ROOM_WAIT_S wait: by then Ray's health checks have marked the node dead
     assert text.startswith("rollout engine 0 failed (") and f"engine 0 on {second['node']}node dead))" in text, text
     assert "no replacement could be placed: tiny_cpu-rollout-2: placement group [{'CPU': 1.0, 'rollout_node': 1.0}] " \
-           "(strategy STRICT_PACK) could not be placed within 45 s; available now: " in text, text
+           f"(strategy STRICT_PACK) could not be placed within {ROOM_WAIT_S:.0f} s; available now: " in text, text
     assert "rollout_node 0" in text and job.step == 4, text
-    assert 45 <= waited < JOB_WALL_S
+    assert ROOM_WAIT_S <= waited < JOB_WALL_S
     print(f"\nnode lost at step 2 and replaced: job {seen['seconds']:.0f} s in all, step 2 "
           f"{history[1]['timing/step_s']:.0f} s; {lost[0]}; node lost at step 4, none to replace it: error after "
           f"{waited:.0f} s: {text}; engine processes left: {leftovers}")

@@ -9,6 +9,12 @@ Run under the heavy-run lock: ``flock /tmp/grpo-heavy.lock .venv/bin/python -m p
 - The control channel alone, with a stand-in driver (a Ray job that creates the control actor and records what it is
   asked): scale up, a request over the driver's bound, a spec change that cannot be applied live, scale down with a
   changed spec, a finished job (≈ 40 s).
+- Issue #27 tried as a new user would: the own-task example (a jsonl with ``prompt`` + two extra columns, reward
+  functions in a .py next to the spec) copied to a folder outside the project and submitted with ``grpo-cluster
+  submit --follow``: the reward files travel with the job (they are not in the uploaded project folder), the job
+  succeeds, and a recording reward shows every completion reached the rewards with its row's extra columns. It is
+  submitted as the scaled job starts and runs beside it (formerly test_own_task_job.py, a job after it on a head of
+  its own; the head has room for both: 3 CPUs at 2 engines + 2).
 - A bad spec, unknown job ids and an interpreter without the project: exit 2 or one line, nothing submitted.
 
 The head is started from the venv without activating it (``.venv/bin/ray start --head``: the ``python`` on the head's
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -40,6 +47,17 @@ from tests.ray_head import free_port
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
 PARITY = 'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'
+OWN_TASK = REPO / "examples" / "own_task"
+
+SPY = '''
+import json, os
+
+def record(completions, answer, difficulty):
+    """Weight 0: records the columns the job passed (one JSON line per call), scores nothing."""
+    with open(os.environ["OWN_TASK_SPY"], "a") as fh:
+        fh.write(json.dumps({"answer": answer, "difficulty": difficulty, "n": len(completions)}) + "\\n")
+    return [0.0] * len(completions)
+'''
 
 FAKE_DRIVER = textwrap.dedent("""
     import time
@@ -80,10 +98,11 @@ def driver_value(samples: dict[str, float], name: str) -> float | None:
 
 @pytest.fixture(scope="module")
 def head():
-    """A 4-CPU head whose PATH does not lead to this venv (``RayHead(venv_on_path=False)``)."""
+    """A 6-CPU head whose PATH does not lead to this venv (``RayHead(venv_on_path=False)``): room for the scaled job
+    at 2 engines (3 CPUs) and the own-task job (2) side by side."""
     from tests.ray_head import RayHead
 
-    cluster = RayHead(num_cpus=4, venv_on_path=False)
+    cluster = RayHead(num_cpus=6, venv_on_path=False)
     try:
         yield cluster
     finally:
@@ -113,6 +132,37 @@ def _trained_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def own_task_job(head, tiny_model_dir, tmp_path_factory):
+    """The own-task job (module docstring) submitted with ``--follow`` by a process started here and not waited for:
+    the scaled job's test uses this fixture so that both jobs run side by side, and
+    :func:`test_own_task_submit_ships_the_reward_files_and_the_job_succeeds` waits for it. Yields ``process`` and
+    ``folder`` (``stdout`` and ``stderr`` of the process, ``calls.jsonl`` of the recording reward, the job's ``out``);
+    a process still running on leaving is killed (the head's end stops the job)."""
+    base = tmp_path_factory.mktemp("own_task")
+    task = base / "my_task"  # the user's folder: not inside the uploaded project
+    task.mkdir()
+    for name in ("train.jsonl", "test.jsonl", "reward.py", "spec.yaml"):
+        shutil.copy2(OWN_TASK / name, task / name)
+    (task / "spy.py").write_text(SPY)
+    rewards = 'algorithm.rewards={"reward.py:correct": 1.0, "reward.py:within_budget": 0.2, "spy.py:record": 0.0}'
+    overrides = [f"model.path={tiny_model_dir}", f"output_dir={base / 'out'}", "total_steps=2",
+                 "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=8",
+                 "train.num_threads=1", "eval.max_tokens=6", rewards]
+    with open(base / "stdout", "w") as out, open(base / "stderr", "w") as err:  # files: no pipe fills up
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "submit", str(task / "spec.yaml"),
+                                 *(x for o in overrides for x in ("--set", o)), "--env",
+                                 f"OWN_TASK_SPY={base / 'calls.jsonl'}", "--address", head.dashboard, "--follow"],
+                                cwd=REPO, stdout=out, stderr=err, text=True)
+    try:
+        yield {"process": proc, "folder": base}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.usefixtures("own_task_job")  # submitted first: it runs beside this job
 def test_submitted_job_is_followed_scraped_and_scaled_1_2_1(head, client, tiny_model_dir, gsm8k_train_path,
                                                            tmp_path):
     out, port, steps, prompts_per_step = tmp_path / "out", free_port(), 40, 2  # tiny steps take ≈ 0.5–1 s
@@ -179,6 +229,22 @@ def test_submitted_job_is_followed_scraped_and_scaled_1_2_1(head, client, tiny_m
     stopped = cli("stop", job_id, *address)
     assert stopped.returncode == 0 and "was not running" in stopped.stdout
     _check_scaled_run(out, steps, prompts_per_step, records)
+
+
+def test_own_task_submit_ships_the_reward_files_and_the_job_succeeds(own_task_job):
+    base = own_task_job["folder"]
+    returncode = own_task_job["process"].wait(timeout=900)
+    stdout, stderr = (base / "stdout").read_text(), (base / "stderr").read_text()
+    assert returncode == 0, f"{stderr[-3000:]}\n{stdout[-3000:]}"
+    assert "SUCCEEDED" in stderr and "step 2 | v2" in stdout
+    rows = {json.loads(line)["answer"]: json.loads(line)["difficulty"]
+            for line in (OWN_TASK / "train.jsonl").read_text().splitlines()}
+    recorded = [json.loads(line) for line in (base / "calls.jsonl").read_text().splitlines()]
+    pairs = [(a, d) for call in recorded for a, d in zip(call["answer"], call["difficulty"])]
+    assert len(pairs) == 2 * 2 * 4  # every completion of both steps
+    assert all(rows[a] == d for a, d in pairs)  # each with its own row's extra columns
+    metrics = [json.loads(line) for line in (base / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward/reward.py:correct" in m for m in metrics)
 
 
 def scrape_while_running(follow: subprocess.Popen, port: int, scraped: dict, timeout_s: float = 900) -> None:
