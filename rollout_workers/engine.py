@@ -35,7 +35,7 @@ from contract.affinity import pin_to_cores
 from contract.console import route_worker_logs
 from contract.messages import EngineInfo, GenerateStats, GroupRequest, GroupResult, ReceiveReport
 from contract.model_source import ModelSource
-from rollout_workers.cpu_engine import configure_cpu_env, core_ranges, whole_prefill_kwargs
+from rollout_workers.cpu_engine import configure_cpu_env, core_ranges, cpu_engine_kwargs
 from rollout_workers.partial import CompletionState, assemble_group, completion_jobs
 
 EXTENSION_CLS = "rollout_workers.vllm_extension.WeightSyncExtension"
@@ -104,7 +104,7 @@ class RolloutEngine:
         lora_kwargs = {}
         if lora is not None and lora.sync == "adapter":
             lora_kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=engine_lora_rank(lora.rank))
-        cpu_kwargs = {} if on_gpu else whole_prefill_kwargs(max_model_len)
+        cpu_kwargs = {} if on_gpu else cpu_engine_kwargs(max_model_len)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,

