@@ -47,7 +47,7 @@ def task(tmp_path_factory):
 
 
 def spec_of(task, rewards: str, **pool):
-    settings = ", ".join(f"{k}: {v}" for k, v in {"workers": 2, "batch_size": 3, "timeout_s": 2, **pool}.items())
+    settings = ", ".join(f"{k}: {v}" for k, v in {"workers": 2, "batch_size": 3, "timeout_s": 6, **pool}.items())
     return load_spec_text(f"output_dir: {task}/out\ntotal_steps: 1\ndata: {{train_path: t.jsonl}}\n"
                           f"algorithm: {{rewards: {rewards}, reward_on_error: none}}\nreward_pool: {{{settings}}}\n",
                           base_dir=task)
@@ -62,7 +62,7 @@ def calls_of(texts_per_call, weights, on_error="none"):
 def pool(task):
     spec = spec_of(task, '{"rewards.py:longer": 0.5, pool_exact_or_fault: 1.0}')
     p = local_reward_pool(spec)
-    assert p.describe() == "2 reward worker(s) (local processes, 3 completions per call, 2 s timeout)"
+    assert p.describe() == "2 reward worker(s) (local processes, 3 completions per call, 6 s timeout)"
     p.start()
     yield p
     p.shutdown()
@@ -90,7 +90,7 @@ def test_reward_pool_processes_a_slow_call_loses_its_rows_only_and_its_worker_is
     calls = calls_of([["7", "7"], ["SLOW", "8"], ["7"]], WEIGHTS)  # batch_size 3: chunks [0] [1, 2]
     t0 = time.monotonic()
     scores = pool.collect(pool.submit(calls), 60)
-    assert time.monotonic() - t0 < 10  # the 60 s verifier was cut at the 2 s timeout
+    assert time.monotonic() - t0 < 20  # the 60 s verifier was cut at the 6 s timeout (loose: a loaded CI machine)
     assert scores[0].total.tolist() == [1.5, 1.5]
     assert scores[1].total.isnan().all() and scores[1].num_failed == {"rewards.py:longer": 2,
                                                                       "pool_exact_or_fault": 2}
