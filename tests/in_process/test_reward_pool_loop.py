@@ -47,7 +47,8 @@ def _run(task: Path, workers: int, model: str) -> tuple[list[dict], list[dict]]:
         "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_response_tokens=8", "train.num_threads=1",
         'algorithm.rewards={"reward.py:correct": 1.0, "reward.py:within_budget": 0.2, "spy.py:record": 0.0}',
         "eval=null", "checkpoint.keep_best=false", "metrics.port=null",
-        f"reward_pool={{workers: {workers}, batch_size: 3, num_cpus_per_worker: 0}}"])
+        f"reward_pool={{workers: {workers}, batch_size: 3, num_cpus_per_worker: 0}}" if workers
+        else "reward_pool={workers: 0}"])
     try:
         history = run_to_end(local_job(spec, progress=False))
     finally:
