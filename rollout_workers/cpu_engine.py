@@ -69,9 +69,9 @@ def cpu_engine_kwargs(max_model_len: int) -> dict:
     The prefix cache reuses whole blocks only. A multi-turn episode's next turn is a request whose prompt is the
     episode so far; with 128-token blocks up to 127 tokens of it (64 on average) are prefilled again each turn, on
     top of the new observation. Measured on this 2-core machine (``bench/bench_multi_turn.py``'s B = 8 × G = 4, three
-    turns of 48 tokens with a tool observation between, against single completions of 144 tokens): 3 chained calls
-    took 47 % longer than one call with 128-token blocks and 24 % longer with 32-token blocks, and the single call
-    itself was 14 % faster with 32 (docs/results.md, "Multi-turn rollouts")."""
+    turns of 48 tokens with a tool observation between, against single completions of 144 tokens): the episodes took
+    43.8 % longer than the single completions with 128-token blocks and 13.7 % longer with 32-token blocks
+    (docs/results.md, "Multi-turn rollouts")."""
     return {**whole_prefill_kwargs(max_model_len), "block_size": CPU_BLOCK_TOKENS}
 
 
