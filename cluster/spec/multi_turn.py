@@ -72,15 +72,36 @@ class MultiTurnSpec(BaseModel):
             ENVIRONMENT.check(self.environment)
         except ValueError as exc:  # the registered names and how to register one
             raise FieldConflict("rollout.multi_turn.environment", str(exc)) from None
-        problem = check_environment(self.environment, self.options)
+        problem = check_environment(self.environment, self.options, timeout_s=self.step_timeout_s)
         if problem is not None:
             raise FieldConflict("rollout.multi_turn.options", (
                 f"environment {self.environment!r} cannot be built with options {dict(self.options)}: {problem}"))
+        longest = longest_step_s(self.environment, self.options)
+        if longest is not None and self.step_timeout_s <= longest:
+            raise FieldConflict("rollout.multi_turn.step_timeout_s", (
+                f"expected more than the {longest:g} s a step of environment {self.environment!r} may take by its "
+                f"own limits with options {dict(self.options)} (for 'tools': max_calls_per_turn x (sandbox "
+                f"wall_time_s + 1 s)), got {self.step_timeout_s:g}: a slow program of the policy's would end the "
+                f"episode as an infrastructure failure instead of an observation. Raise step_timeout_s, or lower "
+                f"options.max_calls_per_turn or options.sandbox.wall_time_s"))
         return self
 
     def turn_tokens(self, max_response_tokens: int) -> int:
         """Tokens one policy turn may sample: ``max_turn_tokens``, or ``rollout.max_response_tokens``."""
         return self.max_turn_tokens if self.max_turn_tokens is not None else max_response_tokens
+
+
+def longest_step_s(environment: str, options: dict[str, Any]) -> float | None:
+    """Seconds a step of ``environment`` built with ``options`` may take by its own limits: its
+    ``longest_step_s`` attribute (``grpo.environments.tool_env.ToolEnvironment`` has one); None when it has none."""
+    from grpo.environments import make_environment
+
+    env = make_environment(environment, options)
+    try:
+        value = getattr(env, "longest_step_s", None)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    finally:
+        env.close()
 
 
 def generated_tokens(rollout) -> int:
