@@ -53,13 +53,16 @@ class MultiTurnSpec(BaseModel):
         "it is (counted in episode/max_turns_fraction)."))
     max_episode_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Token budget of an episode after its prompt: sampled and observation tokens together (what the engines' "
-        "context and the trainer's packing must hold beyond the prompt). A turn is capped at what is left; an "
-        "observation that would leave no room for another turn ends the episode (episode/token_budget_fraction)."))
+        "context and the trainer's packing must hold beyond the prompt), at least one turn's cap. A turn is capped "
+        "at what is left; an observation that would leave no room for another turn ends the episode "
+        "(episode/token_budget_fraction)."))
     max_turn_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Tokens one policy turn may sample; null: rollout.max_response_tokens."))
     step_timeout_s: float = Field(60.0, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
-        "Seconds an environment step may take; a slower one is an infrastructure failure (the episode gets no "
-        "reward and is counted in reward/infra_failed, like an environment that raises)."))
+        "Seconds an environment step (or reset, close, or its build when the spec is checked) may take; a slower "
+        "one is an infrastructure failure (the episode gets no reward and is counted in reward/infra_failed, like "
+        "an environment that raises). Must exceed the environment's own bound on a step where it has one ('tools': "
+        "max_calls_per_turn x (sandbox wall_time_s + 1 s) with the python tool)."))
     parallel: int = Field(4, ge=1, le=4096, strict=True, description=(
         "Environment steps run at once (threads in the driver's process; tools' programs run in their own "
         "sandboxes)."))
