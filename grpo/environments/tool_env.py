@@ -11,7 +11,8 @@
 Each policy turn is searched for tool calls (:mod:`grpo.environments.tool_calls`, the documented default format
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). A turn without one ends the episode (it is the
 answer, scored by the reward functions). Otherwise every call of the turn runs, in order (at most
-``max_calls_per_turn``; the rest are refused in the observation), and the observation lists one result per call::
+``max_calls_per_turn``; the rest are refused in one line of the observation), and the observation lists one result
+per call::
 
     calculator: 7006561
     error: unknown tool 'calc'; available: calculator, python
@@ -127,14 +128,15 @@ class ToolEnvironment:
         if not calls:
             return Observation(done=True, role=self.role)
         lines, errors = [], 0
-        for k, call in enumerate(calls):
-            if k >= self.max_calls_per_turn:
-                lines.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; this one was not run")
-                errors += 1
-                continue
+        for call in calls[:self.max_calls_per_turn]:
             ok, text = self._run(call)
             errors += not ok
             lines.append(text)
+        refused = len(calls) - self.max_calls_per_turn
+        if refused > 0:  # one line, however many: the observation stays bounded
+            lines.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the other {refused} "
+                         f"were not run")
+            errors += refused
         return Observation(text="\n".join(lines), done=False, role=self.role, tool_calls=len(calls),
                            tool_errors=errors)
 

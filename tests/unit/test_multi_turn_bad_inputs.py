@@ -106,6 +106,14 @@ def test_multi_turn_unreadable_tool_calls_are_observations_not_crashes():
         calculate("\ud800 + 1")
 
 
+def test_multi_turn_calls_past_the_limit_are_refused_in_one_line():
+    one = json.dumps({"name": "calculator", "arguments": {"expression": "1 + 1"}})
+    obs = make_environment("tools", {"max_calls_per_turn": 2}).step(turn(f"<tool_call>{one}</tool_call>" * 300))
+    assert obs.text.splitlines() == ["calculator: 2", "calculator: 2",
+                                     "error: at most 2 tool calls per turn; the other 298 were not run"]
+    assert (obs.tool_calls, obs.tool_errors) == (300, 298)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"tools": "calculator"}, "(a list of names), got 'calculator'"),
     ({"max_output_chars": "200"}, "max_output_chars: expected an int >= 1, got '200'"),
