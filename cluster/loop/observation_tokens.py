@@ -11,7 +11,8 @@ message's content a stand-in, the observation's text tokenised as plain text in 
 tokens included, so a tool's output cannot forge a turn boundary): the template's own delimiters that close the
 assistant's turn, open the observation's, close it and open the next assistant turn. The assistant's closing
 delimiter is taken from the same rendering: the tokens after the assistant content; when the policy's turn ended
-with its first token (the end-of-turn token it sampled, e.g. ``<|im_end|>``) that token is not added again, otherwise (a turn cut at its token cap, or ended by another EOS) the whole delimiter closes it.
+with its first token (the end-of-turn token it sampled, e.g. ``<|im_end|>``) that token is not added again,
+otherwise (a turn cut at its token cap, or ended by another EOS) the whole delimiter closes it.
 
     observation = ObservationTokens(tokenizer)
     observation.ids("tool", "calculator: 7006652", turn_ids)   # [<|im_end|>?] "\\n" <|im_start|> "tool\\n..." ...
