@@ -11,13 +11,15 @@ the step.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from grpo.environments import Observation, Turn, make_environment
+from grpo.environments import Observation, Turn, check_observation, make_environment
 
 __all__ = ["EnvironmentFailure", "EnvironmentHost", "LocalEnvironments", "StepOutcome"]
 
@@ -57,21 +59,24 @@ class EnvironmentHost(Protocol):
         ...
 
 
+def _closer(env: object) -> Callable[[], None]:
+    """A call closing ``env`` (an environment without ``close`` raises in its thread, like any failing close)."""
+    return lambda: env.close()
+
+
 class LocalEnvironments:
-    """Environments in this process, ``parallel`` steps at a time in threads (:class:`EnvironmentHost`).
+    """Environments in this process, ``parallel`` calls at a time, each in a daemon thread (:class:`EnvironmentHost`).
 
     Args:
         name, options: the environment (``rollout.multi_turn.environment``/``options``).
-        parallel: steps at once. timeout_s: a step (or a reset) still running after this many seconds is an
-            :class:`EnvironmentFailure`; its thread is abandoned (a new pool serves the next calls).
+        parallel: calls (builds + resets, steps, closes) at once. timeout_s: a call still running after this many
+            seconds is an :class:`EnvironmentFailure` (a close that overruns is given up); its thread is abandoned.
+            The threads are daemons: an environment that never returns neither blocks the loop nor keeps the
+            process from exiting.
     """
 
     def __init__(self, name: str, options: Mapping[str, Any], parallel: int, timeout_s: float):
         self.name, self.options, self.parallel, self.timeout_s = name, dict(options), parallel, timeout_s
-        self._pool = self._new_pool()
-
-    def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="environment")
 
     def open(self, rows: Sequence[Mapping[str, Any]]) -> list[object | EnvironmentFailure]:
         """Build and reset one environment per row (in the worker threads, within the timeout)."""
@@ -89,71 +94,62 @@ class LocalEnvironments:
         return [o.result for o in self._run_all([opener(row) for row in rows], "reset")]
 
     def step(self, steps: Sequence[tuple[object, Turn]]) -> list[StepOutcome]:
-        """Step each environment with its turn; a step that raises, returns something else than an
-        ``Observation``, or times out is an :class:`EnvironmentFailure`."""
+        """Step each environment with its turn; a step that raises, returns something else than a well-formed
+        ``Observation`` (:func:`grpo.environments.check_observation`), or times out is an
+        :class:`EnvironmentFailure`."""
         def stepper(env, turn: Turn) -> Callable[[], Observation]:
             def run():
                 out = env.step(turn)
-                if not isinstance(out, Observation):
-                    raise TypeError(f"{type(env).__name__}.step returned {type(out).__name__}, expected an "
-                                    f"Observation")
+                problem = check_observation(out)
+                if problem is not None:
+                    raise TypeError(f"{type(env).__name__}.step returned {problem}")
                 return out
             return run
 
         return self._run_all([stepper(env, turn) for env, turn in steps], "step")
 
     def close(self, handles: Sequence[object]) -> None:
-        """Close each environment (its errors are ignored: the episode is over)."""
-        for env in handles:
-            try:
-                env.close()
-            except Exception:  # noqa: BLE001 - nothing depends on a clean close
-                pass
+        """Close each environment, within the timeout (its errors are ignored: the episode is over)."""
+        self._run_all([_closer(env) for env in handles], "close")
 
     def shutdown(self) -> None:
-        """Stop the worker threads (running steps are not waited for)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: calls run in daemon threads of their own (an abandoned one is not waited for)."""
 
     def _run_all(self, calls: Sequence[Callable[[], Any]], what: str) -> list[StepOutcome]:
-        """Run ``calls`` on the pool; each gets ``timeout_s`` from when it starts."""
-        started: dict[int, float] = {}
+        """Run ``calls``, ``parallel`` at a time, each in a daemon thread; each gets ``timeout_s`` from its start.
+        Outcomes in order: the value, or an :class:`EnvironmentFailure` for a call that raised (anything but
+        ``KeyboardInterrupt``, ``SystemExit`` included) or overran."""
+        results: queue.SimpleQueue = queue.SimpleQueue()
         outcomes: list[StepOutcome | None] = [None] * len(calls)
+        waiting, running = deque(range(len(calls))), {}
 
-        def timed(i: int, call: Callable[[], Any]) -> tuple[Any, float]:
-            started[i] = time.monotonic()
-            return call(), time.monotonic() - started[i]
+        def timed(i: int) -> None:
+            t0 = time.monotonic()
+            try:
+                value, error = calls[i](), None
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - any failure of an environment is an infra failure
+                value, error = None, exc
+            results.put((i, value, error, time.monotonic() - t0))
 
-        futures: dict[Future, int] = {self._pool.submit(timed, i, call): i for i, call in enumerate(calls)}
-        pending = set(futures)
-        while pending:
-            now = time.monotonic()
-            deadlines = [started[futures[f]] + self.timeout_s for f in pending if futures[f] in started]
-            done, pending = wait(pending, timeout=max(0.0, min(deadlines, default=now + self.timeout_s) - now),
-                                 return_when=FIRST_COMPLETED)
-            for f in done:
-                i = futures[f]
-                try:
-                    value, seconds = f.result()
-                    outcomes[i] = StepOutcome(value, seconds)
-                except Exception as exc:  # noqa: BLE001 - any failure of an environment is an infra failure
-                    seconds = time.monotonic() - started.get(i, time.monotonic())
-                    outcomes[i] = StepOutcome(EnvironmentFailure(
-                        f"environment {self.name!r} raised in {what}: {type(exc).__name__}: {exc}"), seconds)
-            overdue = [f for f in pending if futures[f] in started and
-                       time.monotonic() - started[futures[f]] >= self.timeout_s]
-            for f in overdue:
-                outcomes[futures[f]] = StepOutcome(EnvironmentFailure(
+        while waiting or running:
+            while waiting and len(running) < self.parallel:
+                i = waiting.popleft()
+                running[i] = time.monotonic()
+                threading.Thread(target=timed, args=(i,), name=f"environment-{what}", daemon=True).start()
+            deadline = min(running.values()) + self.timeout_s
+            try:
+                i, value, error, seconds = results.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                i = None
+            if i is not None:
+                running.pop(i)
+                outcomes[i] = StepOutcome(value if error is None else EnvironmentFailure(
+                    f"environment {self.name!r} raised in {what}: {type(error).__name__}: {error}"), seconds)
+            for j in [j for j, t0 in running.items() if time.monotonic() - t0 >= self.timeout_s]:
+                running.pop(j)
+                outcomes[j] = StepOutcome(EnvironmentFailure(
                     f"environment {self.name!r} {what} did not return within rollout.multi_turn.step_timeout_s="
                     f"{self.timeout_s:g}"), self.timeout_s)
-                pending.discard(f)
-            if overdue:  # its thread cannot be stopped: the calls not started yet move to fresh workers
-                old, self._pool = self._pool, self._new_pool()
-                for f in list(pending):
-                    i = futures[f]
-                    if i not in started and f.cancel():
-                        pending.discard(f)
-                        moved = self._pool.submit(timed, i, calls[i])
-                        futures[moved] = i
-                        pending.add(moved)
-                old.shutdown(wait=False)
         return list(outcomes)

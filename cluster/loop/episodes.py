@@ -37,6 +37,7 @@ from cluster.loop.observation_tokens import ObservationTokens
 from cluster.loop.partial_rollouts import RoundInterrupted
 from contract.messages import GroupRequest, GroupResult
 from contract.protocols import Fleet
+from grpo.environments import check_observation
 
 __all__ = ["EpisodeRound", "EpisodeRunner", "make_episode_runner"]
 
@@ -201,6 +202,10 @@ class EpisodeRunner:
         mt = self.multi_turn
         if isinstance(result, EnvironmentFailure):
             e.end("infra_failed", result.message)
+            return
+        problem = check_observation(result)
+        if problem is not None:  # a host that does not check its environments' answers
+            e.end("infra_failed", f"the environment's step returned {problem}")
             return
         e.tool_calls += result.tool_calls
         e.tool_errors += result.tool_errors

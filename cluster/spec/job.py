@@ -96,6 +96,15 @@ class JobSpec(BaseModel):
                 f"expected max_model_len >= data.max_prompt_tokens + {what} = "
                 f"{self.data.max_prompt_tokens} + {generated_tokens(rollout)} = {needed}, "
                 f"got {rollout.max_model_len}"))
+        if rollout.multi_turn is not None:
+            mt = rollout.multi_turn
+            turn = mt.turn_tokens(rollout.max_response_tokens)
+            cap = "rollout.multi_turn.max_turn_tokens" if mt.max_turn_tokens is not None else \
+                "rollout.max_response_tokens"
+            if mt.max_episode_tokens < turn:
+                raise FieldConflict("rollout.multi_turn.max_episode_tokens", (
+                    f"expected at least one turn's cap ({cap} = {turn}), got {mt.max_episode_tokens}: the budget "
+                    f"holds every turn and observation of an episode; lower the turn's cap or raise the budget"))
         if rollout.multi_turn is not None and ENVIRONMENT_REWARD in self.algorithm.rewards:
             raise FieldConflict("algorithm.rewards", (
                 f"{ENVIRONMENT_REWARD!r} is the reward component of a multi-turn episode's environment "

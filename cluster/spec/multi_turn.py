@@ -53,13 +53,16 @@ class MultiTurnSpec(BaseModel):
         "it is (counted in episode/max_turns_fraction)."))
     max_episode_tokens: int = Field(ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Token budget of an episode after its prompt: sampled and observation tokens together (what the engines' "
-        "context and the trainer's packing must hold beyond the prompt). A turn is capped at what is left; an "
-        "observation that would leave no room for another turn ends the episode (episode/token_budget_fraction)."))
+        "context and the trainer's packing must hold beyond the prompt), at least one turn's cap. A turn is capped "
+        "at what is left; an observation that would leave no room for another turn ends the episode "
+        "(episode/token_budget_fraction)."))
     max_turn_tokens: int | None = Field(None, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Tokens one policy turn may sample; null: rollout.max_response_tokens."))
     step_timeout_s: float = Field(60.0, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
-        "Seconds an environment step may take; a slower one is an infrastructure failure (the episode gets no "
-        "reward and is counted in reward/infra_failed, like an environment that raises)."))
+        "Seconds an environment step (or reset, close, or its build when the spec is checked) may take; a slower "
+        "one is an infrastructure failure (the episode gets no reward and is counted in reward/infra_failed, like "
+        "an environment that raises). Must exceed the environment's own bound on a step where it has one ('tools': "
+        "max_calls_per_turn x (sandbox wall_time_s + 1 s) with the python tool)."))
     parallel: int = Field(4, ge=1, le=4096, strict=True, description=(
         "Environment steps run at once (threads in the driver's process; tools' programs run in their own "
         "sandboxes)."))
@@ -72,15 +75,36 @@ class MultiTurnSpec(BaseModel):
             ENVIRONMENT.check(self.environment)
         except ValueError as exc:  # the registered names and how to register one
             raise FieldConflict("rollout.multi_turn.environment", str(exc)) from None
-        problem = check_environment(self.environment, self.options)
+        problem = check_environment(self.environment, self.options, timeout_s=self.step_timeout_s)
         if problem is not None:
             raise FieldConflict("rollout.multi_turn.options", (
                 f"environment {self.environment!r} cannot be built with options {dict(self.options)}: {problem}"))
+        longest = longest_step_s(self.environment, self.options)
+        if longest is not None and self.step_timeout_s <= longest:
+            raise FieldConflict("rollout.multi_turn.step_timeout_s", (
+                f"expected more than the {longest:g} s a step of environment {self.environment!r} may take by its "
+                f"own limits with options {dict(self.options)} (for 'tools': max_calls_per_turn x (sandbox "
+                f"wall_time_s + 1 s)), got {self.step_timeout_s:g}: a slow program of the policy's would end the "
+                f"episode as an infrastructure failure instead of an observation. Raise step_timeout_s, or lower "
+                f"options.max_calls_per_turn or options.sandbox.wall_time_s"))
         return self
 
     def turn_tokens(self, max_response_tokens: int) -> int:
         """Tokens one policy turn may sample: ``max_turn_tokens``, or ``rollout.max_response_tokens``."""
         return self.max_turn_tokens if self.max_turn_tokens is not None else max_response_tokens
+
+
+def longest_step_s(environment: str, options: dict[str, Any]) -> float | None:
+    """Seconds a step of ``environment`` built with ``options`` may take by its own limits: its
+    ``longest_step_s`` attribute (``grpo.environments.tool_env.ToolEnvironment`` has one); None when it has none."""
+    from grpo.environments import make_environment
+
+    env = make_environment(environment, options)
+    try:
+        value = getattr(env, "longest_step_s", None)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    finally:
+        env.close()
 
 
 def generated_tokens(rollout) -> int:

@@ -37,16 +37,17 @@ rollout engines. Pure Python: no torch, no Ray.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from grpo.environments.base import Environment, EnvironmentInfraError, Observation, Turn
+from grpo.environments.base import Environment, EnvironmentInfraError, Observation, Turn, check_observation
 from grpo.environments.scripted import ScriptedEnvironment
 from grpo.environments.tool_env import ToolEnvironment
 from grpo.registry import Registry
 
 __all__ = ["ENVIRONMENTS", "Environment", "EnvironmentInfraError", "Observation", "Turn", "check_environment",
-           "make_environment", "register_environment"]
+           "check_observation", "make_environment", "register_environment"]
 
 
 EnvironmentFactory = Callable[..., Environment]
@@ -82,14 +83,34 @@ def make_environment(name: str, options: Mapping[str, Any] | None = None) -> Env
     return ENVIRONMENTS.lookup(name)(**dict(options or {}))
 
 
-def check_environment(name: str, options: Mapping[str, Any] | None = None) -> str | None:
-    """Whether environment ``name`` can be built with ``options`` (one instance is built and closed); None when it
-    can, else why (the factory's TypeError/ValueError message)."""
+def check_environment(name: str, options: Mapping[str, Any] | None = None, timeout_s: float = 60.0) -> str | None:
+    """Whether environment ``name`` can be built with ``options``: one instance is built (in a daemon thread, within
+    ``timeout_s`` seconds) and closed. None when it can, else why: what the factory raised (any exception, its type
+    and message), that it did not return in time, or the :class:`Environment` methods the instance lacks."""
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            box["env"] = make_environment(name, options)
+        except BaseException as exc:  # noqa: BLE001 - reported, whatever the factory raised
+            box["error"] = exc
+
+    thread = threading.Thread(target=build, name=f"check-environment-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return f"building it did not return within {timeout_s:g} s"
+    if "error" in box:
+        return f"{type(box['error']).__name__}: {box['error']}"
+    env = box["env"]
+    missing = [m for m in ("reset", "step", "close") if not callable(getattr(env, m, None))]
+    if missing:
+        return (f"the factory returned a {type(env).__name__} without the method(s) {missing}; an environment needs "
+                f"reset(row), step(turn) and close() (grpo.environments.Environment)")
     try:
-        env = make_environment(name, options)
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    env.close()
+        env.close()
+    except Exception as exc:  # noqa: BLE001 - reported
+        return f"close() raised {type(exc).__name__}: {exc}"
     return None
 
 

@@ -96,7 +96,8 @@ def calculate(expression: str) -> str:
     """Evaluate an arithmetic ``expression``; returns the result as text (:func:`format_number`).
 
     Raises:
-        CalculatorError: not a string, empty, too long, not arithmetic, or a result out of the limits.
+        CalculatorError: not a string, empty, too long, not arithmetic (also: not encodable text), or a result out
+            of the limits.
     """
     if not isinstance(expression, str):
         raise CalculatorError(f"expected the expression as a string, got {type(expression).__name__}")
@@ -110,5 +111,7 @@ def calculate(expression: str) -> str:
         return format_number(_evaluate(tree))
     except SyntaxError as exc:
         raise CalculatorError(f"not an arithmetic expression: {exc.msg}") from None
+    except ValueError as exc:  # e.g. a lone surrogate, which cannot be encoded for the parser
+        raise CalculatorError(f"not an arithmetic expression: {type(exc).__name__}: {exc}") from None
     except (RecursionError, MemoryError):
         raise CalculatorError("the expression is nested too deeply") from None

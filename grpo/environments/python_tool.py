@@ -3,8 +3,10 @@ the ``code`` reward uses (:data:`grpo.rewards.code.DEFAULT_SANDBOX`, or the tool
 
 Whose fault a failure is follows the sandbox's statuses: ``passed`` gives the program's stdout; the program's own
 failures (``failed``: it raised or exited nonzero, ``timeout``, ``cpu_limit``, ``memory``, ``output_limit``) give an
-error text the policy sees (stdout so far and the tail of stderr); ``infra_error`` (the sandbox could not run the
-program) raises :class:`grpo.environments.base.EnvironmentInfraError`: the episode is an infrastructure failure.
+error text the policy sees (its first line: the status and stderr's last line, a traceback's exception, so a cut to
+the tool environment's ``max_output_chars`` keeps the cause; then stdout so far and the tail of stderr);
+``infra_error`` (the sandbox could not run the program) raises :class:`grpo.environments.base.EnvironmentInfraError`:
+the episode is an infrastructure failure.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ __all__ = ["PythonTool", "sandbox_config"]
 
 #: Characters of stderr shown after a failure (its end: the traceback's last lines).
 STDERR_TAIL_CHARS = 600
+#: Characters of stderr's last line (a traceback's exception) repeated on the first line of a failure's text, which
+#: survives the tool environment's ``max_output_chars`` cut.
+CAUSE_CHARS = 200
 
 
 def sandbox_config(options: Mapping[str, Any] | None) -> SandboxConfig:
@@ -67,7 +72,8 @@ class PythonTool:
             return True, result.stdout.rstrip() if result.stdout.strip() else "(the program printed nothing)"
         why = result.detail or f"exit code {result.exit_code}"
         stderr = result.stderr.strip()[-STDERR_TAIL_CHARS:]
-        parts = [f"python: the program ended with status {result.status} ({why})"]
+        cause = stderr.splitlines()[-1].strip()[:CAUSE_CHARS] if stderr else ""
+        parts = [f"python: the program ended with status {result.status} ({why})" + (f": {cause}" if cause else "")]
         if result.stdout.strip():
             parts.append(f"stdout:\n{result.stdout.rstrip()}")
         if stderr:

@@ -48,6 +48,8 @@ def _read_call(body: str) -> ToolCall | CallError:
         value = json.loads(body)
     except json.JSONDecodeError as exc:
         return CallError(f"the tool call is not valid JSON ({exc.msg} at character {exc.pos})", _shorten(body))
+    except RecursionError:
+        return CallError("the tool call's JSON is nested too deeply", _shorten(body))
     if not isinstance(value, dict):
         return CallError(f"expected a JSON object with \"name\" and \"arguments\", got {type(value).__name__}",
                          _shorten(body))
@@ -57,12 +59,37 @@ def _read_call(body: str) -> ToolCall | CallError:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return CallError(f"\"arguments\" of {name!r} is a string that is not a JSON object", _shorten(body))
     if not isinstance(arguments, dict):
         return CallError(f"\"arguments\" of {name!r} must be a JSON object, got {type(arguments).__name__}",
                          _shorten(body))
+    try:
+        where = _unencodable(arguments)
+    except RecursionError:
+        return CallError("the tool call's JSON is nested too deeply", _shorten(body))
+    if where is not None:
+        return CallError(f"\"arguments\" of {name!r} hold text that is not valid Unicode (a lone surrogate escape "
+                         f"such as \\ud800 at {where})", _shorten(body))
     return ToolCall(name, arguments)
+
+
+def _unencodable(value: Any, where: str = "arguments") -> str | None:
+    """Where in a decoded JSON value a string (key or value) cannot be encoded as UTF-8 (JSON's ``\\uD800`` escapes
+    decode to lone surrogates), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _unencodable(key, f"{where} (a key)") if isinstance(key, str) else None
+        found = found or _unencodable(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def parse_tool_calls(text: str) -> list[ToolCall | CallError]:

@@ -6,11 +6,13 @@
         options: {tools: [calculator, python], max_output_chars: 800}
         max_turns: 3
         max_episode_tokens: 512
+        step_timeout_s: 90      # > longest_step_s: 4 calls x (20 s sandbox wall time + 1 s)
 
 Each policy turn is searched for tool calls (:mod:`grpo.environments.tool_calls`, the documented default format
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). A turn without one ends the episode (it is the
 answer, scored by the reward functions). Otherwise every call of the turn runs, in order (at most
-``max_calls_per_turn``; the rest are refused in the observation), and the observation lists one result per call::
+``max_calls_per_turn``; the rest are refused in one line of the observation), and the observation lists one result
+per call::
 
     calculator: 7006561
     error: unknown tool 'calc'; available: calculator, python
@@ -20,7 +22,10 @@ and ``python`` (``{"code": "..."}``, :mod:`grpo.environments.python_tool`: the s
 limits, or ``options.sandbox``'s). What the policy did wrong — a call that is not JSON, an unknown tool, bad
 arguments, a program that raises, an output over ``max_output_chars`` (cut, with a note saying how much was left
 out) — is in the observation and counted in ``tool_errors``; the sandbox failing to start raises (an infrastructure
-failure: the episode gets no reward).
+failure: the episode gets no reward). :attr:`ToolEnvironment.longest_step_s` bounds a step by those limits
+(``max_calls_per_turn`` programs, each killed after the sandbox's ``wall_time_s``): the spec refuses a
+``rollout.multi_turn.step_timeout_s`` that would cut a step the tools still bound, which would turn the policy's slow
+program into an infrastructure failure.
 
 The prompt must tell the policy about the tools and the format (the data's system prompt: ``TOOL_PROMPT`` is one). A
 small model may also need to see the format used: SmolLM2-135M-Instruct called the calculator in 0-5 % of its first
@@ -82,22 +87,33 @@ class ToolEnvironment:
         role: the chat role of the observations (``"tool"``; ``"user"`` for templates without a tool role).
         sandbox: ``SandboxConfig`` fields replacing the ``code`` reward's defaults for the ``python`` tool.
 
+    Attributes:
+        longest_step_s: the longest a step can take by the tools' own limits, seconds: ``max_calls_per_turn`` x
+            (the sandbox's ``wall_time_s`` with ``python``, else 0, + 1 s for the start and the calculator).
+
     Raises:
-        ValueError: an unknown tool, no tool, a limit < 1, or a bad ``sandbox`` field.
+        ValueError: ``tools`` not a non-empty list of known names, a limit that is not an int >= 1, an empty
+            ``role``, or a bad ``sandbox`` (not a mapping, an unknown field, a value ``SandboxConfig`` refuses).
     """
 
     def __init__(self, tools: Sequence[str] = ("calculator",), max_output_chars: int = 1000,
                  max_calls_per_turn: int = 4, role: str = "tool", sandbox: Mapping[str, Any] | None = None):
-        unknown = sorted(set(tools) - set(TOOL_NAMES))
-        if unknown or not tools:
-            raise ValueError(f"tools: expected a non-empty subset of {list(TOOL_NAMES)}, got {list(tools)}")
-        if max_output_chars < 1 or max_calls_per_turn < 1:
-            raise ValueError(f"max_output_chars and max_calls_per_turn must be >= 1, got {max_output_chars} and "
-                             f"{max_calls_per_turn}")
-        self.max_output_chars, self.max_calls_per_turn, self.role = int(max_output_chars), int(max_calls_per_turn), role
+        if isinstance(tools, str) or not isinstance(tools, Sequence) or not tools or set(tools) - set(TOOL_NAMES):
+            raise ValueError(f"tools: expected a non-empty subset of {list(TOOL_NAMES)} (a list of names), got "
+                             f"{tools!r}")
+        for name, value in (("max_output_chars", max_output_chars), ("max_calls_per_turn", max_calls_per_turn)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"role: expected a chat role such as 'tool' or 'user', got {role!r}")
+        if sandbox is not None and not isinstance(sandbox, Mapping):
+            raise ValueError(f"sandbox: expected a mapping of SandboxConfig fields, got {type(sandbox).__name__}")
+        self.max_output_chars, self.max_calls_per_turn, self.role = max_output_chars, max_calls_per_turn, role
         makers: dict[str, Callable[[], Callable]] = {"calculator": _Calculator,
                                                      "python": lambda: PythonTool(sandbox_config(sandbox))}
         self.tools = {name: makers[name]() for name in tools}
+        python = self.tools.get("python")
+        self.longest_step_s = float(max_calls_per_turn) * (1.0 + (python.config.wall_time_s if python else 0.0))
 
     def reset(self, row: Mapping[str, Any]) -> None:
         """Nothing to prepare: the tools keep no state between calls."""
@@ -112,14 +128,15 @@ class ToolEnvironment:
         if not calls:
             return Observation(done=True, role=self.role)
         lines, errors = [], 0
-        for k, call in enumerate(calls):
-            if k >= self.max_calls_per_turn:
-                lines.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; this one was not run")
-                errors += 1
-                continue
+        for call in calls[:self.max_calls_per_turn]:
             ok, text = self._run(call)
             errors += not ok
             lines.append(text)
+        refused = len(calls) - self.max_calls_per_turn
+        if refused > 0:  # one line, however many: the observation stays bounded
+            lines.append(f"error: at most {self.max_calls_per_turn} tool calls per turn; the other {refused} "
+                         f"were not run")
+            errors += refused
         return Observation(text="\n".join(lines), done=False, role=self.role, tool_calls=len(calls),
                            tool_errors=errors)
 
