@@ -332,9 +332,11 @@ def test_sandbox_many_programs_in_parallel(sandbox_ok):
 # ---------------------------------------------------------------- the weaker rlimits mode, the unprivileged path
 
 def _rlimits_config() -> SandboxConfig:
-    """rlimits mode with an interpreter the per-slot uid can run (a root-only pyenv cannot be: skip then)."""
+    """rlimits mode with an interpreter the per-slot uid can run (a root-only pyenv cannot be: skip then). The wall
+    limit is 6 CPU limits, so a CPU-bound loop reaches its CPU limit first even with a sixth of a core (a loaded
+    2-core CI machine: 2 s of CPU against 3 s of wall ended as a timeout there)."""
     for python in ("", "/usr/bin/python3"):
-        config = SandboxConfig(mode="rlimits", python=python, cpu_time_s=2, wall_time_s=3, uid_base=UID_BASE,
+        config = SandboxConfig(mode="rlimits", python=python, cpu_time_s=1, wall_time_s=6, uid_base=UID_BASE,
                                uid_count=64)
         if os.path.exists(python or sys.executable) and check_sandbox(config) is None:
             return config
