@@ -22,7 +22,8 @@ the root (:class:`ResponseLogprobModel`, which owns the embedding, final norm an
 
 Memory (``train.activation_checkpointing``, ``train.cpu_offload``): the policy's decoder layers recompute their
 activations in the backward (transformers' non-reentrant gradient checkpointing, inside each FSDP2 unit; FSDP2
-unshards a layer again for its recompute); with CPU offload FSDP2 keeps the sharded parameters, gradients and the
+unshards a layer again for its recompute; on CPU ranks it also turns on the lean variant of the CPU fast paths,
+``train_workers.fsdp_engine``); with CPU offload FSDP2 keeps the sharded parameters, gradients and the
 AdamW state on the CPU (``CPUOffloadPolicy``) and the optimizer steps there. The frozen reference policy has no
 backward and no optimizer: neither applies to it.
 
