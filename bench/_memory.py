@@ -18,10 +18,10 @@ CPU allocator statistics (``torch.cpu`` offers none), so RSS is the measure.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from train_workers.host_memory import release_free_heap
 
 KIB_PER_GIB = 2**20
 
@@ -44,17 +44,6 @@ def parse_status_kib(text: str, fields: tuple[str, ...] = ("VmRSS", "VmHWM")) ->
     if missing:
         raise ValueError(f"/proc status: expected fields {list(fields)}, missing {missing}")
     return values
-
-
-def release_free_heap() -> bool:
-    """Hand free heap memory back to the OS with glibc's ``malloc_trim(0)``; False where the C library has no
-    ``malloc_trim`` (musl, macOS), and then nothing is done."""
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,15 @@ FSDP2's own here:
   micro-batch count (gloo over loopback TCP is slow; the price is one unsharded copy of the parameters and gradients
   per rank); the frozen reference policy is a full copy on every rank, run under ``torch.inference_mode``. On GPU,
   FSDP2's defaults: resharded after each forward and backward, the reference sharded like the policy.
+- The lean variant of the CPU fast paths (``lean``: the worker turns it on for CPU ranks with
+  ``train.activation_checkpointing``, which asks for memory over speed). The policy is still gathered once per step,
+  but its gradients are reduce-scattered after every micro-batch's backward, so the rank accumulates its gradient
+  shard instead of a full-size gradient (half the model's size saved at two ranks, for one more reduce-scatter per
+  extra micro-batch); the reference policy is sharded like the policy and all-gathered layer by layer for each
+  micro-batch's reference forward (half its size saved at two ranks, for one all-gather per micro-batch); before each
+  micro-batch and the optimizer step the rank hands its freed heap back to the OS (``train_workers.host_memory``: a
+  step's mid-sized tensors otherwise leave free but resident memory behind). Results are those of the other paths
+  (``tests/distributed/test_lean_memory.py``); the saving is measured in docs/results.md.
 - LoRA (``train.lora``): the reference policy is the policy with its adapters off (``LoraPolicy.adapters_off``), and
   the step reports the adapters' parameter counts and every rank's peak memory (:meth:`FSDPEngine.extra_metrics`).
 """
@@ -22,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from contract.batches import PackedMicroBatch
+from train_workers.host_memory import release_free_heap
 from train_workers.sharding import full_tensor
 from train_workers.step_engine import all_reduce_cpu, device_inputs, frozen_logprobs, no_grad_logprobs
 from train_workers.step_metrics import peak_rss_gib
@@ -37,22 +47,23 @@ class FSDPEngine:
 
     Args:
         policy: the sharded :class:`~train_workers.policy.ResponseLogprobModel` (float32 parameters).
-        reference: the frozen reference policy (replicated with ``fast_paths``, else sharded), or None (no reference,
-            or LoRA: the policy with its adapters off).
+        reference: the frozen reference policy (replicated with ``fast_paths`` unless ``lean``, else sharded), or
+            None (no reference, or LoRA: the policy with its adapters off).
         optimizer: AdamW over the policy's trainable parameters.
         lora: the :class:`~train_workers.lora.LoraPolicy` with ``train.lora``, else None.
         rank, world_size: this rank and the train group's size. device: this rank's device.
-        max_grad_norm: ``train.max_grad_norm``. fast_paths: the CPU fast paths (module docstring).
+        max_grad_norm: ``train.max_grad_norm``. fast_paths: the CPU fast paths; lean: their lean variant (module
+            docstring; ignored without ``fast_paths``).
     """
 
     pipeline = None  # FSDP2 runs the micro-batches one by one
 
     def __init__(self, policy, reference, optimizer: torch.optim.Optimizer, lora, rank: int, world_size: int,
-                 device: torch.device, max_grad_norm: float, fast_paths: bool):
+                 device: torch.device, max_grad_norm: float, fast_paths: bool, lean: bool = False):
         self.policy, self.reference, self.lora = policy, reference, lora
         self.optimizer = optimizer
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.max_grad_norm, self.fast_paths = max_grad_norm, fast_paths
+        self.max_grad_norm, self.fast_paths, self.lean = max_grad_norm, fast_paths, fast_paths and lean
 
     @property
     def has_reference(self) -> bool:
@@ -64,11 +75,14 @@ class FSDPEngine:
         return device_inputs(mb, self.device)
 
     def prepare_microbatch(self, last: bool) -> None:
-        """With the CPU fast paths, keep the policy unsharded and its gradients local until ``last`` (module
-        docstring); otherwise FSDP2's defaults."""
+        """With the CPU fast paths, keep the policy unsharded until ``last``, and its gradients local until then
+        unless ``lean`` (which also hands freed heap back to the OS first; module docstring); otherwise FSDP2's
+        defaults."""
         if not self.fast_paths or not hasattr(self.policy, "set_requires_gradient_sync"):
             return
-        self.policy.set_requires_gradient_sync(last)
+        if self.lean:
+            release_free_heap()
+        self.policy.set_requires_gradient_sync(last or self.lean)
         self.policy.set_reshard_after_backward(last)
 
     def policy_forward(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +99,7 @@ class FSDPEngine:
         if self.lora is not None:
             with self.lora.adapters_off():
                 return frozen_logprobs(self.policy, mb, args, inference=False)
-        return frozen_logprobs(self.reference, mb, args, inference=self.fast_paths)
+        return frozen_logprobs(self.reference, mb, args, inference=self.fast_paths and not self.lean)
 
     def reshard_policy(self) -> None:
         """Reshard every FSDP2 module of the policy (after a reference forward outside a step, with LoRA, so the
@@ -111,7 +125,10 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
-        """One AdamW update."""
+        """One AdamW update (``lean``: after handing freed heap back to the OS, as the first step also allocates
+        AdamW's state)."""
+        if self.lean:
+            release_free_heap()
         self.optimizer.step()
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:

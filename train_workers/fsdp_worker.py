@@ -22,7 +22,8 @@ the root (:class:`ResponseLogprobModel`, which owns the embedding, final norm an
 
 Memory (``train.activation_checkpointing``, ``train.cpu_offload``): the policy's decoder layers recompute their
 activations in the backward (transformers' non-reentrant gradient checkpointing, inside each FSDP2 unit; FSDP2
-unshards a layer again for its recompute); with CPU offload FSDP2 keeps the sharded parameters, gradients and the
+unshards a layer again for its recompute; on CPU ranks it also turns on the lean variant of the CPU fast paths,
+``train_workers.fsdp_engine``); with CPU offload FSDP2 keeps the sharded parameters, gradients and the
 AdamW state on the CPU (``CPUOffloadPolicy``) and the optimizer steps there. The frozen reference policy has no
 backward and no optimizer: neither applies to it.
 
@@ -72,6 +73,9 @@ class FSDPTrainWorker:
         # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
         # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
         self._cpu_fast_paths = self.ctx.device.type == "cpu"
+        # Their lean variant (FSDPEngine: gradient shards accumulated, the reference sharded) when the job asks for
+        # memory over speed with activation checkpointing.
+        self._cpu_lean = self._cpu_fast_paths and train.activation_checkpointing
         self.policy = self.reference = self.optimizer = None
         self._lora = None  # train_workers.lora.LoraPolicy when train.lora is set
         self.engine: FSDPEngine | None = None
@@ -113,7 +117,7 @@ class FSDPTrainWorker:
         # The policy's parameters (and so AdamW's state) are float32; only its compute runs in ctx.dtype.
         mp_policy = mixed_precision_policy(ctx.dtype, train.reduce_dtype)
         lora = train.lora
-        fast = self._cpu_fast_paths
+        fast, lean = self._cpu_fast_paths, self._cpu_fast_paths and self._cpu_lean
 
         def load(trainable: bool) -> ResponseLogprobModel:
             full = trainable and lora is None  # a LoRA policy's base is model_path; its adapters come from the ckpt
@@ -131,9 +135,10 @@ class FSDPTrainWorker:
                 hf.requires_grad_(trainable)
             model = ResponseLogprobModel(hf, ctx.temperature, **ctx.sampling_filters)
             model.train(trainable)
-            if trainable or not fast:  # the CPU fast paths replicate the frozen reference policy
+            if trainable or not fast or lean:  # the CPU fast paths replicate the frozen reference, unless lean
                 # CPU: unsharded from the first forward to the last backward of a step (FSDPEngine.prepare_microbatch)
-                shard_model(model, mp_policy=mp_policy if trainable else None, reshard_after_forward=not fast,
+                shard_model(model, mp_policy=mp_policy if trainable else None,
+                            reshard_after_forward=not (fast and trainable),
                             cpu_offload=trainable and train.cpu_offload)
             return model
 
@@ -147,7 +152,7 @@ class FSDPTrainWorker:
             self._lora = LoraPolicy(self.policy.model, with_reference)
         self.optimizer = ctx.adamw(self.policy)
         self.engine = FSDPEngine(self.policy, self.reference, self.optimizer, self._lora, ctx.rank, ctx.world_size,
-                                 ctx.device, train.max_grad_norm, fast_paths=fast)
+                                 ctx.device, train.max_grad_norm, fast_paths=fast, lean=lean)
         self.step = GRPOStep(self.engine, ctx.algorithm, train, ctx.max_response_tokens)
         self.sender.source = FSDPSyncSource(self.policy, self._lora, lora is not None and lora.sync == "adapter")
         return ctx.rank_info(backend, sum(p.numel() for p in self.policy.parameters()))

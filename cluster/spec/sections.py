@@ -126,7 +126,10 @@ class TrainSpec(BaseModel):
     activation_checkpointing: bool = Field(False, strict=True, description=(
         "Strategy fsdp: recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(transformers' non-reentrant gradient checkpointing of every layer of the policy). Less memory for more "
-        "compute: measured on CPU in docs/results.md."))
+        "compute. On CPU ranks it also turns on the lean memory paths: gradients reduce-scattered after every "
+        "micro-batch (a gradient shard instead of a full-size gradient), the reference policy sharded instead of "
+        "replicated, freed heap returned to the OS before each micro-batch; results are unchanged. Measured on CPU "
+        "in docs/results.md."))
     cpu_offload: bool = Field(False, strict=True, description=(
         "Strategy fsdp: keep the sharded parameters, their gradients and the AdamW state in CPU memory and run the "
         "optimizer step on the CPU (FSDP2's CPUOffloadPolicy); each layer's parameters are copied to the GPU for "
