@@ -16,6 +16,7 @@ Whole-row rewards are also checked without a ``check_row``: each parameter witho
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -69,9 +70,11 @@ class RowCheck:
                              f"(prompts, completions); rename the column")
         missing = sorted(self.signature.required - set(columns))
         if missing:
+            near = difflib.get_close_matches(missing[0], list(columns), n=1)
+            hint = f"; did you mean column {near[0]!r}?" if near else ""
             raise ValueError(f"its function ({self.where}) takes {', '.join(map(repr, missing))} without a default, "
-                             f"but the row has no such column (columns: {sorted(columns) or 'none'}); add the column "
-                             f"or give the parameter a default")
+                             f"but the row has no such column (its columns besides the prompt: "
+                             f"{sorted(columns) or 'none'}{hint}); add the column or give the parameter a default")
         if self.check is not None:
             values = {**columns, "prompt": prompt}
             accepts = _keywords_taken(self.check)
