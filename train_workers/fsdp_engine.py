@@ -20,7 +20,7 @@ FSDP2's own here:
   micro-batch's reference forward (half its size saved at two ranks, for one all-gather per micro-batch); before each
   micro-batch and the optimizer step the rank hands its freed heap back to the OS (``train_workers.host_memory``: a
   step's mid-sized tensors otherwise leave free but resident memory behind). Results are those of the other paths
-  (``tests/distributed/test_lean_memory.py``); the saving is measured in docs/results.md.
+  (``tests/distributed/test_trainer_fast_paths.py``); the saving is measured in docs/results.md.
 - LoRA (``train.lora``): the reference policy is the policy with its adapters off (``LoraPolicy.adapters_off``), and
   the step reports the adapters' parameter counts and every rank's peak memory (:meth:`FSDPEngine.extra_metrics`).
 """

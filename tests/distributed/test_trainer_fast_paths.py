@@ -7,7 +7,13 @@
    per micro-batch) and the unfused head (full [M, V] logits, ``logprobs_from_logits``, ``entropy_from_logits``).
    Loss, KL, entropy, grad norm, the clipped gradients of both steps and the parameters after them must agree
    within float32 tolerance.
-2. NaN/Inf skip (issue 7): after a normal step, a NaN loss forced on rank 1 only, then an Inf gradient forced on
+2. The lean CPU paths that ``train.activation_checkpointing`` turns on (issue 29; formerly
+   tests/distributed/test_lean_memory.py): the rank reduce-scatters its gradients after every micro-batch (it holds a
+   gradient shard, not a full-size gradient) and shards the frozen reference policy. The mode is in effect (the
+   reference is an FSDP2 module; the sharded parameters hold their gradient after the first of a rank's two
+   micro-batches, where the speed paths leave them empty until the last), and both steps give the same metrics,
+   clipped gradients and parameters as the speed paths without checkpointing.
+3. NaN/Inf skip (issue 7): after a normal step, a NaN loss forced on rank 1 only, then an Inf gradient forced on
    rank 0 only, each skip the update on both ranks: parameters, AdamW state and policy version unchanged,
    ``actor/update_skipped`` 1.0 with the offending metric named; the next normal step updates again.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -61,16 +68,29 @@ def _adam_state(worker) -> dict[str, torch.Tensor]:
     return out
 
 
-def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0.04, cls=None):
+def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0.04, cls=None,
+            checkpointing: bool = False):
     from cluster.spec import AlgorithmSpec, TrainSpec
     from train_workers.fsdp_worker import FSDPTrainWorker
 
-    train = TrainSpec(world_size=2, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120)
+    train = TrainSpec(world_size=2, num_threads=1, lr=1e-4, max_grad_norm=1.0, timeout_s=120,
+                      activation_checkpointing=checkpointing)
     worker = (cls or FSDPTrainWorker)(rank, 2, model_dir, train, AlgorithmSpec(kl_coef=kl_coef), TEMPERATURE,
                                       MAX_RESPONSE_TOKENS, dtype="float32", seed=0)
     worker._cpu_fast_paths = fast
     worker.init_distributed("127.0.0.1", port)
     return worker
+
+
+def _record_grad_presence(worker, into: list) -> None:
+    """After each micro-batch's backward, append whether every trained (sharded) parameter holds a gradient."""
+    backward = worker.engine.backward
+
+    def recording_backward(loss):
+        backward(loss)
+        into.append(all(p.grad is not None for p in worker.optimizer.param_groups[0]["params"]))
+
+    worker.engine.backward = recording_backward
 
 
 def _step(worker, rank: int) -> dict:
@@ -80,13 +100,19 @@ def _step(worker, rank: int) -> dict:
 
 
 def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
+    from torch.distributed.fsdp import FSDPModule
+
     from train_workers import policy
 
     torch.set_num_threads(1)
     fused_forward = policy.ResponseLogprobModel.forward
-    for name, fast, port in (("fast", True, ports[0]), ("before", False, ports[1])):
+    runs = (("fast", True, False, ports[0]), ("before", False, False, ports[1]), ("lean", True, True, ports[3]))
+    for name, fast, checkpointing, port in runs:
         policy.ResponseLogprobModel.forward = fused_forward if fast else _unfused_forward
-        worker = _worker(rank, port, model_dir, fast)
+        worker = _worker(rank, port, model_dir, fast, checkpointing=checkpointing)
+        mode = {"lean": worker.engine.lean, "reference_sharded": isinstance(worker.reference, FSDPModule)}
+        presence: list[bool] = []
+        _record_grad_presence(worker, presence)
         grads1, grads2 = {}, {}
         plain_step = worker.optimizer.step
         _capture_grads(worker, grads1)
@@ -96,8 +122,8 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
         m2 = _step(worker, rank)
         params = _full_params(worker)
         if rank == 0:
-            torch.save({"m1": m1, "m2": m2, "grads1": grads1, "grads2": grads2, "params": params},
-                       f"{out_dir}/{name}.pt")
+            torch.save({"mode": mode, "presence": presence, "m1": m1, "m2": m2, "grads1": grads1, "grads2": grads2,
+                        "params": params}, f"{out_dir}/{name}.pt")
         worker.shutdown()
     policy.ResponseLogprobModel.forward = fused_forward
 
@@ -118,10 +144,17 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
     worker.shutdown()
 
 
-def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(tiny_model_dir, tmp_path):
-    ports = [free_port() for _ in range(3)]
-    mp.spawn(_ranks_main, args=(tiny_model_dir, ports, str(tmp_path)), nprocs=2, join=True)
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """The folder holding every run's results: fast, before, lean (one spawn of two ranks) and the NaN/Inf runs."""
+    out = tmp_path_factory.mktemp("fast_paths")
+    ports = [free_port() for _ in range(4)]
+    mp.spawn(_ranks_main, args=(tiny_model_dir, ports, str(out)), nprocs=2, join=True)
+    return out
 
+
+def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(trained):
+    tmp_path = trained
     fast, before = torch.load(tmp_path / "fast.pt"), torch.load(tmp_path / "before.pt")
     assert fast["m2"]["metrics"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
     for step in ("m1", "m2"):
@@ -147,3 +180,24 @@ def test_fast_paths_equal_before_and_nonfinite_steps_are_skipped(tiny_model_dir,
             assert runs[key + "_params_same"] and runs[key + "_adam_same"], (rank, key)
         assert runs["after"]["metrics"]["actor/update_skipped"] == 0.0 and runs["after"]["policy_version"] == 2
         assert runs["version"] == 2
+
+
+def test_lean_paths_shard_gradients_and_reference_and_change_no_result(trained):
+    speed, lean = torch.load(trained / "fast.pt"), torch.load(trained / "lean.pt")
+
+    assert speed["mode"] == {"lean": False, "reference_sharded": False}
+    assert lean["mode"] == {"lean": True, "reference_sharded": True}
+    # two steps x two micro-batches: the gradient shard exists after the first micro-batch only when lean
+    assert speed["presence"] == [False, True, False, True]
+    assert lean["presence"] == [True, True, True, True]
+
+    assert lean["m2"]["metrics"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
+    for step in ("m1", "m2"):
+        for key in ("actor/loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/ratio_mean",
+                    "actor/clip_fraction", "rollout/logprob_diff"):
+            a, b = lean[step]["metrics"][key], speed[step]["metrics"][key]
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(b)), f"{step} {key}: lean {a} vs speed {b}"
+        assert not lean[step]["skipped"] and lean[step]["policy_version"] == speed[step]["policy_version"]
+    assert_same_grads(lean["grads1"], speed["grads1"], "step 1: lean vs speed")
+    assert_same_grads(lean["grads2"], speed["grads2"], "step 2: lean vs speed")
+    assert_same_params(lean["params"], speed["params"], "after 2 steps: lean vs speed")
