@@ -17,34 +17,17 @@ import time
 import pytest
 
 from cluster.loop.environment_host import EnvironmentFailure, LocalEnvironments
-from cluster.spec import SpecError, load_spec_text
+from cluster.spec import load_spec_text
 from grpo.environments import (ENVIRONMENTS, Observation, Turn, check_environment, check_observation,
                                make_environment, register_environment)
 from grpo.environments.calculator import CalculatorError, calculate
 from grpo.environments.tool_calls import CallError, parse_tool_calls
 from grpo.rewards.sandbox import check_sandbox
 from grpo.rewards.sandbox_config import SandboxConfig
-
-SPEC = """\
-output_dir: runs/test
-total_steps: 1
-data:
-  train_path: train.jsonl
-  max_prompt_tokens: 100
-rollout:
-  max_response_tokens: 32
-  multi_turn: {environment: tools, max_turns: 2, max_episode_tokens: 200}
-"""
-
+from tests.unit.test_multi_turn_spec import SPEC, problem
 
 def turn(text: str) -> Turn:
     return Turn(text=text, token_ids=(1,), index=1, finish_reason="stop")
-
-
-def problem(*overrides: str) -> str:
-    with pytest.raises(SpecError) as info:
-        load_spec_text(SPEC, overrides=overrides)
-    return str(info.value)
 
 
 class Probe:
