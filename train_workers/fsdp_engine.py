@@ -13,14 +13,16 @@ FSDP2's own here:
   per rank); the frozen reference policy is a full copy on every rank, run under ``torch.inference_mode``. On GPU,
   FSDP2's defaults: resharded after each forward and backward, the reference sharded like the policy.
 - The lean variant of the CPU fast paths (``lean``: the worker turns it on for CPU ranks with
-  ``train.activation_checkpointing``, which asks for memory over speed). The policy is still gathered once per step,
-  but its gradients are reduce-scattered after every micro-batch's backward, so the rank accumulates its gradient
-  shard instead of a full-size gradient (half the model's size saved at two ranks, for one more reduce-scatter per
-  extra micro-batch); the reference policy is sharded like the policy and all-gathered layer by layer for each
-  micro-batch's reference forward (half its size saved at two ranks, for one all-gather per micro-batch); before each
-  micro-batch and the optimizer step the rank hands its freed heap back to the OS (``train_workers.host_memory``: a
-  step's mid-sized tensors otherwise leave free but resident memory behind). Results are those of the other paths
-  (``tests/distributed/test_trainer_fast_paths.py``); the saving is measured in docs/results.md.
+  ``train.activation_checkpointing``, which asks for memory over speed). The policy is resharded after each forward
+  and backward as FSDP2 does by default (its full parameters are held one layer at a time, for one all-gather per
+  layer per forward, recompute and backward), and its gradients are reduce-scattered after every micro-batch's
+  backward, so the rank accumulates its gradient shard instead of a full-size gradient (half the model's size saved at
+  two ranks, for one more reduce-scatter per extra micro-batch); the reference policy is sharded like the policy and
+  all-gathered layer by layer for each micro-batch's reference forward (half its size saved at two ranks, for one
+  all-gather per micro-batch); before each micro-batch and the optimizer step the rank hands its freed heap back to
+  the OS (``train_workers.host_memory``: a step's mid-sized tensors otherwise leave free but resident memory behind).
+  Results are those of the other paths (``tests/distributed/test_trainer_fast_paths.py``); the saving is measured in
+  docs/results.md.
 - LoRA (``train.lora``): the reference policy is the policy with its adapters off (``LoraPolicy.adapters_off``), and
   the step reports the adapters' parameter counts and every rank's peak memory (:meth:`FSDPEngine.extra_metrics`).
 """
@@ -75,15 +77,15 @@ class FSDPEngine:
         return device_inputs(mb, self.device)
 
     def prepare_microbatch(self, last: bool) -> None:
-        """With the CPU fast paths, keep the policy unsharded until ``last``, and its gradients local until then
-        unless ``lean`` (which also hands freed heap back to the OS first; module docstring); otherwise FSDP2's
-        defaults."""
+        """With the CPU fast paths, keep the policy unsharded and its gradients local until ``last``; ``lean``
+        reshards and reduce-scatters after every micro-batch (and hands freed heap back to the OS first; module
+        docstring); otherwise FSDP2's defaults."""
         if not self.fast_paths or not hasattr(self.policy, "set_requires_gradient_sync"):
             return
         if self.lean:
             release_free_heap()
         self.policy.set_requires_gradient_sync(last or self.lean)
-        self.policy.set_reshard_after_backward(last)
+        self.policy.set_reshard_after_backward(last or self.lean)
 
     def policy_forward(self, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's (logprobs [M], entropy [M]) with autograd."""

@@ -73,8 +73,8 @@ class FSDPTrainWorker:
         # CPU (gloo over loopback TCP, memory to spare): a replicated reference policy and one all-gather +
         # one reduce-scatter per step; GPU: FSDP2's memory-saving defaults. Tests flip it to compare both.
         self._cpu_fast_paths = self.ctx.device.type == "cpu"
-        # Their lean variant (FSDPEngine: gradient shards accumulated, the reference sharded) when the job asks for
-        # memory over speed with activation checkpointing.
+        # Their lean variant (FSDPEngine: the policy resharded per micro-batch, gradient shards accumulated, the
+        # reference sharded) when the job asks for memory over speed with activation checkpointing.
         self._cpu_lean = self._cpu_fast_paths and train.activation_checkpointing
         self.policy = self.reference = self.optimizer = None
         self._lora = None  # train_workers.lora.LoraPolicy when train.lora is set
@@ -136,9 +136,9 @@ class FSDPTrainWorker:
             model = ResponseLogprobModel(hf, ctx.temperature, **ctx.sampling_filters)
             model.train(trainable)
             if trainable or not fast or lean:  # the CPU fast paths replicate the frozen reference, unless lean
-                # CPU: unsharded from the first forward to the last backward of a step (FSDPEngine.prepare_microbatch)
+                # CPU fast paths: unsharded from a step's first forward to its last backward, unless lean (FSDPEngine)
                 shard_model(model, mp_policy=mp_policy if trainable else None,
-                            reshard_after_forward=not (fast and trainable),
+                            reshard_after_forward=not (fast and trainable) or lean,
                             cpu_offload=trainable and train.cpu_offload)
             return model
 

@@ -11,8 +11,9 @@
    tests/distributed/test_lean_memory.py): the rank reduce-scatters its gradients after every micro-batch (it holds a
    gradient shard, not a full-size gradient) and shards the frozen reference policy. The mode is in effect (the
    reference is an FSDP2 module; the sharded parameters hold their gradient after the first of a rank's two
-   micro-batches, where the speed paths leave them empty until the last), and both steps give the same metrics,
-   clipped gradients and parameters as the speed paths without checkpointing.
+   micro-batches, where the speed paths leave them empty until the last; the decoder layers are resharded after
+   every forward and backward, where the speed paths keep them unsharded until the last backward), and both steps
+   give the same metrics, clipped gradients and parameters as the speed paths without checkpointing.
 3. NaN/Inf skip (issue 7): after a normal step, a NaN loss forced on rank 1 only, then an Inf gradient forced on
    rank 0 only, each skip the update on both ranks: parameters, AdamW state and policy version unchanged,
    ``actor/update_skipped`` 1.0 with the offending metric named; the next normal step updates again.
@@ -82,15 +83,30 @@ def _worker(rank: int, port: int, model_dir: str, fast: bool, kl_coef: float = 0
     return worker
 
 
-def _record_grad_presence(worker, into: list) -> None:
-    """After each micro-batch's backward, append whether every trained (sharded) parameter holds a gradient."""
-    backward = worker.engine.backward
+def _record_grad_presence(worker, into: list, sharded: list) -> None:
+    """After each micro-batch's backward, append to ``into`` whether every trained (sharded) parameter holds a
+    gradient; after each policy forward and each backward, append to ``sharded`` whether the decoder layers' (the
+    non-root FSDP2 units') parameters are their sharded DTensors, i.e. whether the layers were resharded."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    backward, forward = worker.engine.backward, worker.engine.policy_forward
+    layers = [m for m in worker.policy.modules() if isinstance(m, FSDPModule) and m is not worker.policy]
+
+    def layers_sharded() -> bool:
+        return all(isinstance(p, DTensor) for layer in layers for p in layer.parameters())
+
+    def recording_forward(args):
+        out = forward(args)
+        sharded.append(("forward", layers_sharded()))
+        return out
 
     def recording_backward(loss):
         backward(loss)
         into.append(all(p.grad is not None for p in worker.optimizer.param_groups[0]["params"]))
+        sharded.append(("backward", layers_sharded()))
 
-    worker.engine.backward = recording_backward
+    worker.engine.backward, worker.engine.policy_forward = recording_backward, recording_forward
 
 
 def _step(worker, rank: int) -> dict:
@@ -112,7 +128,8 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
         worker = _worker(rank, port, model_dir, fast, checkpointing=checkpointing)
         mode = {"lean": worker.engine.lean, "reference_sharded": isinstance(worker.reference, FSDPModule)}
         presence: list[bool] = []
-        _record_grad_presence(worker, presence)
+        sharded: list[tuple[str, bool]] = []
+        _record_grad_presence(worker, presence, sharded)
         grads1, grads2 = {}, {}
         plain_step = worker.optimizer.step
         _capture_grads(worker, grads1)
@@ -122,7 +139,7 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
         m2 = _step(worker, rank)
         params = _full_params(worker)
         if rank == 0:
-            torch.save({"mode": mode, "presence": presence, "m1": m1, "m2": m2, "grads1": grads1, "grads2": grads2,
+            torch.save({"mode": mode, "presence": presence, "sharded": sharded, "m1": m1, "m2": m2, "grads1": grads1, "grads2": grads2,
                         "params": params}, f"{out_dir}/{name}.pt")
         worker.shutdown()
     policy.ResponseLogprobModel.forward = fused_forward
@@ -190,6 +207,11 @@ def test_lean_paths_shard_gradients_and_reference_and_change_no_result(trained):
     # two steps x two micro-batches: the gradient shard exists after the first micro-batch only when lean
     assert speed["presence"] == [False, True, False, True]
     assert lean["presence"] == [True, True, True, True]
+    # the speed paths keep the layers unsharded from a step's first forward to its last backward; lean reshards them
+    # after every forward and backward (FSDP2's defaults), so a rank holds one layer's full parameters at a time
+    per_step = [("forward", False), ("backward", False), ("forward", False), ("backward", True)]
+    assert speed["sharded"] == per_step * 2, speed["sharded"]
+    assert lean["sharded"] == [(phase, True) for phase, _ in per_step] * 2, lean["sharded"]
 
     assert lean["m2"]["metrics"]["actor/kl"] > 1e-9, "the second step must exercise the reference policy"
     for step in ("m1", "m2"):
