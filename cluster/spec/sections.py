@@ -126,7 +126,8 @@ class TrainSpec(BaseModel):
     activation_checkpointing: bool = Field(False, strict=True, description=(
         "Strategy fsdp: recompute each decoder layer's activations in the backward pass instead of keeping them "
         "(transformers' non-reentrant gradient checkpointing of every layer of the policy). Less memory for more "
-        "compute. On CPU ranks it also turns on the lean memory paths: gradients reduce-scattered after every "
+        "compute. On CPU ranks it also turns on the lean memory paths: the policy resharded after every forward "
+        "and backward (its full parameters held one layer at a time), gradients reduce-scattered after every "
         "micro-batch (a gradient shard instead of a full-size gradient), the reference policy sharded instead of "
         "replicated, freed heap returned to the OS before each micro-batch; results are unchanged. Measured on CPU "
         "in docs/results.md."))
