@@ -124,6 +124,7 @@ def run_mode(mode: str, steps: int, out: Path, engine_cores: list[int], train_co
     """
     run_dir = out / mode.replace("+", "_")
     overrides = mode_overrides(mode, steps, run_dir, engine_cores, train_cores, extra)
+    out.mkdir(parents=True, exist_ok=True)
     log = out / f"{mode.replace('+', '_')}.log"
     rc, wall = run_logged(cli_run_command(DEMO, overrides), log, timeout_s, f"bench_modes {mode}")
     row: dict = {"mode": mode, "rc": rc, "wall_s": wall, "overrides": overrides}
