@@ -129,6 +129,20 @@ def algorithm_summary(a) -> str:
             f"{1 + a.clip_eps_high:g}] (policy loss {a.policy_loss}), {a.num_iterations} update(s) per batch; {kl}")
 
 
+def metrics_summary(s) -> str:
+    """Where a run's metrics go: metrics.jsonl, the console, Prometheus, and each tracker with its location."""
+    from cluster.ops.trackers.backends import BACKENDS
+
+    m, out = s.metrics, Path(s.output_dir).resolve()
+    prometheus = ("no Prometheus endpoint (metrics.port null)" if m.port is None else
+                  f"Prometheus on {m.host}:{m.port if m.port else 'a free port'}")
+    where = {"wandb": lambda b: f"{b.mode}, {out / 'wandb'}", "mlflow": lambda b: b.uri,
+             "tensorboard": lambda b: str(b.logdir.resolve()), "trackio": lambda b: str(b.wanted.resolve())}
+    trackers = [f"{name} ({where[name](BACKENDS[name](s, out))})" for name in m.trackers]
+    return (f"{out / 'metrics.jsonl'}, a console line every {m.log_every_steps} step(s), {prometheus}; trackers: "
+            + (", ".join(trackers) if trackers else "none (metrics.trackers)"))
+
+
 def summary(job, spec_path: str, address: str | None, source: str, have: dict | None) -> str:
     """The resolved spec in a few lines: what will run, on what, from which inputs, reserving what."""
     from cluster.data.sources import describe_source
@@ -161,6 +175,7 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
         ("cluster", cluster),
         ("output_dir", f"{Path(s.output_dir).resolve()} (writable; checkpoints in {job.checkpoint_root()})"),
+        ("metrics", metrics_summary(s)),
     ]
     if job.evaluation is not None:
         ev, held = s.eval, job.evaluation.evalset

@@ -97,11 +97,13 @@ def test_validate_counts_the_local_gpus_as_run_will_and_summarises_the_training(
                                                                                 monkeypatch):
     """``grpo-cluster validate job.yaml --set train.num_gpus_per_worker=N`` with more GPUs than this machine has
     (1 on a machine without one) exits 2; the summary of a valid spec names the strategy, the torch.distributed
-    backend, the learning rate and its schedule, the objective and the rewards."""
+    backend, the learning rate and its schedule, the objective, the rewards, and where the metrics go (each tracker with
+    its files)."""
     from cluster.ray_shell.ray_init import local_cluster_resources
     from cluster.spec.reference import default_spec
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     gpus = local_cluster_resources(default_spec())["GPU"]
     spec = _spec(tmp_path, tiny_model_dir)
     assert main(["validate", str(spec), "--set", f"train.num_gpus_per_worker={gpus + 1:g}"]) == 2
@@ -114,6 +116,13 @@ def test_validate_counts_the_local_gpus_as_run_will_and_summarises_the_training(
     assert "optimizer:  AdamW lr 3e-06 (constant over 2 steps)" in out
     assert "algorithm:  advantages grpo, loss seq-mean-token-mean, ratio clipped to [0.8, 1.2]" in out
     assert "rewards:    accuracy x1 (" in out and "format x0.1 (" in out
+    out_dir = tmp_path / "out"
+    assert main(["validate", str(spec), "--set", f"output_dir={out_dir}", "--set", "metrics.port=null",
+                 "--set", "metrics.trackers=[tensorboard, mlflow]"]) == 0
+    out = capsys.readouterr().out
+    assert (f"metrics:    {out_dir / 'metrics.jsonl'}, a console line every 1 step(s), no Prometheus endpoint "
+            f"(metrics.port null); trackers: tensorboard ({out_dir / 'tensorboard'}), mlflow (sqlite:///"
+            f"{out_dir / 'mlflow' / 'mlflow.db'})") in out, out
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_for_real(tmp_path, tiny_model_dir, capsys, monkeypatch):
