@@ -128,7 +128,8 @@ class DataSpec(BaseModel):
         "(without a train_path), else 'jsonl'."))
     train_path: str | None = Field(None, min_length=1, description=(
         "Training file: jsonl (one JSON object per line), or with source hf_datasets a parquet/arrow/json/csv file "
-        "or glob; required with source jsonl or hf_datasets."))
+        "or glob; required with source jsonl or hf_datasets. A relative path is the file next to the spec file "
+        "when one is there, else relative to the working directory."))
     test_path: str | None = Field(None, min_length=1, description=(
         "Optional held-out file (same format) for evaluation."))
     file_format: Literal["parquet", "arrow", "json", "csv"] = Field("parquet", description=(

@@ -33,7 +33,10 @@ class JobSpec(BaseModel):
     seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description=(
         "Root seed; per-step and per-sample seeds derive from it (replica and rank offsets are added, and numpy "
         "seeds must be < 2**32)."))
-    output_dir: str = Field(min_length=1, description="Folder for metrics.jsonl, logs and checkpoints.")
+    output_dir: str = Field(min_length=1, description=(
+        "Folder for metrics.jsonl, logs and checkpoints. A relative path is taken from the working directory "
+        "`run` starts in (not the spec file's folder, unlike data.train_path): the examples write to "
+        "runs/<name> under the folder they are run from."))
     total_steps: int = Field(ge=1, le=10_000_000, strict=True, description=(
         "Number of training steps (policy versions) to run."))
     model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
