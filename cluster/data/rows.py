@@ -198,21 +198,39 @@ def parse_record(row: Mapping[str, Any], index: int, fmt: RowFormat = RowFormat(
 
 
 class BadRows:
-    """The rows a loader refused: how many, and where and why the first one was.
+    """The rows a loader refused: how many, and where and why the first few were (:attr:`SHOWN`).
 
     Args:
         source: the file (or files) read, for messages.
     """
 
+    #: Refused rows named in a message (the first in full, the next ones with their reason cut to 240 characters).
+    SHOWN = 5
+
     def __init__(self, source: str):
         self.source, self.count, self.total = source, 0, 0
-        self.first: tuple[str, str] | None = None
+        self.refused: list[tuple[str, str]] = []
+
+    @property
+    def first(self) -> tuple[str, str] | None:
+        """(where, reason) of the first refused row, or None."""
+        return self.refused[0] if self.refused else None
 
     def add(self, where: str, reason: str) -> None:
         """Record a refused row at ``where`` (``file:line``) for ``reason``."""
         self.count += 1
-        if self.first is None:
-            self.first = (where, reason)
+        if len(self.refused) < self.SHOWN:
+            self.refused.append((where, reason))
+
+    def others(self) -> str:
+        """The refused rows after the first, for the end of a message: ``"; also refused: f:7: why; f:9: why (and N
+        more)"``, or ``""`` when only one row was refused."""
+        if self.count < 2:
+            return ""
+        named = "; ".join(f"{where}: {reason if len(reason) <= 240 else reason[:237] + '...'}"
+                          for where, reason in self.refused[1:])
+        more = self.count - len(self.refused)
+        return f". Also refused: {named}" + (f" (and {more} more)" if more else "")
 
     def error(self) -> DataError:
         """The DataError for ``on_bad_row: error``: the first refused row, and advice. ``on_bad_row: skip`` is
@@ -225,12 +243,12 @@ class BadRows:
         else:
             advice = (f"all {self.total} rows are refused, so data.on_bad_row: skip would drop every one: fix the "
                       f"data or the data.* setting named above")
-        return DataError(f"{where}: {reason} ({advice})")
+        return DataError(f"{where}: {reason} ({advice}){self.others()}")
 
     def empty(self, kept: int) -> DataError | None:
         """The DataError when no row was kept (``on_bad_row: skip`` refused them all, or there were none)."""
         if kept:
             return None
-        first = f"; the first refused: {self.first[0]}: {self.first[1]}" if self.first else ""
+        first = f"; the first refused: {self.first[0]}: {self.first[1]}{self.others()}" if self.first else ""
         return DataError(f"{self.source}: no usable rows ({self.count} bad rows skipped, {self.total} rows in "
                          f"all){first}")

@@ -2,6 +2,7 @@
 chat prompts."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -227,3 +228,19 @@ def test_tiny_example_reads_the_gsm8k_beside_the_repository(gsm8k_train_path, tm
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml", [f"output_dir={tmp_path}"])
     assert Path(spec.data.train_path).resolve() == gsm8k_train_path.resolve()
+
+
+def test_an_error_names_the_first_few_refused_rows_not_only_the_first(tmp_path):
+    """A file with seven bad rows among good ones: the error gives the first in full, the next four by file:line and
+    reason, and how many more there are, so one edit can fix them all; one bad row adds nothing."""
+    lines = [row()]
+    for i in range(7):
+        lines += [json.dumps({"question": f"Q{i}?", "answer": f"#### x{i}"}), row()]
+    path = write_lines(tmp_path, lines)
+    with pytest.raises(DataError) as info:
+        load_jsonl_examples(path, checks=ACCURACY)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: ") and "(7 of 15 rows are refused;" in message
+    others = message.split(". Also refused: ", 1)[1]
+    assert re.findall(rf"{re.escape(str(path))}:(\d+): ", others) == ["4", "6", "8", "10"]
+    assert "got 'x1'" in others and others.endswith(" (and 2 more)"), others
