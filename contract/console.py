@@ -5,10 +5,11 @@ every Ray worker of the job calls :func:`route_worker_logs` when it starts (``Ro
 reads where to write from the environment the driver gives the job's workers (:data:`LOG_DIR_ENV`,
 :data:`VERBOSE_ENV`: ``output_dir/logs/<worker>.log``); a vLLM engine also gets a logging configuration for vLLM's own
 loggers (:func:`vllm_logging_config`, through ``VLLM_LOGGING_CONFIG_PATH``), which reaches vLLM's engine-core
-processes too. What stays on the terminal: the job's status lines, the step lines, the progress bar, and records at
-ERROR or above. The engine's expected reload notes after each weight sync (vLLM's ``Failed to load weights`` for
-layers that receive no tensors: the rotary embedding, a tied LM head) never reach the terminal
-(:class:`ReloadNoteFilter`); they stay in the log files. With ``verbose`` nothing is rerouted.
+processes too; a worker's own stdout and stderr go to its log file as well (C++ warnings, progress bars and the output
+of its subprocesses do not pass through Python's logging). What stays on the terminal: the job's status lines, the
+step lines, the progress bar, and records at ERROR or above. The engine's expected reload notes after each weight sync
+(vLLM's ``Failed to load weights`` for layers that receive no tensors: the rotary embedding, a tied LM head) never
+reach the terminal (:class:`ReloadNoteFilter`); they stay in the log files. With ``verbose`` nothing is rerouted.
 
 No project imports: every role may use it.
 """
@@ -21,8 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "VERBOSE_ENV", "ReloadNoteFilter", "route_logs",
-           "route_worker_logs", "vllm_logging_config"]
+__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "VERBOSE_ENV", "ReloadNoteFilter",
+           "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler", "vllm_logging_config"]
 
 #: Environment variable naming the folder of the workers' log files (set by the driver for the job's workers).
 LOG_DIR_ENV = "GRPO_CLUSTER_LOG_DIR"
@@ -35,6 +36,10 @@ LIBRARY_LOGGERS = ("vllm", "ray", "transformers", "torch", "huggingface_hub", "d
                    "accelerate", "peft", "megatron", "mlflow", "alembic", "wandb", "trackio", "httpx", "matplotlib",
                    "absl", "tensorboard", "py.warnings")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Set by :func:`route_logs`: records are being routed to a file (:func:`quiet_library_terminals` acts only then).
+_routed = False
+#: In a worker whose own stdout/stderr go to its log file (:func:`route_worker_logs`): the terminal it had before.
+_terminal_stream = None
 
 
 class ReloadNoteFilter(logging.Filter):
@@ -57,8 +62,10 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     Returns:
         the file handler added to the root logger (None with ``verbose``).
     """
+    global _routed
     if verbose:
         return None
+    _routed = True
     path = Path(log_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
@@ -67,13 +74,7 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     root = logging.getLogger()
     root.addHandler(handler)  # the root's level stays: raising a library's verbosity is not this function's job
     _quiet_transformers()
-    existing = [name for name in logging.root.manager.loggerDict if name.split(".")[0] in LIBRARY_LOGGERS]
-    for name in {*LIBRARY_LOGGERS, *existing}:  # each library keeps its own levels: only where records go changes
-        logger = logging.getLogger(name)
-        logger.propagate = True  # to the root's file handler
-        for h in logger.handlers:
-            if _terminal(h):  # its records reach the terminal through the root's handler below, once
-                h.setLevel(logging.CRITICAL + 1)
+    quiet_library_terminals()
     terminal = [h for h in root.handlers if _terminal(h)]
     if not terminal:
         terminal = [logging.StreamHandler(sys.stderr)]
@@ -85,7 +86,46 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     logging.captureWarnings(True)  # warnings.warn → logger "py.warnings" → the file
     os.environ.setdefault("WANDB_SILENT", "true")  # wandb prints its notes itself, not through logging
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" bars
     return handler
+
+
+def quiet_library_terminals() -> None:
+    """After :func:`route_logs`, hand the records of the libraries' loggers to the root logger (its file, and its
+    terminal at ERROR) and silence the terminal handlers the libraries attached themselves; a library that adds
+    one when it is imported (Ray does) needs this call again after the import. Does nothing unless routed."""
+    if not _routed:
+        return
+    existing = [name for name in logging.root.manager.loggerDict if name.split(".")[0] in LIBRARY_LOGGERS]
+    for name in {*LIBRARY_LOGGERS, *existing}:  # each library keeps its own levels: only where records go changes
+        logger = logging.getLogger(name)
+        logger.propagate = True  # to the root's file handler
+        for h in logger.handlers:
+            if _terminal(h):  # its records reach the terminal through the root's handler, once
+                h.setLevel(logging.CRITICAL + 1)
+
+
+def terminal_handler() -> logging.Handler:
+    """A handler writing to the terminal this process had before :func:`route_worker_logs` sent its own stdout and
+    stderr to its log file (else to ``sys.stderr``); vLLM's logging configuration uses it for ERROR records."""
+    return logging.StreamHandler(_terminal_stream or sys.stderr)
+
+
+def _capture_process_output(log_file: Path) -> None:
+    """Point this process's file descriptors 1 and 2 at ``log_file``, so what libraries write there directly (C++
+    warnings, progress bars, warnings in their subprocesses, which inherit the descriptors) goes to the file; the
+    terminal handlers keep writing to the terminal the process had (a duplicate of descriptor 2)."""
+    global _terminal_stream
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _terminal_stream = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for h in logging.getLogger().handlers:
+        if _terminal(h):
+            h.setStream(_terminal_stream)
 
 
 def _quiet_transformers() -> None:
@@ -109,8 +149,8 @@ def vllm_logging_config(log_file: str | Path) -> dict:
         "filters": {"reload_notes": {"()": f"{__name__}.ReloadNoteFilter"}},
         "handlers": {
             "file": {"class": "logging.FileHandler", "filename": str(log_file), "level": "INFO", "formatter": "plain"},
-            "terminal": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR",
-                         "formatter": "plain", "filters": ["reload_notes"]},
+            "terminal": {"()": f"{__name__}.terminal_handler", "level": "ERROR", "formatter": "plain",
+                         "filters": ["reload_notes"]},
         },
         "loggers": {"vllm": {"handlers": ["file", "terminal"], "level": "INFO", "propagate": False}},
     }
@@ -118,7 +158,9 @@ def vllm_logging_config(log_file: str | Path) -> dict:
 
 def route_worker_logs(worker: str, vllm: bool = False) -> Path | None:
     """In a Ray worker of the job: :func:`route_logs` to ``$GRPO_CLUSTER_LOG_DIR/<worker>.log`` unless the job is
-    verbose or the variable is unset (a worker built outside ``grpo-cluster run``: nothing changes). With ``vllm``
+    verbose or the variable is unset (a worker built outside ``grpo-cluster run``: nothing changes), and send the
+    process's own stdout and stderr there too (:func:`_capture_process_output`; Ray forwards a worker's stdout and
+    stderr to the driver's terminal, so ERROR records go to the terminal the worker had). With ``vllm``
     (before vLLM is imported), also write :func:`vllm_logging_config` beside it and point
     ``VLLM_LOGGING_CONFIG_PATH`` at it.
 
@@ -130,6 +172,7 @@ def route_worker_logs(worker: str, vllm: bool = False) -> Path | None:
         return None
     log_file = Path(folder) / f"{worker}.log"
     route_logs(log_file)
+    _capture_process_output(log_file)
     if vllm:
         config = Path(folder) / f"{worker}.vllm-logging.json"
         config.write_text(json.dumps(vllm_logging_config(log_file)))

@@ -77,14 +77,17 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
         verbose: False (``run`` without ``--verbose``): the job's workers on a cluster started here log library
             records below ERROR to ``output_dir/logs/<worker>.log`` (``contract.console``: the variables are set in
             this process before the cluster starts, and its workers inherit them); a joined cluster's workers log
-            as that cluster was set up.
+            as that cluster was set up. Ray's own notes in this process go to ``driver.log`` too
+            (``contract.console.quiet_library_terminals``; ``ray.init(configure_logging=False)``).
     Raises:
         AddressError: ``address`` was given and joining it failed (no GCS there, a token refused).
     """
     import ray
 
-    from contract.console import LOG_DIR_ENV, VERBOSE_ENV
+    from contract.console import LOG_DIR_ENV, VERBOSE_ENV, quiet_library_terminals
 
+    quiet_library_terminals()  # Ray attaches its own terminal handler when imported; routed, it goes to the file
+    quiet = {} if verbose else {"configure_logging": False}  # ray.init would attach it again
     os.environ[LOG_DIR_ENV] = os.path.join(os.path.abspath(spec.output_dir), "logs")
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"
     if address is not None:
@@ -92,7 +95,7 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
 
         _use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
         try:
-            ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING)
+            ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING, **quiet)
         except (ConnectionError, RuntimeError) as exc:
             first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise AddressError(f"cannot join the Ray cluster at {address} ({source}): {first}") from None
@@ -100,7 +103,7 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
         return
     with _loopback_only():
         ray.init(address="local", num_cpus=spec.ray.num_cpus, include_dashboard=False,
-                 dashboard_host=spec.ray.dashboard_host, log_to_driver=log_to_driver)
+                 dashboard_host=spec.ray.dashboard_host, log_to_driver=log_to_driver, **quiet)
 
 
 def local_cluster_resources(spec) -> dict[str, float]:

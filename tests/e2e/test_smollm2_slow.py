@@ -90,6 +90,13 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     assert result.returncode == 0, result.stderr[-4000:]
     assert "[grpo-cluster] done: 1 steps" in result.stderr
     assert "joined the existing Ray cluster" not in result.stderr  # a cluster of its own beside the running head
+    # a quiet console (contract.console): the job's own lines only; Ray's notes, the engine's Triton/NUMA notes,
+    # warnings and loading bars are in driver.log and output_dir/logs/engine-<pid>.log
+    noise = [line for line in (result.stdout + result.stderr).splitlines()
+             if line.strip() and not line.startswith(("[grpo-cluster] ", "step "))]
+    assert not noise, noise
+    (engine_log,) = (out / "logs").glob("engine-*.log")
+    assert "Loading safetensors checkpoint shards" in engine_log.read_text()
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]

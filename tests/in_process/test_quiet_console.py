@@ -4,7 +4,8 @@ terminal. Each case runs in a fresh interpreter, so its stderr is exactly what a
 
 1. The routing rules, on records a library would emit: a FutureWarning, a transformers warning, vLLM's reload note
    after a sync (never on the terminal, kept in the file), an error (still on the terminal); and in a worker, vLLM's
-   own logger configured through ``VLLM_LOGGING_CONFIG_PATH`` (the worker's log file, errors on the terminal).
+   own logger configured through ``VLLM_LOGGING_CONFIG_PATH`` (the worker's log file, errors on the terminal), and
+   what the worker writes outside logging (to its file descriptors, by print, a subprocess, logging's last resort).
 2. A real run on the in-process runtime (tiny model, one step): quiet, stderr holds only the job's own lines, not
    transformers' "Loading weights" bars or a warning, and driver.log exists; verbose, the library output is back.
 """
@@ -42,6 +43,15 @@ log = init_logger("vllm.model_executor.model_loader.reload")
 log.warning("RotaryEmbedding: Failed to load weights")
 log.info("engine note")
 log.error("engine error")
+import subprocess, warnings
+os.write(2, b"raw descriptor note\\n")  # as a C++ warning or a progress bar writes
+print("printed note", flush=True)
+warnings.warn("a library warning", FutureWarning)
+orphan = logging.getLogger("orphan")  # no handler anywhere: logging's last resort writes to stderr
+orphan.propagate = False
+orphan.warning("last resort note")
+subprocess.run([sys.executable, "-c", "import sys; print('child note', file=sys.stderr)"], check=True)
+logging.getLogger("train").error("rank error")
 """
 
 IN_PROCESS_RUN = """
@@ -90,9 +100,16 @@ def test_vllm_worker_logs_to_its_file_and_only_errors_reach_the_terminal(tmp_pat
     done = _python(VLLM_WORKER, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine error" in done.stderr and "Failed to load weights" not in done.stderr
-    assert "engine note" not in done.stderr
+    assert "rank error" in done.stderr
     text = (tmp_path / "logs" / "engine-0.log").read_text()
     assert "WARNING" in text and "Failed to load weights" in text and "engine error" in text
+    # what a worker writes outside Python's logging (C++ warnings, progress bars, prints, its subprocesses'
+    # output) goes to its log file, not to the terminal Ray forwards to the driver
+    notes = ("engine note", "raw descriptor note", "printed note", "a library warning", "last resort note",
+             "child note")
+    for note in notes:
+        assert note not in done.stderr and note not in done.stdout, (note, done.stderr, done.stdout)
+        assert note in text or note == "engine note", (note, text)
     verbose = _python(VLLM_WORKER, env={**env, "GRPO_CLUSTER_VERBOSE": "1"})
     assert "Failed to load weights" in verbose.stderr or "Failed to load weights" in verbose.stdout
 
