@@ -22,13 +22,16 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "VERBOSE_ENV", "ReloadNoteFilter",
+__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "TERMINAL_ENV", "VERBOSE_ENV", "ReloadNoteFilter",
            "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler", "vllm_logging_config"]
 
 #: Environment variable naming the folder of the workers' log files (set by the driver for the job's workers).
 LOG_DIR_ENV = "GRPO_CLUSTER_LOG_DIR"
 #: Environment variable: "1" when the job runs with ``--verbose`` (workers then reroute nothing).
 VERBOSE_ENV = "GRPO_CLUSTER_VERBOSE"
+#: Environment variable a worker sets for the processes it starts: a path that opens the terminal it had before its
+#: own output went to its log file (``/proc/<pid>/fd/<n>``; vLLM's engine-core process is a fresh interpreter).
+TERMINAL_ENV = "GRPO_CLUSTER_TERMINAL"
 #: The message vLLM logs for a layer that received no tensors in a weight reload (expected after every sync).
 RELOAD_NOTE = "Failed to load weights"
 #: Loggers of the libraries a job uses whose records below ERROR go to the log file only.
@@ -36,10 +39,12 @@ LIBRARY_LOGGERS = ("vllm", "ray", "transformers", "torch", "huggingface_hub", "d
                    "accelerate", "peft", "megatron", "mlflow", "alembic", "wandb", "trackio", "httpx", "matplotlib",
                    "absl", "tensorboard", "py.warnings")
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-#: Set by :func:`route_logs`: records are being routed to a file (:func:`quiet_library_terminals` acts only then).
-_routed = False
+#: The files :func:`route_logs` routes to, and their handlers (a second call for one of them changes nothing).
+_routed: dict[str, logging.Handler] = {}
 #: In a worker whose own stdout/stderr go to its log file (:func:`route_worker_logs`): the terminal it had before.
 _terminal_stream = None
+#: In a process such a worker started: the worker's terminal, opened through :data:`TERMINAL_ENV`.
+_inherited_terminal = None
 
 
 class ReloadNoteFilter(logging.Filter):
@@ -62,13 +67,14 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     Returns:
         the file handler added to the root logger (None with ``verbose``).
     """
-    global _routed
     if verbose:
         return None
-    _routed = True
     path = Path(log_file)
+    if str(path.resolve()) in _routed:
+        return _routed[str(path.resolve())]
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
+    _routed[str(path.resolve())] = handler
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(FORMAT))
     root = logging.getLogger()
@@ -107,18 +113,32 @@ def quiet_library_terminals() -> None:
 
 def terminal_handler() -> logging.Handler:
     """A handler writing to the terminal this process had before :func:`route_worker_logs` sent its own stdout and
-    stderr to its log file (else to ``sys.stderr``); vLLM's logging configuration uses it for ERROR records."""
-    return logging.StreamHandler(_terminal_stream or sys.stderr)
+    stderr to its log file; in a process that worker started (vLLM's engine core), the worker's terminal
+    (:data:`TERMINAL_ENV`); else ``sys.stderr``. vLLM's logging configuration uses it for ERROR records."""
+    global _inherited_terminal
+    path = os.environ.get(TERMINAL_ENV)
+    if _terminal_stream is None and _inherited_terminal is None and path:
+        try:
+            _inherited_terminal = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
+        except OSError:  # the worker is gone, or no /proc here
+            pass
+    return logging.StreamHandler(_terminal_stream or _inherited_terminal or sys.stderr)
 
 
 def _capture_process_output(log_file: Path) -> None:
     """Point this process's file descriptors 1 and 2 at ``log_file``, so what libraries write there directly (C++
     warnings, progress bars, warnings in their subprocesses, which inherit the descriptors) goes to the file; the
-    terminal handlers keep writing to the terminal the process had (a duplicate of descriptor 2)."""
+    terminal handlers keep writing to the terminal the process had (a duplicate of descriptor 2, which processes it
+    starts can open through :data:`TERMINAL_ENV`). Done once per process."""
     global _terminal_stream
-    sys.stdout.flush()
-    sys.stderr.flush()
+    if _terminal_stream is not None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     _terminal_stream = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    if os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        os.environ[TERMINAL_ENV] = f"/proc/{os.getpid()}/fd/{_terminal_stream.fileno()}"
     fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

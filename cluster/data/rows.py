@@ -223,7 +223,7 @@ class BadRows:
             self.refused.append((where, reason))
 
     def others(self) -> str:
-        """The refused rows after the first, for the end of a message: ``"; also refused: f:7: why; f:9: why (and N
+        """The refused rows after the first, for the end of a message: ``". Also refused: f:7: why; f:9: why (and N
         more)"``, or ``""`` when only one row was refused."""
         if self.count < 2:
             return ""

@@ -133,10 +133,18 @@ def metrics_summary(s) -> str:
     """Where a run's metrics go: metrics.jsonl, the console, Prometheus, and each tracker with its location."""
     from cluster.ops.trackers.backends import BACKENDS
 
+    from urllib.parse import urlsplit
+
+    def without_password(uri: str) -> str:
+        parts = urlsplit(uri)
+        return uri if parts.password is None else uri.replace(f":{parts.password}@", ":***@", 1)
+
     m, out = s.metrics, Path(s.output_dir).resolve()
     prometheus = ("no Prometheus endpoint (metrics.port null)" if m.port is None else
-                  f"Prometheus on {m.host}:{m.port if m.port else 'a free port'}")
-    where = {"wandb": lambda b: f"{b.mode}, {out / 'wandb'}", "mlflow": lambda b: b.uri,
+                  f"Prometheus on {m.host}:{m.port}" if m.port else f"Prometheus on a free port of {m.host}")
+    where = {"wandb": lambda b: ("disabled ($WANDB_MODE): nothing written" if b.mode == "disabled" else
+                                 f"{b.mode}, {out / 'wandb'}"),
+             "mlflow": lambda b: without_password(b.uri),
              "tensorboard": lambda b: str(b.logdir.resolve()), "trackio": lambda b: str(b.wanted.resolve())}
     trackers = [f"{name} ({where[name](BACKENDS[name](s, out))})" for name in m.trackers]
     return (f"{out / 'metrics.jsonl'}, a console line every {m.log_every_steps} step(s), {prometheus}; trackers: "

@@ -76,20 +76,35 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
         source: where ``address`` came from, for the message.
         verbose: False (``run`` without ``--verbose``): the job's workers on a cluster started here log library
             records below ERROR to ``output_dir/logs/<worker>.log`` (``contract.console``: the variables are set in
-            this process before the cluster starts, and its workers inherit them); a joined cluster's workers log
+            this process while the cluster starts, so its workers inherit them, and restored after, so a worker
+            built later in this process does not reroute it); a joined cluster's workers log
             as that cluster was set up. Ray's own notes in this process go to ``driver.log`` too
             (``contract.console.quiet_library_terminals``; ``ray.init(configure_logging=False)``).
     Raises:
         AddressError: ``address`` was given and joining it failed (no GCS there, a token refused).
     """
-    import ray
+    import ray  # noqa: F401  (imported first: it attaches its terminal handler, which the next call silences)
 
     from contract.console import LOG_DIR_ENV, VERBOSE_ENV, quiet_library_terminals
 
     quiet_library_terminals()  # Ray attaches its own terminal handler when imported; routed, it goes to the file
     quiet = {} if verbose else {"configure_logging": False}  # ray.init would attach it again
+    saved = {name: os.environ.get(name) for name in (LOG_DIR_ENV, VERBOSE_ENV)}
     os.environ[LOG_DIR_ENV] = os.path.join(os.path.abspath(spec.output_dir), "logs")
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"
+    try:
+        _init(spec, address, source, log_to_driver, quiet)
+    finally:  # the cluster's processes have them; a worker built later in this process must not take them
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _init(spec, address: str | None, source: str, log_to_driver: bool, quiet: dict) -> None:
+    import ray
+
     if address is not None:
         from cluster.ops.jobs import _use_token_if_available
 

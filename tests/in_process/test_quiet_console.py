@@ -5,7 +5,8 @@ terminal. Each case runs in a fresh interpreter, so its stderr is exactly what a
 1. The routing rules, on records a library would emit: a FutureWarning, a transformers warning, vLLM's reload note
    after a sync (never on the terminal, kept in the file), an error (still on the terminal); and in a worker, vLLM's
    own logger configured through ``VLLM_LOGGING_CONFIG_PATH`` (the worker's log file, errors on the terminal), and
-   what the worker writes outside logging (to its file descriptors, by print, a subprocess, logging's last resort).
+   what the worker writes outside logging (to its file descriptors, by print, a subprocess, logging's last resort);
+   a fresh interpreter it starts (vLLM's engine core) logs vLLM's errors to the worker's terminal, once.
 2. A real run on the in-process runtime (tiny model, one step): quiet, stderr holds only the job's own lines, not
    transformers' "Loading weights" bars or a warning, and driver.log exists; verbose, the library output is back.
 """
@@ -51,7 +52,26 @@ orphan = logging.getLogger("orphan")  # no handler anywhere: logging's last reso
 orphan.propagate = False
 orphan.warning("last resort note")
 subprocess.run([sys.executable, "-c", "import sys; print('child note', file=sys.stderr)"], check=True)
+# vLLM's engine core: a fresh interpreter (spawned) that configures vLLM's logging from VLLM_LOGGING_CONFIG_PATH
+core = ("import json, logging, logging.config, os; "
+        "logging.config.dictConfig(json.load(open(os.environ['VLLM_LOGGING_CONFIG_PATH']))); "
+        "logging.getLogger('vllm.v1.engine.core').error('core error'); "
+        "logging.getLogger('vllm.v1.engine.core').warning('core note')")
+subprocess.run([sys.executable, "-c", core], check=True)
 logging.getLogger("train").error("rank error")
+"""
+
+ROUTED_TWICE = """
+import logging, os
+from contract.console import route_worker_logs, terminal_handler
+route_worker_logs("train-rank0")
+route_worker_logs("train-rank0")  # a second worker built in the same process
+logging.getLogger("vllm").addHandler(terminal_handler())
+logging.getLogger("vllm").propagate = False
+logging.getLogger("vllm").error("engine error")
+logging.getLogger("train").error("rank error")
+logging.getLogger("transformers").warning("library note")
+print(len(os.listdir("/proc/self/fd")), flush=True)
 """
 
 IN_PROCESS_RUN = """
@@ -101,6 +121,7 @@ def test_vllm_worker_logs_to_its_file_and_only_errors_reach_the_terminal(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine error" in done.stderr and "Failed to load weights" not in done.stderr
     assert "rank error" in done.stderr
+    assert done.stderr.count("core error") == 1 and "core note" not in done.stderr, done.stderr
     text = (tmp_path / "logs" / "engine-0.log").read_text()
     assert "WARNING" in text and "Failed to load weights" in text and "engine error" in text
     # what a worker writes outside Python's logging (C++ warnings, progress bars, prints, its subprocesses'
@@ -110,8 +131,24 @@ def test_vllm_worker_logs_to_its_file_and_only_errors_reach_the_terminal(tmp_pat
     for note in notes:
         assert note not in done.stderr and note not in done.stdout, (note, done.stderr, done.stdout)
         assert note in text or note == "engine note", (note, text)
+    assert text.count("core error") == 1 and text.count("core note") == 1, text
     verbose = _python(VLLM_WORKER, env={**env, "GRPO_CLUSTER_VERBOSE": "1"})
     assert "Failed to load weights" in verbose.stderr or "Failed to load weights" in verbose.stdout
+
+
+def test_routing_a_worker_twice_changes_nothing(tmp_path):
+    """A second worker built in the same process (route_worker_logs called again) neither takes the log file for the
+    terminal nor writes each record twice, nor opens more files."""
+    env = {"GRPO_CLUSTER_LOG_DIR": str(tmp_path / "logs"), "GRPO_CLUSTER_VERBOSE": "0"}
+    done = _python(ROUTED_TWICE, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("engine error") == 1 and done.stderr.count("rank error") == 1, done.stderr
+    text = (tmp_path / "logs" / "train-rank0.log").read_text()
+    assert text.count("rank error") == 1 and text.count("library note") == 1, text
+    once = _python(ROUTED_TWICE.replace('route_worker_logs("train-rank0")  #', "#"), env=env)
+    assert once.returncode == 0 and once.stdout == "" and done.stdout == ""  # stdout goes to the log file too
+    counts = [int(line) for line in (tmp_path / "logs" / "train-rank0.log").read_text().split() if line.isdigit()]
+    assert len(counts) == 2 and counts[0] == counts[1], counts  # the second call opened no file
 
 
 def test_run_has_a_verbose_flag():

@@ -193,3 +193,25 @@ def test_plot_of_a_running_job_leaves_out_the_partial_last_line_with_a_note(tmp_
     assert f"grpo-cluster plot: note: {run / 'metrics.jsonl'}:5: left out a partial last line" in captured.err
     assert (run / "plot.png").is_file() and "wrote" in captured.out
     assert run_data(run).num_steps == 3 and job_name(run) == "learn_cpu"
+
+
+@pytest.mark.parametrize(("env", "metrics", "expected"), [
+    ({}, {"port": 0, "trackers": []}, "Prometheus on a free port of 127.0.0.1; trackers: none (metrics.trackers)"),
+    ({"MLFLOW_TRACKING_URI": "https://user:s3cret@mlflow.example.com"}, {"trackers": ["mlflow"]},
+     "trackers: mlflow (https://user:***@mlflow.example.com)"),
+    ({"WANDB_MODE": "disabled"}, {"trackers": ["wandb"]}, "trackers: wandb (disabled ($WANDB_MODE): nothing written)"),
+    ({"TRACKIO_DIR": ""}, {"trackers": ["trackio"]}, "trackers: trackio ({out}/trackio)"),
+])
+def test_validate_says_where_metrics_go_without_secrets(tmp_path, monkeypatch, env, metrics, expected):
+    """The ``metrics:`` line of ``validate``: the place each tracker writes (as the tracker will resolve it: an empty
+    $TRACKIO_DIR is unset), a tracking URI without its password, a free Prometheus port said in words."""
+    from cluster.ops.cli_validate import metrics_summary
+    from cluster.spec.reference import default_spec
+
+    for name in ("MLFLOW_TRACKING_URI", "WANDB_MODE", "TRACKIO_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spec = default_spec()
+    spec = spec.model_copy(update={"output_dir": str(tmp_path), "metrics": spec.metrics.model_copy(update=metrics)})
+    assert expected.format(out=tmp_path) in metrics_summary(spec)

@@ -218,7 +218,8 @@ class TrackioBackend:
         self.run = None
 
     def open(self, config: dict) -> None:
-        os.environ.setdefault("TRACKIO_DIR", str(self.wanted))
+        if not os.environ.get("TRACKIO_DIR"):  # unset or empty: trackio would take $HF_HOME/trackio
+            os.environ["TRACKIO_DIR"] = str(self.wanted)
         import trackio
         from trackio import utils
 
