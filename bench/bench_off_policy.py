@@ -31,7 +31,7 @@ Usage (from the repo root)::
     flock /tmp/grpo-heavy.lock env PYTHONPATH=$PWD .venv/bin/python -m bench.bench_off_policy \\
         --runtime in_process --steps 6 --out /tmp/bench_off_policy_tiny
     flock /tmp/grpo-heavy.lock timeout 14400 env PYTHONPATH=$PWD nice -n 19 .venv/bin/python -m \\
-        bench.bench_off_policy --runtime ray --steps 8 --out /tmp/bench_off_policy_demo --json-out /tmp/off.json
+        bench.bench_off_policy --runtime ray --steps 6 --out /tmp/bench_off_policy_demo --json-out /tmp/off.json
     .venv/bin/python -m bench.bench_off_policy --report /tmp/bench_off_policy_demo   # the table again
 
 Prints a table and, last, one JSON line (``bench/_common.print_json``).
