@@ -115,7 +115,7 @@ def load_jsonl_examples(path: str | Path, *, question_field: str = "question", a
         raise bad.error()
     empty = bad.empty(len(examples))
     if empty is not None:
-        raise DataError(f"{empty} {advice}")
+        raise DataError(f"{str(empty).rstrip('.')}. {advice}")
     return examples, bad.count
 
 

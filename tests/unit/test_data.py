@@ -126,8 +126,9 @@ def test_invalid_json_column_is_within_the_line(tmp_path, ending):
 
 def test_only_bad_rows_is_an_error(tmp_path):
     path = write_lines(tmp_path, ["{", "[]"])
-    with pytest.raises(DataError, match=r"no usable rows \(2 bad rows skipped"):
+    with pytest.raises(DataError, match=r"no usable rows \(2 bad rows skipped") as info:
         load_jsonl_examples(path, on_bad_row="skip")
+    assert ". Point data.train_path" in str(info.value)  # the advice is a sentence of its own
 
 
 def test_missing_file_says_how_to_get_data(tmp_path):
