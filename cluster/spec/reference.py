@@ -53,7 +53,8 @@ def default_spec_yaml() -> str:
         SCHEMA_HINT,
         "# A complete grpo-cluster job spec, written by `grpo-cluster spec --defaults`: every field at its default",
         f"# except {', '.join(REQUIRED_CHOICES)}, which a spec must give (here: the generated chain_sum task,",
-        "# scored by its own reward, so no data file is needed). docs/configuration.md describes every field.",
+        "# scored by its own reward, so no data file is needed; the task also sets algorithm.rewards to",
+        "# {reasoning_gym: 1.0} and its answer_extraction). docs/configuration.md describes every field.",
     ]
     return "\n".join(header) + "\n" + spec_to_yaml(default_spec())
 
