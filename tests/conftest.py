@@ -14,16 +14,38 @@ module never declares its own cost:
 
 A run over the whole suite fails at collection when a test tier (a folder under tests/) collects nothing
 (``tests/tier_guard.py``; under pytest-xdist the run fails on a ``::tier-guard`` item instead).
+
+Under pytest-xdist each worker draws rendezvous ports (``weight_sync.group.free_port``) from its own share of the
+range (:func:`_share_rendezvous_ports`): a module draws its ports when it starts and uses the last one a minute later,
+so two workers drawing from one range could take each other's ports in between.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.registered import parity_reward, temporarily_registered
 from tests.tier_guard import EmptyTiersReport, check_tiers
+
+
+
+def _share_rendezvous_ports() -> None:
+    """Give this pytest-xdist worker (``gwK`` of ``PYTEST_XDIST_WORKER_COUNT``) the K-th share of the ports
+    ``free_port`` draws from, through ``$GRPO_CLUSTER_RENDEZVOUS_PORTS`` (inherited by the processes it starts)."""
+    from weight_sync.group import PORT_RANGE_ENV, RENDEZVOUS_PORT_MIN, _ephemeral_port_range
+
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    span = _ephemeral_port_range()
+    if not worker.startswith("gw") or count < 2 or span is None or PORT_RANGE_ENV in os.environ:
+        return
+    k, width = int(worker[2:]), (span[0] - RENDEZVOUS_PORT_MIN) // count
+    os.environ[PORT_RANGE_ENV] = f"{RENDEZVOUS_PORT_MIN + k * width}-{RENDEZVOUS_PORT_MIN + (k + 1) * width}"
+
+
+_share_rendezvous_ports()
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -15,6 +15,7 @@ watchdog (the group's option timeout, set a little longer) is the backstop shoul
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from datetime import timedelta
@@ -31,6 +32,31 @@ NCCL_WATCHDOG_MARGIN_S = 30.0
 
 #: Lowest port :func:`free_port` picks from: above Ray's worker ports (``--min/max-worker-port``, 10002-19999).
 RENDEZVOUS_PORT_MIN = 20_000
+#: Environment variable ``LOW-HIGH`` (inclusive, exclusive): the ports :func:`free_port` draws from instead, e.g. the
+#: range a firewall opens between nodes, or one share of the range per process that draws concurrently.
+PORT_RANGE_ENV = "GRPO_CLUSTER_RENDEZVOUS_PORTS"
+
+
+def _port_span() -> tuple[int, int] | None:
+    """[low, high) to draw from: :data:`PORT_RANGE_ENV`, else from :data:`RENDEZVOUS_PORT_MIN` up to the ephemeral
+    range (None where that cannot be read or leaves fewer than 1000 ports).
+
+    Raises:
+        ValueError: :data:`PORT_RANGE_ENV` is set but not ``LOW-HIGH`` with 1 <= LOW < HIGH <= 65536.
+    """
+    text = os.environ.get(PORT_RANGE_ENV)
+    if text:
+        try:
+            low, high = (int(x) for x in text.split("-"))
+        except ValueError:
+            low = high = 0
+        if not 1 <= low < high <= 65536:
+            raise ValueError(f"${PORT_RANGE_ENV}: expected LOW-HIGH with 1 <= LOW < HIGH <= 65536, got {text!r}")
+        return low, high
+    span = _ephemeral_port_range()
+    if span is None or span[0] - RENDEZVOUS_PORT_MIN < 1000:
+        return None
+    return RENDEZVOUS_PORT_MIN, span[0]
 
 
 def _ephemeral_port_range() -> tuple[int, int] | None:
@@ -50,13 +76,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     :data:`RENDEZVOUS_PORT_MIN`): ports handed out by ``bind(0)`` and by outgoing connections (a Ray node starting,
     gRPC, other processes) come from that range, so one of them cannot take the port between this check and the
     store's bind. Picking with ``bind(0)`` itself lost that race once (EADDRINUSE forming a weight-sync group while a
-    new Ray node was starting). Elsewhere, or when 64 draws are all taken, the kernel's ``bind(0)`` choice.
+    new Ray node was starting). ``$GRPO_CLUSTER_RENDEZVOUS_PORTS`` (:data:`PORT_RANGE_ENV`) sets the range instead.
+    Elsewhere, or when 64 draws are all taken, the kernel's ``bind(0)`` choice.
+
+    Raises:
+        ValueError: a malformed :data:`PORT_RANGE_ENV`.
     """
-    span = _ephemeral_port_range()
-    if span is not None and span[0] - RENDEZVOUS_PORT_MIN >= 1000:
+    span = _port_span()
+    if span is not None:
         draw = random.SystemRandom()  # not the seeded global RNG: concurrent processes must not draw alike
         for _ in range(64):
-            port = draw.randrange(RENDEZVOUS_PORT_MIN, span[0])
+            port = draw.randrange(*span)
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))
@@ -66,6 +96,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports from :func:`free_port` (ports drawn one at a time can repeat, and a port used twice in a
+    row can still be held by the first use's closing connection)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 class SyncGroup:

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from train_workers.packing import pack_microbatch
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 MAX_RESPONSE_TOKENS = 8
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
@@ -63,7 +63,7 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
 
 
 def run_all(model_dir: str, runs: list[dict], out_dir) -> dict:
-    ports = [free_port() for _ in runs]
+    ports = free_ports(len(runs))
     mp.spawn(_rank_main, args=(model_dir, ports, runs, str(out_dir)), nprocs=1, join=True)
     return {run["name"]: torch.load(out_dir / f"{run['name']}.pt") for run in runs}
 

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.test_algorithm_trainer import ADVANTAGES, MAX_RESPONSE_TOKENS, VALID, microbatches
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 #: Per sequence (response lengths 4, 5, 8, 6), engine logprob − trainer logprob of each response token.
 OFFSETS = [[0.0, 2.0, 0.0, -2.0], [0.1, 0.1, 5.0, 5.0, 5.0], [0.0] * 8, [0.0, 0.0, 0.0, 0.0, 0.0, 3.0]]
@@ -70,7 +70,7 @@ def test_async_mis_and_sequence_tis_in_the_train_step(tiny_model_dir, tmp_path):
         {"name": "sequence", "algorithm": {**BASE, "mis": {"level": "sequence", "low": 0.7, "high": 1.5},
                                            "tis_cap": 1.5, "tis_level": "sequence"}},
     ]
-    ports = [free_port() for _ in runs]
+    ports = free_ports(len(runs))
     mp.spawn(_rank_main, args=(tiny_model_dir, ports, runs, str(tmp_path)), nprocs=1, join=True)
     res = {run["name"]: torch.load(tmp_path / f"{run['name']}.pt") for run in runs}
     a = ADVANTAGES

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from train_workers.packing import empty_microbatch, pack_microbatch
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 ATOL = 1e-5
 N = 6
@@ -94,7 +94,7 @@ def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], runs: l
 
 
 def spawn(world: int, model_dir: str, runs: list[dict], out_dir) -> dict[str, dict]:
-    ports = [free_port() for _ in runs]
+    ports = free_ports(len(runs))
     mp.spawn(_ranks_main, args=(world, model_dir, ports, runs, str(out_dir)), nprocs=world, join=True)
     return {run["name"]: torch.load(out_dir / f"{run['name']}.pt") for run in runs}
 

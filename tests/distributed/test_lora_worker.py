@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.test_fsdp_parity import MAX_RESPONSE_TOKENS, TEMPERATURE, N, make_batch, pack
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 LORA = {"rank": 4, "alpha": 8.0}
 LR = 1e-3
@@ -164,7 +164,7 @@ def test_lora_worker_trains_adapters_only_syncs_merged_weights_and_resumes_exact
     from train_workers.policy import ResponseLogprobModel
     from weight_sync.buckets import tensor_checksum
 
-    mp.spawn(_ranks_main, args=(2, tiny_model_dir, [free_port(), free_port()], str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ranks_main, args=(2, tiny_model_dir, free_ports(2), str(tmp_path)), nprocs=2, join=True)
     rec = torch.load(tmp_path / "rank0.pt")
     probe = pack(list(range(N)))
     base = _base_logprobs(tiny_model_dir, probe)

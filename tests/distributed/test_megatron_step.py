@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from tests.distributed.test_fsdp_parity import ADVANTAGES, MAX_RESPONSE_TOKENS, N, TEMPERATURE
 from tests.megatron_cpu import VOCAB, make_tiny_hf_model
 from train_workers.packing import empty_microbatch, pack_microbatch
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 pytest.importorskip("megatron.core")
 
@@ -155,7 +155,7 @@ def _ranks_main(rank: int, world: int, dirs: dict, runs: list[dict], ports: list
 
 
 def _spawn(world: int, dirs: dict, runs: list[dict], out_dir) -> dict[str, dict]:
-    ports = [free_port() for _ in runs]
+    ports = free_ports(len(runs))
     mp.spawn(_ranks_main, args=(world, dirs, runs, ports, str(out_dir)), nprocs=world, join=True)
     return {run["name"]: torch.load(out_dir / f"{run['name']}.pt") for run in runs}
 

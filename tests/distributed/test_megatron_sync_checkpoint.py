@@ -28,7 +28,7 @@ from tests.distributed.test_fsdp_parity import MAX_RESPONSE_TOKENS, N, TEMPERATU
 from tests.distributed.test_lora_worker import RecordingSender
 from tests.distributed.test_megatron_step import TWO_RANKS, _hf_tensors, make_batch, pack
 from tests.megatron_cpu import make_tiny_hf_model
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 pytest.importorskip("megatron.core")
 
@@ -121,7 +121,7 @@ def _ranks_main(rank: int, world: int, model_dir: str, ckpt: str, ports: list[in
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_sync")
     model = make_tiny_hf_model(root / "model", "llama", tied=True, seed=0)
-    ports = [free_port() for _ in range(6)]
+    ports = free_ports(6)
     mp.spawn(_ranks_main, args=(2, model, str(root / "ckpt"), ports, str(root)), nprocs=2, join=True)
     return torch.load(root / "results.pt"), root / "ckpt"
 

@@ -38,7 +38,7 @@ from tests.distributed.test_fsdp_parity import (
     make_batch,
     pack,
 )
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 MICROBATCHES = [[[0, 1], [2]], [[3, 4, 5], []]]  # rank 0: two micro-batches; rank 1: one + the placeholder
 
@@ -165,7 +165,7 @@ def _ranks_main(rank: int, model_dir: str, ports: list[int], out_dir: str):
 def trained(tiny_model_dir, tmp_path_factory):
     """The folder holding every run's results: fast, before, lean (one spawn of two ranks) and the NaN/Inf runs."""
     out = tmp_path_factory.mktemp("fast_paths")
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     mp.spawn(_ranks_main, args=(tiny_model_dir, ports, str(out)), nprocs=2, join=True)
     return out
 

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from tests.distributed.test_fsdp_parity import ADVANTAGES, MAX_RESPONSE_TOKENS, TEMPERATURE
 from tests.megatron_cpu import VOCAB, make_tiny_hf_model
 from train_workers.packing import pack_microbatch
-from weight_sync.group import free_port
+from weight_sync.group import free_ports
 
 MICROBATCHES = [[0, 1], [2, 3, 4, 5]]
 BASE_ALGORITHM = {"kl_coef": 0.0}
@@ -207,7 +207,7 @@ def runs(tmp_path_factory):
             "policy": make_tiny_hf_model(root / "policy", "llama", tied=True, seed=1)}
     plan = planned_runs()
     out = root / "runs.pt"
-    mp.spawn(_rank_main, args=(dirs, plan, [free_port() for _ in plan], str(out)), nprocs=1, join=True)
+    mp.spawn(_rank_main, args=(dirs, plan, free_ports(len(plan)), str(out)), nprocs=1, join=True)
     results = torch.load(out)
     assert all(r["applied"] for r in results.values())
     return results
