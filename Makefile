@@ -10,14 +10,16 @@ demo: setup
 
 # Two pytest runs, both always: the tiers without Ray or vLLM on two workers (pytest-xdist), then Ray and the vLLM
 # engine one test at a time with every other tier (a new tier lands there); the tier guard checks each run's tiers.
+# The JUnit reports go to TEST_RESULTS (`make test TEST_RESULTS=/tmp/results` keeps them out of the checkout).
 PARALLEL_TIERS = tests/unit tests/distributed tests/in_process
+TEST_RESULTS ?= test-results
 test: setup
 	bash scripts/install_test_tools.sh
 	status=0; \
 	.venv/bin/python -m pytest $(PARALLEL_TIERS) -q -rs --durations=15 -n 2 \
-		--junitxml=test-results/parallel.xml || status=$$?; \
+		--junitxml="$(TEST_RESULTS)/parallel.xml" || status=$$?; \
 	.venv/bin/python -m pytest tests -q -rs --durations=15 $(addprefix --ignore=,$(PARALLEL_TIERS)) \
-		--junitxml=test-results/serial.xml || status=$$?; \
+		--junitxml="$(TEST_RESULTS)/serial.xml" || status=$$?; \
 	exit $$status
 
 # Every test that starts no vLLM engine (markers: tests/conftest.py).

@@ -6,7 +6,9 @@ Compares :func:`grpo.rewards.gsm8k.accuracy_reward` ("ours") with ``math_verify.
 parse(completion))`` (defaults: LaTeX + expression extraction, ``parsing_timeout=5``, ``timeout_seconds=5``) on
 
 1. the cases of issue #12 (mixed numbers, a sign before a currency sign) and the accuracy table of
-   ``tests/unit/test_rewards_gsm8k.py`` (each with its right value);
+   ``tests/unit/test_rewards_gsm8k.py`` (each with its right value); the hedges of issue #35 (a right value put
+   forward with a wrong one: right value 0) and committed answers beside them (right value 1), one or two members of
+   each kind of ``tests/unit/test_rewards_hack_hedges.py``;
 2. big and pathological inputs (1 MB of digits, of "1 ", of "\\boxed{", nested braces): seconds per call;
 3. one call from a non-main thread, where a Ray actor with ``max_concurrency > 1``, an async actor or a thread pool
    would run it (math-verify's timeouts use ``signal.alarm``, which works only on the main thread); with ``--ray``
@@ -54,7 +56,7 @@ CASES: list[tuple[str, str, float]] = [
     ("#### 5\n\nSome trailing text 7", "7", 0.0),
     ("#### -3", "-3", 1.0),
     ("#### 3", "-3", 0.0),
-    ("#### 3\n#### 4", "4", 1.0),
+    ("#### 3\n#### 4", "4", 0.0),  # two final answers: a hedge (issue #35), whichever is right
     ("#### 3\n#### 4", "3", 0.0),
     ("I don't know.", "5", 0.0),
     ("#### 0.3333333", "1/3", 1.0),
@@ -65,6 +67,31 @@ CASES: list[tuple[str, str, float]] = [
     ("#### 1e400", "5", 0.0),
     ("So 2 + 2 = 4 and \\boxed{\\text{9 apples}} then 11", "9", 1.0),
     ("A discount of 25%", "25", 1.0),
+]
+
+# Issue #35: hedges (the right value 3 with a wrong one: right value 0.0) and committed answers (1.0).
+HEDGES: list[tuple[str, str, float]] = [
+    ("\\boxed{3}\n\nLet me double-check. \\boxed{4}", "3", 0.0),
+    ("\\boxed{4} or \\boxed{3}", "3", 0.0),
+    ("\\boxed{3, 4}", "3", 0.0),
+    ("\\boxed{4 \\text{ or } 3}", "3", 0.0),
+    ("\\boxed{\\pm 3}", "3", 0.0),
+    ("#### 4 or 3", "3", 0.0),
+    ("#### 3 (or 4)", "3", 0.0),
+    ("the answer is 3 (or maybe 5)", "3", 0.0),
+    ("The answer is 5 (or maybe 3).", "3", 0.0),
+    ("#### 4\nwait, no\n#### 3", "3", 0.0),
+    ("The final answer is 4. The final answer is 3.", "3", 0.0),
+    ("either 12, 13 or 3", "3", 0.0),
+    ("\\boxed{3}\nThe final answer is 4.", "3", 0.0),
+    ("It is between 1 and 3.", "3", 0.0),
+    ("\\boxed{3}. Or maybe 5.", "3", 0.0),
+    ("\\boxed{3}\n\nSo the answer is \\boxed{3}.", "3", 1.0),
+    ("The answer is 3.\n#### 3", "3", 1.0),
+    ("She has 12 apples and gives away 9, so 12 - 9 = 3.\n#### 3", "3", 1.0),
+    ("So 12 - 9 = 3.", "3", 1.0),
+    ("#### $3", "3", 1.0),
+    ("\\boxed{3 \\text{ apples}}", "3", 1.0),
 ]
 
 # LaTeX forms beyond a plain number (none occurs in GSM8K references, all integers).
@@ -196,6 +223,7 @@ if __name__ == "__main__":
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
     agreement_table(CASES)
+    agreement_table(HEDGES)
     agreement_table(LATEX)
     gsm8k_references()
     timing_table()

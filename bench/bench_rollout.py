@@ -4,10 +4,10 @@ What is measured: B GSM8K prompts (the first B rows of the train file, the spec'
 tokenizer's chat template with the generation prompt, tokenized as the driver does), G samples each, temperature 1.0,
 top-p 1.0 (no top-k), at most T new tokens, on SmolLM2-135M-Instruct in float32.
 
-(a) vLLM: :class:`rollout_workers.engine.RolloutEngine` built in this process (its engine core runs in a process vLLM
+(a) vLLM: :class:`rollout_workers.vllm.engine.VLLMEngine` built in this process (its engine core runs in a process vLLM
     spawns) from a :class:`cluster.spec.RolloutSpec`. Engine start-up is timed and reported separately; one warm-up
     ``generate`` of the same batch runs first, then the prefix cache is reset (GRPO prompts are new every step, so the
-    timed call must not hit cached prompt blocks). Timed: the wall-clock of one ``RolloutEngine.generate`` call (B
+    timed call must not hit cached prompt blocks). Timed: the wall-clock of one ``VLLMEngine.generate`` call (B
     requests with ``SamplingParams(n=G)``, per-token logprobs included, as in training).
 (b) HF transformers: ``AutoModelForCausalLM.generate`` on the whole batch at once (left-padded, attention mask,
     ``do_sample=True``, ``num_return_sequences=G``, KV cache on) with ``torch.set_num_threads(--hf-threads)``
@@ -104,16 +104,16 @@ def shutdown_engine(engine) -> None:
 
 def run_vllm(model_path: str, prompts: list[list[int]], group: int, max_tokens: int, seed: int,
              kv_cache_gib: float, max_model_len: int) -> dict:
-    """RolloutEngine: start-up, one warm-up generate, prefix-cache reset, one timed generate."""
+    """VLLMEngine: start-up, one warm-up generate, prefix-cache reset, one timed generate."""
     from cluster.spec import RolloutSpec
     from contract.messages import GroupRequest
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     spec = RolloutSpec(prompts_per_step=len(prompts), group_size=group, temperature=1.0, top_p=1.0,
                        max_response_tokens=max_tokens, kv_cache_gib=kv_cache_gib, max_model_len=max_model_len,
                        enforce_eager=True)
     t0 = time.perf_counter()
-    engine = RolloutEngine(model_path, spec, dtype="float32", seed=seed, max_model_len=max_model_len)
+    engine = VLLMEngine(model_path, spec, dtype="float32", seed=seed, max_model_len=max_model_len)
     startup_s = time.perf_counter() - t0
     requests = [GroupRequest(group_id=i, prompt_ids=p) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
@@ -173,7 +173,7 @@ def main() -> None:
 
     rows = []
     if vllm:
-        rows.append(["vLLM (RolloutEngine)", vllm["sequences"], vllm["tokens"], vllm["mean_len"], vllm["truncated"],
+        rows.append(["vLLM (VLLMEngine)", vllm["sequences"], vllm["tokens"], vllm["mean_len"], vllm["truncated"],
                      vllm["seconds"], vllm["tokens_per_s"], f"start {vllm['startup_s']:.1f}s, warm-up "
                                                             f"{vllm['warmup_s']:.1f}s"])
     if hf:

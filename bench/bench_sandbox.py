@@ -1,4 +1,4 @@
-"""Sandboxed programs per second (``grpo.rewards.sandbox``) on this machine, and what limits it.
+"""Sandboxed programs per second (``sandbox.runner``) on this machine, and what limits it.
 
     flock /tmp/grpo-heavy.lock env PYTHONPATH=$PWD python -m bench.bench_sandbox [--n 200] [--parallel 1 2 4 8]
         [--mode bwrap|rlimits] [--python PATH]
@@ -11,6 +11,9 @@ Parts:
 2. Throughput: ``--n`` trivial programs (``print(1)``) through :func:`run_programs` at each ``--parallel``:
    programs/s, each program's latency (``SandboxResult.seconds``: p50, p95) and the 1-minute load average before and
    after (other processes on the machine slow every number here).
+3. The ``code`` rewards on ``--n`` trivial completions (``def f(x): return x``), one test each, in each test style
+   (a call case, a stdin/stdout case, test code with ``code_asserts``), ``parallel`` = the CPU count: completions/s,
+   what the test harness and the judge add to a bare program.
 
 The last line is the machine-readable JSON result.
 """
@@ -24,8 +27,9 @@ import subprocess
 import time
 
 from bench._common import load_note, print_json, print_table
-from grpo.rewards.sandbox import Program, SandboxConfig, run_program, run_programs
-from grpo.rewards.sandbox_launch import bwrap_argv, resolve_interpreter, sandbox_env
+from sandbox import Program, SandboxConfig, run_program, run_programs
+from sandbox.code_reward import code_asserts_reward, code_reward
+from sandbox.launch import bwrap_argv, resolve_interpreter, sandbox_env
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -96,6 +100,24 @@ def throughput(config: SandboxConfig, n: int, parallel: int) -> dict[str, float]
             "p95_ms": _quantile(latencies, 0.95), "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
+def reward_throughput(config: SandboxConfig, n: int) -> list[dict]:
+    """Part 3: ``n`` one-test completions per test style through the reward, at the CPU count."""
+    completion = "```python\nimport sys\ndef f(x):\n    return x\nprint(sys.stdin.read().strip())\n```"
+    styles = {
+        "call case (code)": (code_reward, [{"args": [1], "expected": 1}], "f"),
+        "stdin/stdout case (code)": (code_reward, [{"input": "1\n", "output": "1\n"}], None),
+        "test code (code_asserts)": (code_asserts_reward, "assert f(1) == 1\n", "f"),
+    }
+    rows = []
+    for style, (reward, tests, entry_point) in styles.items():
+        start = time.perf_counter()
+        scores = reward([completion] * n, [tests] * n, entry_point=[entry_point] * n, sandbox=config)
+        elapsed = time.perf_counter() - start
+        assert scores == [1.0] * n, (style, scores[:5])
+        rows.append({"style": style, "parallel": config.parallel, "completions_per_s": n / elapsed})
+    return rows
+
+
 def main() -> None:
     """Run both parts and print them (see the module doc)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -112,7 +134,12 @@ def main() -> None:
     rows = [throughput(config, args.n, p) for p in args.parallel]
     print_table(list(rows[0]), [list(r.values()) for r in rows],
                 title=f"Throughput: {args.n} x print(1), mode {args.mode}, {time.strftime('%Y-%m-%d')}")
-    print_json("sandbox", {**note, "mode": args.mode, "n": args.n, "startup_ms": costs, "throughput": rows})
+    print()
+    rewards = reward_throughput(config, args.n)
+    print_table(list(rewards[0]), [list(r.values()) for r in rewards],
+                title=f"The code rewards: {args.n} one-test completions per style, mode {args.mode}")
+    print_json("sandbox", {**note, "mode": args.mode, "n": args.n, "startup_ms": costs, "throughput": rows,
+                           "rewards": rewards})
 
 
 if __name__ == "__main__":

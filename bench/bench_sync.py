@@ -28,10 +28,10 @@ at the start, sampled every 2 ms; glibc keeps freed buffers in its heap, so the 
 64 MB broadcast warms each group up first. With N receivers gloo's root sends the bytes to each of them, so GB/s is
 per receiver, not aggregate.
 
-Engine mode (``--engine``): a :class:`rollout_workers.engine.RolloutEngine` (vLLM, in-process; its worker runs in a
+Engine mode (``--engine``): a :class:`rollout_workers.vllm.engine.VLLMEngine` (vLLM, in-process; its worker runs in a
 process vLLM spawns) and SmolLM2's parameters at ``--engine-bucket-mb`` (64) MB buckets. The sender's ``SyncGroup``
-is built in a thread while ``RolloutEngine.init_weight_sync`` joins from the main thread; each sync runs the sender's
-pack-and-broadcast loop in a thread while the main thread calls ``RolloutEngine.receive_weights`` (receive, unpack,
+is built in a thread while ``VLLMEngine.init_weight_sync`` joins from the main thread; each sync runs the sender's
+pack-and-broadcast loop in a thread while the main thread calls ``VLLMEngine.receive_weights`` (receive, unpack,
 ``load_weights`` through vLLM's layerwise reload, tied-head refresh, prefix-cache reset). Timed: the wall-clock of
 both together; the engine's own receive+load seconds are reported too. A greedy probe completion before and after
 the syncs must be identical (the same weights are sent back), and with ``--verify`` every tensor's CRC-32 is
@@ -40,7 +40,7 @@ compared.
 LoRA adapter sync (``--engine --lora-rank R``): the payload is instead the ``lora_A``/``lora_B`` tensors of rank-R
 PEFT adapters on every linear layer of SmolLM2 (alpha = 2R, B drawn from N(0, 0.02²) so the policy differs from the
 base), under PEFT's saved names, as ``train.lora.sync: adapter`` streams them (``LoraPolicy.adapter_sources``). The
-engine starts with vLLM's LoRA support (``RolloutEngine(lora=...)``), receives them, writes the adapter folder and
+engine starts with vLLM's LoRA support (``VLLMEngine(lora=...)``), receives them, writes the adapter folder and
 loads it with vLLM's LoRA loader (timed as "engine receive+load"). Check: the engine's prompt logprobs of a fixed
 probe under the adapter against transformers' on PEFT's ``merge_and_unload`` of the same adapters (max |Δ| reported;
 must be < 1e-3 natural-log units), and the base's without the adapter. ``sync: merged`` streams the full model's
@@ -382,7 +382,7 @@ def engine_main(args, model_path: str) -> None:
     from vllm.inputs import TokensPrompt
 
     from cluster.spec import RolloutSpec
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
     from weight_sync.group import SyncGroup, free_port
 
     lora = adapter_config = merged_lp = None
@@ -399,7 +399,7 @@ def engine_main(args, model_path: str) -> None:
 
     spec = RolloutSpec(max_response_tokens=16, kv_cache_gib=1.0, max_model_len=512, enforce_eager=True)
     t0 = time.perf_counter()
-    engine = RolloutEngine(model_path, spec, dtype="float32", seed=0, max_model_len=512, lora=lora)
+    engine = VLLMEngine(model_path, spec, dtype="float32", seed=0, max_model_len=512, lora=lora)
     startup_s = time.perf_counter() - t0
 
     probe = [TokensPrompt(prompt_token_ids=PROBE_IDS)]

@@ -1,7 +1,7 @@
 """What the experiment trackers (``metrics.trackers``) add to a training step: the seconds each tracker's sink spends in
 ``log()`` per step, against a step's wall time.
 
-What is measured: the four sinks :func:`cluster.ops.trackers.build_trackers` gives a job with ``metrics.trackers:
+What is measured: the four sinks :func:`cluster.sinks.trackers.build_trackers` gives a job with ``metrics.trackers:
 [wandb, mlflow, tensorboard, trackio]`` (each tracker whose library is installed), in their default local modes (wandb
 offline, MLflow's SQLite store, TensorBoard event files, trackio's SQLite database) under a temporary ``output_dir``.
 Each step logs one row shaped like the demo's: the 48 keys of a real step of the SmolLM2 GSM8K run
@@ -52,13 +52,13 @@ def main() -> None:
 
     import importlib.util
 
-    from cluster.ops.trackers import PACKAGES, build_trackers
+    from cluster.sinks.trackers import build_trackers, tracker_class
     from cluster.spec import load_spec_text
 
     base = {k: v for k, v in json.loads(REAL_STEP.read_text()).items() if k != "step"}
     base.update(EVAL_ROW)
     step_s = args.step_s or float(base["timing/step_s"])
-    trackers = [t for t in args.trackers if importlib.util.find_spec(PACKAGES[t][0]) is not None]
+    trackers = [t for t in args.trackers if importlib.util.find_spec(tracker_class(t).package) is not None]
     missing = sorted(set(args.trackers) - set(trackers))
     note = load_note()
     with tempfile.TemporaryDirectory() as tmp:

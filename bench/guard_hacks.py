@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 from bench._common import REPO_ROOT, gsm8k_overrides, print_json, print_table
-from cluster.ops.metrics import read_metrics_jsonl
+from cluster.sinks.metrics import read_metrics_jsonl
 
 GSM8K = REPO_ROOT / "examples" / "gsm8k_smollm2_cpu.yaml"
 LEARN = REPO_ROOT / "examples" / "learn_cpu.yaml"

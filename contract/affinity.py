@@ -1,6 +1,6 @@
 """Binding a process to CPU cores: the one check-then-bind that engines and train ranks share.
 
-``rollout_workers.engine`` binds an engine actor (and the vLLM processes it starts) to ``rollout.cpu_affinity``;
+Every rollout engine binds its actor (and the processes it starts, vLLM's) to ``rollout.cpu_affinity``;
 ``train_workers.cpu_affinity`` binds a train rank to ``train.cpu_affinity``. Both call :func:`pin_to_cores`. Standard
 library only.
 """

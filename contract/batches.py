@@ -26,17 +26,22 @@ class RolloutBatch:
     versions: N policy versions that sampled each row.
     group_ids: [N] int64, the group of each row (unique within a step).
     valid_lengths: N ints, response tokens that count in the loss (up to the first EOS; 0 when masked).
-    terminated: N bools, True iff the response contains an EOS id (``grpo.eos``).
+    terminated: N bools, True iff the response contains an EOS id or ended at a stop string (``grpo.eos``).
     rewards: [N] float32 total reward Σ weight·reward (NaN = no valid reward).
     per_function: name → [N] float32 unweighted rewards (NaN = none).
     advantages: [N] float32.
     num_failed: failed reward evaluations (completions × functions that raised with reward_on_error "none").
+    num_not_applicable: rows with a total reward that a weighted reward function skipped with None (it does not apply
+        to them; TRL's convention), ``reward/not_applicable``.
     token_versions: N lists of R_i ints, the policy version that sampled each response token (partial rollouts: a
         row may span versions; ``versions`` is then its group's oldest); None when not recorded (every token of a
         row is ``versions[i]``'s).
     loss_masks: (multi-turn episodes) N lists of R_i bools, True for tokens the policy sampled, False for observation
         tokens an environment inserted (never in the loss, the KL or the entropy); None: every token was sampled.
     episodes: (multi-turn episodes) N ``contract.messages.EpisodeSummary``; None for single completions.
+    episode_ids: (agents) [N] int64, the episode of each row, unique within a step: an episode whose agent rewrote
+        its history is several rows (sequences) that share its reward and advantage, computed over the G episodes of
+        its group, not over rows (``cluster.loop.scoring``); None: each row is its own episode.
     """
 
     prompt_ids: list[list[int]]
@@ -53,12 +58,22 @@ class RolloutBatch:
     per_function: dict[str, torch.Tensor]
     advantages: torch.Tensor
     num_failed: int = 0
+    num_not_applicable: int = 0
     token_versions: list[list[int]] | None = None
     loss_masks: list[list[bool]] | None = None
     episodes: list | None = None
+    episode_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def episode_rows(self) -> list[int]:
+        """One row per episode: the last row of each, in row order; every row without ``episode_ids``. Per-episode
+        figures (rewards, ``episode/*``) are taken over these rows."""
+        if self.episode_ids is None:
+            return list(range(len(self)))
+        last = {episode: i for i, episode in enumerate(self.episode_ids.tolist())}
+        return sorted(last.values())
 
     def loss_mask(self, i: int) -> torch.Tensor:
         """[R_i] bool: the tokens of row ``i`` that count in the loss: the first ``valid_lengths[i]``, and of those
@@ -81,6 +96,11 @@ class RolloutBatch:
             return [len(r) for r in self.response_ids]
         return [sum(bool(b) for b in m) for m in self.loss_masks]
 
+    def num_trained_sequences(self) -> int:
+        """Rows with at least one token in the loss (:meth:`loss_token_counts` > 0): a row masked whole (no reward,
+        ``mask_truncated``, an empty response) trains nothing and is not counted (``rollout/sequences_trained``)."""
+        return sum(1 for count in self.loss_token_counts() if count > 0)
+
     def num_nonfinite_logprobs(self) -> int:
         """Response tokens that count in the loss (:meth:`loss_mask`) whose engine logprob is NaN or ±inf.
         The trainer gives such a token importance weight 1 and leaves it out of ``rollout/logprob_diff``
@@ -93,7 +113,7 @@ class RolloutBatch:
                    for i, lps in enumerate(self.behaviour_logprobs))
 
     def select(self, rows: Sequence[int]) -> RolloutBatch:
-        """The batch restricted to ``rows`` (in that order); ``num_failed`` is kept."""
+        """The batch restricted to ``rows`` (in that order); ``num_failed`` and ``num_not_applicable`` are kept."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         out = {}
         for f in fields(self):
@@ -110,7 +130,8 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        """Rows of every batch in order; ``num_failed`` summed; ``token_versions`` None unless every batch has them.
+        """Rows of every batch in order; ``num_failed`` and ``num_not_applicable`` summed; ``token_versions`` None
+        unless every batch has them.
         Raises ValueError for no batches or differing reward functions."""
         if not batches:
             raise ValueError("RolloutBatch.concat: expected at least one batch, got none")
@@ -151,6 +172,8 @@ class PackedMicroBatch:
     group_ids: [n] int64, the group (prompt) of each sequence, −1 where the caller gave none. Group identity travels
         with each sequence, so a reordering by the scheduler cannot mix up groups; advantages are computed per group
         before packing and travel the same way.
+    traced: [n] bool, the sequences whose per-token trainer logprobs come back in ``TrainResult.token_logprobs``
+        (the step's samples, ``samples.jsonl``: ``cluster.loop.samples``); None: none.
     """
 
     input_ids: torch.Tensor
@@ -164,6 +187,7 @@ class PackedMicroBatch:
     behaviour_logprobs: torch.Tensor
     seq_indices: torch.Tensor
     group_ids: torch.Tensor | None = None
+    traced: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.group_ids is None:

@@ -1,29 +1,28 @@
 """A quiet console: library log records and Python warnings below ERROR go to a log file, not to the terminal.
 
 ``grpo-cluster run`` (without ``--verbose``) calls :func:`route_logs` with ``output_dir/driver.log`` in the driver;
-every Ray worker of the job calls :func:`route_worker_logs` when it starts (``RolloutEngine``, each train rank), which
-reads where to write from the environment the driver gives the job's workers (:data:`LOG_DIR_ENV`,
-:data:`VERBOSE_ENV`: ``output_dir/logs/<worker>.log``); a vLLM engine also gets a logging configuration for vLLM's own
-loggers (:func:`vllm_logging_config`, through ``VLLM_LOGGING_CONFIG_PATH``), which reaches vLLM's engine-core
-processes too; a worker's own stdout and stderr go to its log file as well (C++ warnings, progress bars and the output
-of its subprocesses do not pass through Python's logging). What stays on the terminal: the job's status lines, the
-step lines, the progress bar, and records at ERROR or above. The engine's expected reload notes after each weight sync
-(vLLM's ``Failed to load weights`` for layers that receive no tensors: the rotary embedding, a tied LM head) never
-reach the terminal (:class:`ReloadNoteFilter`); they stay in the log files. With ``verbose`` nothing is rerouted.
+every Ray worker of the job calls :func:`route_worker_logs` when it starts (each rollout engine, each train rank), which
+reads where to write from the environment the driver gives the job's workers (:data:`LOG_DIR_ENV`, :data:`VERBOSE_ENV`:
+``output_dir/logs/<worker>.log``); the vLLM engine also configures vLLM's own loggers, which reach its engine-core
+processes too (``rollout_workers.vllm.console``, with :class:`ReloadNoteFilter` and :func:`terminal_handler` from here);
+a worker's own stdout and stderr go to its log file as well (C++ warnings, progress bars and the output of its
+subprocesses do not pass through Python's logging). What stays on the terminal: the job's status lines, the step lines,
+the progress bar, and records at ERROR or above. The engine's expected reload notes after each weight sync (vLLM's
+``Failed to load weights`` for layers that receive no tensors: the rotary embedding, a tied LM head) never reach the
+terminal (:class:`ReloadNoteFilter`); they stay in the log files. With ``verbose`` nothing is rerouted.
 
 No project imports: every role may use it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 __all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "TERMINAL_ENV", "VERBOSE_ENV", "ReloadNoteFilter",
-           "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler", "vllm_logging_config"]
+           "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler"]
 
 #: Environment variable naming the folder of the workers' log files (set by the driver for the job's workers).
 LOG_DIR_ENV = "GRPO_CLUSTER_LOG_DIR"
@@ -65,9 +64,11 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     nothing.
 
     Returns:
-        the file handler added to the root logger (None with ``verbose``).
+        the file handler added to the root logger (None with ``verbose``, which also sets :data:`VERBOSE_ENV` to "1":
+        the libraries' own progress bars stay too, ``cluster.in_process.progress``).
     """
     if verbose:
+        os.environ[VERBOSE_ENV] = "1"
         return None
     path = Path(log_file)
     if str(path.resolve()) in _routed:
@@ -114,7 +115,8 @@ def quiet_library_terminals() -> None:
 def terminal_handler() -> logging.Handler:
     """A handler writing to the terminal this process had before :func:`route_worker_logs` sent its own stdout and
     stderr to its log file; in a process that worker started (vLLM's engine core), the worker's terminal
-    (:data:`TERMINAL_ENV`); else ``sys.stderr``. vLLM's logging configuration uses it for ERROR records."""
+    (:data:`TERMINAL_ENV`); else ``sys.stderr``. The vLLM engine's logging configuration uses it for ERROR
+    records (``rollout_workers.vllm.console``)."""
     global _inherited_terminal
     path = os.environ.get(TERMINAL_ENV)
     if _terminal_stream is None and _inherited_terminal is None and path:
@@ -160,29 +162,13 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def vllm_logging_config(log_file: str | Path) -> dict:
-    """A ``logging.config.dictConfig`` for vLLM's loggers (``VLLM_LOGGING_CONFIG_PATH``): INFO and above to
-    ``log_file``, ERROR and above to stderr without the reload notes."""
-    return {
-        "version": 1, "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": FORMAT}},
-        "filters": {"reload_notes": {"()": f"{__name__}.ReloadNoteFilter"}},
-        "handlers": {
-            "file": {"class": "logging.FileHandler", "filename": str(log_file), "level": "INFO", "formatter": "plain"},
-            "terminal": {"()": f"{__name__}.terminal_handler", "level": "ERROR", "formatter": "plain",
-                         "filters": ["reload_notes"]},
-        },
-        "loggers": {"vllm": {"handlers": ["file", "terminal"], "level": "INFO", "propagate": False}},
-    }
-
-
-def route_worker_logs(worker: str, vllm: bool = False) -> Path | None:
+def route_worker_logs(worker: str) -> Path | None:
     """In a Ray worker of the job: :func:`route_logs` to ``$GRPO_CLUSTER_LOG_DIR/<worker>.log`` unless the job is
     verbose or the variable is unset (a worker built outside ``grpo-cluster run``: nothing changes), and send the
     process's own stdout and stderr there too (:func:`_capture_process_output`; Ray forwards a worker's stdout and
-    stderr to the driver's terminal, so ERROR records go to the terminal the worker had). With ``vllm``
-    (before vLLM is imported), also write :func:`vllm_logging_config` beside it and point
-    ``VLLM_LOGGING_CONFIG_PATH`` at it.
+    stderr to the driver's terminal, so ERROR records go to the terminal the worker had). An engine whose library
+    configures its own loggers in processes of its own routes those itself, to the returned file (the vLLM engine:
+    ``rollout_workers.vllm.console``).
 
     Returns:
         the worker's log file, or None when nothing was rerouted.
@@ -193,9 +179,4 @@ def route_worker_logs(worker: str, vllm: bool = False) -> Path | None:
     log_file = Path(folder) / f"{worker}.log"
     route_logs(log_file)
     _capture_process_output(log_file)
-    if vllm:
-        config = Path(folder) / f"{worker}.vllm-logging.json"
-        config.write_text(json.dumps(vllm_logging_config(log_file)))
-        os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
-        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(config)
     return log_file

@@ -50,7 +50,7 @@ class GroupRequest:
             (adaptive group size sets it).
         seed: seeds this request's sampler alone, so a group's completions depend only on the weights, the prompt
             and the seed — not on the engine or the rest of the batch. The driver derives it from (spec seed, step,
-            group id) (``cluster.ray_shell.fleet.request_seed``), which makes re-sampled groups and resumed runs
+            group id) (``cluster.loop.requests.request_seed``), which makes re-sampled groups and resumed runs
             reproducible.
         sampling: None samples with the spec's ``rollout`` settings (training); a :class:`SamplingOverride` replaces
             them for this request (held-out evaluation).
@@ -84,30 +84,47 @@ class EpisodeSummary:
     Attributes:
         turns: policy turns sampled. tool_calls: tool calls the environment ran. tool_errors: those that failed
             because of the call (bad JSON, an unknown tool, a program that raised): observations, not infra
-            failures. observation_tokens: tokens the environment's observations added (masked out of the loss).
-        ended: ``"done"`` (the environment ended it), ``"max_turns"``, ``"token_budget"`` (the next turn or
-            observation would not fit ``max_episode_tokens``) or ``"infra_failed"`` (the environment raised or timed
-            out: the row gets no reward, like a None reward).
-        turn_reward: the sum of the rewards the environment gave with its observations, 0.0 when it gave none.
+            failures; None: not observed (a function agent runs its own tools: the loop sees the calls the endpoint
+            parsed, not their results).
+        observation_tokens: tokens the environment's observations added (masked out of the loss).
+        ended: ``"done"`` (the environment ended it; an agent returned), ``"max_turns"``, ``"token_budget"`` (the
+            next turn or observation would not fit ``max_episode_tokens``; an agent's call was refused for its
+            budget: a policy failure) or ``"infra_failed"`` (the environment or agent raised or timed out, its worker
+            died: the row gets no reward, like a None reward).
+        turn_reward: the sum of the rewards the environment gave with its observations, 0.0 when it gave none; an
+            agent's (``rollout.agent``) returned reward, NaN when it returned None (no reward: excluded, counted).
         restarts: times the episode was sampled again from its start after an engine failure.
         environment_s: wall seconds its environment steps took (they run beside other episodes').
         detail: why it infra-failed (``""`` otherwise).
+        calls: (agents) the chat-completions calls its endpoint served (None: not an agent's episode). sequences:
+            (agents) the training sequences it became: 1, plus one for each call whose messages rewrote the history
+            instead of extending it.
+        components: (agents) the named reward components the agent returned (a dict), each logged as
+            ``reward/<name>``; {} otherwise.
     """
 
     turns: int
     tool_calls: int = 0
-    tool_errors: int = 0
+    tool_errors: int | None = 0
     observation_tokens: int = 0
     ended: str = "done"
     turn_reward: float = 0.0
     restarts: int = 0
     environment_s: float = 0.0
     detail: str = ""
+    calls: int | None = None
+    sequences: int = 1
+    components: dict[str, float] = field(default_factory=dict)
 
     @property
     def infra_failed(self) -> bool:
         """The environment failed (not the policy): the episode is left out of the loss and counted."""
         return self.ended == "infra_failed"
+
+    @property
+    def rewritten(self) -> bool:
+        """(agents) A call rewrote the history: the episode trains as more than one sequence."""
+        return self.sequences > 1
 
 
 @dataclass
@@ -129,7 +146,13 @@ class GroupResult:
         loss_masks: (multi-turn episodes) G lists of R_i bools: True for the tokens the policy sampled, False for
             the observation tokens an environment inserted between turns (their behaviour logprob is 0 and they
             never count in the loss, the KL or the entropy); None means every response token was sampled.
-        episodes: (multi-turn episodes) G :class:`EpisodeSummary`; None for single completions.
+        episodes: (multi-turn episodes) G :class:`EpisodeSummary`; None for single completions. With
+            ``episode_of``: one per completion (the summary of the completion's episode, repeated).
+        episode_of: (agents) per completion, the index (0..G-1) of the episode it is a training sequence of: an
+            episode whose agent rewrote its history becomes several sequences, which share its reward and advantage
+            (``cluster.loop.scoring``); None: each completion is its own episode (G completions).
+        prompts: (agents) per completion, the prompt ids it continues (each episode's first call renders its own
+            prompt; a rewritten history is a new prompt); None: every completion continues ``prompt_ids``.
     """
 
     group_id: int
@@ -142,6 +165,8 @@ class GroupResult:
     token_versions: list[list[int]] | None = None
     loss_masks: list[list[bool]] | None = None
     episodes: list[EpisodeSummary] | None = None
+    episode_of: list[int] | None = None
+    prompts: list[list[int]] | None = None
 
     @property
     def complete(self) -> bool:
@@ -159,6 +184,20 @@ class GroupResult:
         if self.loss_masks is None:
             return [True] * len(self.response_ids[i])
         return list(self.loss_masks[i])
+
+    def prompt_of(self, i: int) -> list[int]:
+        """The prompt ids completion ``i`` continues (``prompts[i]``, else the group's ``prompt_ids``)."""
+        return list(self.prompts[i]) if self.prompts is not None else list(self.prompt_ids)
+
+    def episode_index(self, i: int) -> int:
+        """The index within the group of the episode completion ``i`` belongs to (``i`` without ``episode_of``)."""
+        return self.episode_of[i] if self.episode_of is not None else i
+
+    def episode_rows(self) -> list[int]:
+        """The last completion of each episode, in episode order: one row per episode (all rows without
+        ``episode_of``)."""
+        last = {self.episode_index(i): i for i in range(len(self.response_ids))}
+        return [last[e] for e in sorted(last)]
 
     @property
     def newest_version(self) -> int:
@@ -228,12 +267,14 @@ class PoolGenerateStats:
         engine_idle_fraction: 1 − Σ busy engine-seconds / (num_engines × wall seconds of the call), in [0, 1];
             engines that got no group count as idle throughout.
         per_engine: one :class:`EngineLoad` per engine of the pool, by engine index.
+        capacity_seconds: num_engines × wall seconds: the idle fraction's denominator (None: not measured).
     """
 
     tokens: int
     engine_seconds: list[float]
     engine_idle_fraction: float
     per_engine: list[EngineLoad]
+    capacity_seconds: float | None = None
 
 
 # ---- training: driver → train ranks → driver ---------------------------------------------------------------------
@@ -280,6 +321,11 @@ class TrainResult:
             ``actor/grad_norm`` reports), which the loop reads to tell an update that must move the trainable
             parameters (> 0 and applied: the adapter-payload check of ``train.lora.sync: adapter``); None when not
             reported.
+        token_logprobs: the trainer's logprobs (natural log, float) of every response token of the traced sequences
+            (``PackedMicroBatch.traced``), before the step's first update — the values ``rollout/logprob_diff``
+            compares with the engine's — keyed by the sequence's index in the step's rollout batch
+            (``PackedMicroBatch.seq_indices``), R_i floats each; every rank's traced sequences (the Ray trainer
+            merges the ranks'); {} when none was traced.
     """
 
     policy_version: int
@@ -288,112 +334,4 @@ class TrainResult:
     metrics: dict[str, float]
     kl: float | None = None
     grad_norm: float | None = None
-
-
-# ---- weight sync: train rank 0 and engines → coordinator → driver --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SendReport:
-    """A train rank's side of one streamed sync (``broadcast_weights``); bytes, checksums and memory from rank 0.
-
-    Attributes:
-        policy_version: the version of the weights sent. seconds: wall seconds of the send.
-        bytes: bytes streamed (engine dtype). checksums: CRC-32 per checked tensor name (rank 0; empty elsewhere).
-        peak_extra_bytes: measured memory growth of the sender during the stream (``weight_sync.sender``).
-        peak_extra_bytes_accounted: the buffers the sender held at its peak, counted from their sizes.
-        payload_crc32: (``train.lora.sync: adapter``) CRC-32 of every byte streamed, buckets in plan order: the
-            adapter payload's checksum, which must change from one policy version to the next after a non-zero
-            update; None for full weights.
-        merge_rounding_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − W − s·B·A‖ / ‖s·B·A‖ over every
-            merged tensor: how far the merged weights the engines receive are from the trainer's policy, in units of
-            the LoRA update (``train_workers.lora.MergeRounding``); None without a merge, or while the update is 0.
-        merge_update_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − cast(W) − s·B·A‖ / ‖s·B·A‖: the part of
-            the update the engine dtype's rounding loses (≈ 1: the update vanished); None as above.
-    """
-
-    policy_version: int
-    seconds: float
-    bytes: int
-    checksums: dict[str, int]
-    peak_extra_bytes: int
-    peak_extra_bytes_accounted: int
-    payload_crc32: int | None = None
-    merge_rounding_error: float | None = None
-    merge_update_error: float | None = None
-
-
-@dataclass(frozen=True)
-class ReceiveReport:
-    """An engine's side of one sync (``receive_weights``).
-
-    Attributes:
-        policy_version: the version the engine now serves. seconds: its first worker's wall seconds.
-        bytes: bytes received by its first worker. worker_checksums: per engine worker (tensor-parallel shard
-            owner), CRC-32 per checked tensor name of the bytes it received.
-        worker_adapter_modules: (``train.lora.sync: adapter``) per engine worker, the base-model modules (HF names,
-            packed layers such as ``qkv_proj`` counted as their parts) that the served adapter is bound to after the
-            sync, read from the engine's own LoRA state (vLLM's LoRA manager; PEFT in the in-process fleet); None
-            for full weights.
-    """
-
-    policy_version: int
-    seconds: float
-    bytes: int
-    worker_checksums: list[dict[str, int]]
-    worker_adapter_modules: list[list[str]] | None = None
-
-
-@dataclass(frozen=True)
-class SyncReport:
-    """One verified sync of the policy to every engine (``cluster.ray_shell.sync.WeightSync.sync``).
-
-    Attributes:
-        policy_version: the version every engine of the group now holds.
-        verified: every checked tensor matched on every engine worker (False when none was checked).
-        verified_tensors: tensors checked per worker. bytes: bytes streamed. buckets: buckets per sync.
-        seconds_sender: train rank 0's wall seconds. gb_per_s: bytes / slowest member's seconds / 1e9.
-        sender_peak_extra_bytes, sender_peak_extra_bytes_accounted: train rank 0's memory (``SendReport``).
-        engines: engines synced. ipc: the transport was an IPC one (``shm``/``cuda_ipc``) rather than a broadcast.
-        adapter_modules: (``train.lora.sync: adapter``) the modules the adapter is bound to on every engine worker,
-            checked equal to the trainer's targeted modules (``weight_sync.verify.check_adapter_binding``); None for
-            full weights.
-        adapter_checksum: (``train.lora.sync: adapter``) the adapter payload's CRC-32 (``SendReport.payload_crc32``),
-            which the loop compares between versions; None for full weights.
-        merge_rounding_error, merge_update_error: (``train.lora.sync: merged``) train rank 0's
-            ``SendReport.merge_rounding_error`` and ``merge_update_error``.
-    """
-
-    policy_version: int
-    verified: bool
-    verified_tensors: int
-    bytes: int
-    buckets: int
-    seconds_sender: float
-    gb_per_s: float
-    sender_peak_extra_bytes: int
-    sender_peak_extra_bytes_accounted: int
-    engines: int
-    ipc: bool
-    adapter_modules: int | None = None
-    adapter_checksum: int | None = None
-    merge_rounding_error: float | None = None
-    merge_update_error: float | None = None
-
-    def metrics(self) -> dict[str, float]:
-        """The ``sync/*`` metrics of this sync (names as logged since the first release), plus with LoRA
-        ``sync/adapter_modules`` (adapter sync) or ``sync/merge_rounding_error`` and ``sync/merge_update_error``
-        (merged sync, once the update is non-zero)."""
-        out = {"sync/verified": self.verified, "sync/verified_tensors": self.verified_tensors,
-               "sync/bytes": float(self.bytes), "sync/buckets": self.buckets,
-               "sync/seconds_sender": self.seconds_sender, "sync/gb_per_s": self.gb_per_s,
-               "sync/sender_peak_extra_bytes": float(self.sender_peak_extra_bytes),
-               "sync/sender_peak_extra_bytes_accounted": float(self.sender_peak_extra_bytes_accounted),
-               "sync/engines": self.engines, "sync/ipc": float(self.ipc)}
-        if self.adapter_modules is not None:
-            out["sync/adapter_modules"] = float(self.adapter_modules)
-        for key, value in (("merge_rounding_error", self.merge_rounding_error),
-                           ("merge_update_error", self.merge_update_error)):
-            if value is not None:
-                out[f"sync/{key}"] = value
-        return out
+    token_logprobs: dict[int, list[float]] = field(default_factory=dict)

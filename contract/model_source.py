@@ -1,9 +1,9 @@
 """How every role loads the model's files: ``model.revision`` and ``model.trust_remote_code`` as one typed message.
 
-The driver (tokenizer, checks), the train ranks (policy, reference, configs), the rollout engines (vLLM) and the
-in-process fleet all load the same model; each is given a :class:`ModelSource` and passes
-:meth:`ModelSource.hf_kwargs` to every ``from_pretrained`` (transformers, PEFT) and :meth:`ModelSource.vllm_kwargs`
-to ``vllm.LLM``. No project imports: every role may use it.
+The driver (tokenizer, checks), the train ranks (policy, reference, configs) and the rollout engines all load the
+same model; each is given a :class:`ModelSource` and passes :meth:`ModelSource.hf_kwargs` to every
+``from_pretrained`` (transformers, PEFT); an engine with a loader of its own maps the same two options onto it (vLLM:
+``rollout_workers.vllm.config.source_kwargs``). No project imports: every role may use it.
 """
 
 from __future__ import annotations
@@ -44,13 +44,4 @@ class ModelSource:
         revision = self.revision_for(path)
         if revision is not None:
             kwargs["revision"] = revision
-        return kwargs
-
-    def vllm_kwargs(self, path: str) -> dict:
-        """Keyword arguments for ``vllm.LLM(model=path, ...)``: ``trust_remote_code`` and, for a hub id, the same
-        ``revision`` for the weights and the tokenizer (``tokenizer_revision``)."""
-        revision = self.revision_for(path)
-        kwargs: dict = {"trust_remote_code": self.trust_remote_code}
-        if revision is not None:
-            kwargs.update(revision=revision, tokenizer_revision=revision)
         return kwargs

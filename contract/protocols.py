@@ -22,8 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from contract.batches import PackedMicroBatch
 from contract.figures import FleetFigures
-from contract.messages import GroupRequest, GroupResult, SyncReport, TrainResult
+from contract.messages import GroupRequest, GroupResult, TrainResult
 from contract.rewards import RewardCall, RewardScores, RewardTicket
+from contract.sync_reports import SyncReport
 from contract.train_worker import TrainWorker
 from contract.versions import PolicyVersionLedger
 
@@ -105,8 +106,8 @@ class Fleet(Protocol):
     """The rollout side: engines that sample groups with behaviour logprobs, receive the trainer's policy, and scale.
 
     Attributes:
-        figures: the current step's figures (tokens, idle fraction, per-engine load); reset by :meth:`begin_step`,
-            added to by every recorded generate call. The loop may set it (a carried-over partial round's figures).
+        figures: the current step's figures (tokens, idle fraction, per-engine load); started by :meth:`begin_step`,
+            added to by every recorded generate call.
     """
 
     figures: FleetFigures
@@ -141,8 +142,9 @@ class Fleet(Protocol):
         """Engines replaced after a failure so far."""
         ...
 
-    def begin_step(self) -> None:
-        """Start a step's :attr:`figures` afresh."""
+    def begin_step(self, figures: FleetFigures | None = None) -> None:
+        """Start a step's :attr:`figures`: afresh, or from ``figures`` (those of a partial round carried over from
+        an interrupted call, whose groups the step goes on with)."""
         ...
 
     def generate(self, requests: list[GroupRequest], on_groups: Callable[[list[GroupResult]], None] | None = None,
@@ -262,7 +264,11 @@ class ControlChannel(Protocol):
 
 @runtime_checkable
 class MetricSink(Protocol):
-    """Where a job's metrics go (``metrics.jsonl`` and Prometheus: ``cluster.ops.metrics.MetricsLogger``).
+    """Where a job's metrics go (``metrics.jsonl`` and Prometheus: ``cluster.sinks.metrics.MetricsLogger``).
+
+    A sink may also take the step's sample records (plain JSON data, ``cluster.loop.samples``) with a method
+    ``log_samples(step, records)`` (``samples.jsonl``: ``cluster.sinks.samples.SampleLog``; the trackers' tables);
+    the job calls it on the sinks that have it.
 
     Attributes:
         url: the Prometheus endpoint's address, None without one.

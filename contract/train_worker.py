@@ -29,7 +29,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from contract.messages import SendReport, TrainRankInfo, TrainResult
+from contract.messages import TrainRankInfo, TrainResult
+from contract.sync_reports import SendReport
 from contract.batches import PackedMicroBatch
 
 
@@ -151,7 +152,7 @@ class TrainWorker(Protocol):
             verify: True to CRC-32 every tensor, False none, or the tensor names to check.
 
         Returns:
-            the rank's :class:`contract.messages.SendReport` (bytes, checksums and memory are rank 0's).
+            the rank's :class:`contract.sync_reports.SendReport` (bytes, checksums and memory are rank 0's).
 
         Raises:
             RuntimeError: called before :meth:`sync_plan`/:meth:`init_sync_group`, or the transport failed (the

@@ -23,11 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 
-from grpo.registry import Registry
+from grpo.registry import Registry, set_implied
 
 AdvantageEstimatorName = Literal["grpo", "dr_grpo", "rloo"]
 StdKind = Literal["unbiased", "biased"]
@@ -90,9 +90,14 @@ class AdvantageEstimator(Protocol):
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
-def register_advantage_estimator(name: str):
-    """Decorator adding an estimator to `ADVANTAGE_ESTIMATORS`; a duplicate name raises `ValueError`."""
-    return ADVANTAGE_ESTIMATORS.register(name)
+def register_advantage_estimator(name: str, *, implies: Mapping[str, Any] | None = None, why: str = ""):
+    """Decorator adding an estimator to `ADVANTAGE_ESTIMATORS`; a duplicate name raises `ValueError`. ``implies``:
+    settings of the spec's ``algorithm`` section that choosing it implies unless the spec sets them, with ``why``
+    (its source; `grpo.registry.set_implied`)."""
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        return ADVANTAGE_ESTIMATORS.register(name)(set_implied(fn, implies, why))
+
+    return decorator
 
 
 def _check_inputs(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
@@ -158,7 +163,9 @@ def _grpo(rewards: torch.Tensor, stats: GroupStats, *, eps: float, std: StdKind)
     return (rewards - stats.mean[idx]) / (stats.std(std)[idx] + eps)
 
 
-@register_advantage_estimator("dr_grpo")
+@register_advantage_estimator("dr_grpo", implies={"loss_agg": "seq-mean-token-sum-norm"}, why=(
+    "Dr. GRPO removes the length normalisation with the std's: token losses summed over a constant, sequences x "
+    "max_response_tokens (Liu et al. 2025, 'Understanding R1-Zero-Like Training', sec. 3.2)"))
 def _dr_grpo(rewards: torch.Tensor, stats: GroupStats, *, eps: float, std: StdKind) -> torch.Tensor:
     """A_i = r_i − mean_g (no std division). Source: Liu et al. 2025, "Understanding R1-Zero-like Training"."""
     return rewards - stats.mean[stats.group_index]
@@ -246,6 +253,7 @@ def compute_multi_reward_advantages(
     combine: RewardCombineName = "sum-then-normalise",
     eps: float = 1e-6,
     std: StdKind = "unbiased",
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages from several weighted reward functions.
 
@@ -254,21 +262,27 @@ def compute_multi_reward_advantages(
         "normalise-then-sum":  A = Σ_k w_k·est(r_k)          each reward normalised within its group first, so a
             reward with a large spread cannot drown a small one (MO-GRPO, Ichihara et al. 2025; GDPO; TRL's
             ``multi_objective_aggregation="normalize_then_sum"``). All-equal groups of a function contribute 0.
-    Functions with weight 0 are ignored. A row where any weighted function is NaN (None) is invalid for every
-    function: excluded from every group's statistics, advantage 0 (as in `compute_advantages`).
+    Functions with weight 0 are ignored. A NaN reward (None) means the function does not apply to that row (TRL's
+    convention): the sums run over the functions that apply (TRL's nansum), and under normalise-then-sum function k
+    is normalised over the valid rows of the group it applies to and adds nothing where it does not (TRL's nanmean
+    and nanstd per function). A row that is not ``valid`` is excluded from every group's statistics and has advantage
+    0 (as in `compute_advantages`).
 
     Args:
         rewards: name → [N] float rewards (NaN = none); every name in `weights` must be present.
         weights: name → finite weight.
         group_ids, estimator, eps, std: as in `compute_advantages`.
+        valid: [N] bool, the rows that have a reward (the loop passes the rows whose total is not NaN, so that a row
+            whose weighted function raised is invalid even where another one scored it); None: the rows at least one
+            weighted function scored.
 
     Returns:
         [N] float32 advantages, never NaN or Inf; exactly 0 for invalid rows and for groups whose weighted
         functions are all-equal.
 
     Raises:
-        ValueError: empty or non-finite weights, a missing or misshapen reward, an unknown combine mode, plus the
-            errors of `compute_advantages`.
+        ValueError: empty or non-finite weights, a missing or misshapen reward or ``valid``, an unknown combine mode,
+            plus the errors of `compute_advantages`.
     """
     if combine not in get_args(RewardCombineName):
         raise ValueError(f"combine must be one of {list(get_args(RewardCombineName))}, got {combine!r}")
@@ -286,14 +300,18 @@ def compute_multi_reward_advantages(
             raise ValueError(f"reward {name!r} must have shape ({n},) like group_ids, got {tuple(r.shape)}")
         if w != 0.0:
             used[name] = (float(w), r.to(torch.float64))
+    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (n,)):
+        raise ValueError(f"valid must be a bool tensor of shape ({n},) like group_ids, got {valid.dtype} "
+                         f"{tuple(valid.shape)}")
     if not used:
         return torch.zeros(n, dtype=torch.float32, device=group_ids.device)
-    invalid = torch.zeros(n, dtype=torch.bool, device=group_ids.device)
+    scored = torch.zeros(n, dtype=torch.bool, device=group_ids.device)
     for _, r in used.values():
-        invalid |= torch.isnan(r)
+        scored |= ~torch.isnan(r)
+    invalid = ~scored if valid is None else ~(valid.to(group_ids.device) & scored)
     nan = torch.tensor(math.nan, dtype=torch.float64, device=group_ids.device)
     if combine == "sum-then-normalise":
-        total = sum(w * r for w, r in used.values())
+        total = sum(w * torch.where(torch.isnan(r), 0.0, r) for w, r in used.values())  # nansum; ±inf raises
         return compute_advantages(torch.where(invalid, nan, total), group_ids, estimator, eps=eps, std=std)
     adv = torch.zeros(n, dtype=torch.float64, device=group_ids.device)
     for w, r in used.values():

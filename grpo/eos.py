@@ -3,12 +3,13 @@
 Shapes:
     N   completions, R_i response tokens of completion i
 
-A completion is *terminated* only if its own response tokens (never the prompt's) contain one of the model's EOS ids;
-every other completion was cut at the length cap (or by a stop string) and is *truncated*. The model's EOS ids are
-all of them: the generation config's ``eos_token_id`` (an int or a list, e.g. ``[128001, 128008, 128009]`` for
-Llama 3) plus the tokenizer's ``eos_token_id``. Tokens after the first EOS are not the policy's output for this
-prompt (vLLM stops at EOS, but a custom stop rule or a server may not), so they are masked out of the loss; the EOS
-token itself is kept (its logprob is the policy's decision to stop).
+A completion is *terminated* if its own response tokens (never the prompt's) contain one of the model's EOS ids, or if
+it ended at one of the rollout's stop strings (``rollout.stop``: the engine's finish reason ``"stop"`` without an EOS;
+the policy chose to stop there); every other completion was cut at the length cap and is *truncated*. The model's EOS
+ids are all of them: the generation config's ``eos_token_id`` (an int or a list, e.g. ``[128001, 128008, 128009]`` for
+Llama 3) plus the tokenizer's ``eos_token_id``. Tokens after the first EOS are not the policy's output for this prompt
+(vLLM stops at EOS, but a custom stop rule or a server may not), so they are masked out of the loss; the EOS token
+itself is kept (its logprob is the policy's decision to stop).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def eos_token_ids(*sources: int | Iterable[int] | None) -> frozenset[int]:
 
 def response_valid_lengths(
     response_ids: Sequence[Sequence[int]], eos_ids: Iterable[int],
-    sampled_masks: Sequence[Sequence[bool]] | None = None,
+    sampled_masks: Sequence[Sequence[bool]] | None = None, stopped: Sequence[bool] | None = None,
 ) -> tuple[list[int], list[bool]]:
     """Per completion: how many leading response tokens count in the loss, and whether it terminated.
 
@@ -54,11 +55,13 @@ def response_valid_lengths(
         response_ids: N lists of R_i response token ids (prompt excluded).
         eos_ids: the model's EOS ids (see `eos_token_ids`).
         sampled_masks: None, or N lists of R_i bools, False for observation tokens (not sampled by the policy).
+        stopped: None, or N bools: the engine ended the completion (its last turn) on its own, finish reason
+            ``"stop"`` (EOS or a stop string); such a completion without an EOS ended at a stop string.
 
     Returns:
         (valid_lengths, terminated): N ints in [0, R_i] — index of the first EOS (of the last turn) + 1 for a
-        terminated completion (tokens after it masked), R_i otherwise — and N bools, True iff the response (its last
-        turn) contains an EOS id.
+        completion with an EOS (tokens after it masked), R_i otherwise — and N bools, True iff the response (its last
+        turn) contains an EOS id or ``stopped`` says it ended at a stop string.
 
     Raises:
         ValueError: a mask of another length than its response.
@@ -73,6 +76,6 @@ def response_valid_lengths(
                 raise ValueError(f"row {row}: {len(mask)} sampled-mask entries for {len(ids)} response tokens")
             start = max((i + 1 for i, sampled in enumerate(mask) if not sampled), default=0)
         first = next((i for i in range(start, len(ids)) if ids[i] in eos), None)
-        terminated.append(first is not None)
+        terminated.append(first is not None or (stopped is not None and bool(stopped[row])))
         lengths.append(len(ids) if first is None else first + 1)
     return lengths, terminated

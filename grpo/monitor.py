@@ -17,9 +17,11 @@ the run is young). Rows without a key (an eval-only row) do not move that key's 
 2.33, one-sided 99 %: a lucky low baseline must not open the gate for a hack) standard errors of a difference of two
 proportions (Agresti & Caffo 2000, "Simple and effective confidence intervals for proportions and differences of
 proportions result from adding two successes and two failures", Am. Stat. 54:280: p̃ = (x + 1)/(n + 2)), with
-n = completions scored (``rollout/groups_sampled`` × ``rollout/group_size`` per step, or ``samples_per_step``); or the
-latest held-out ``eval/accuracy_ci_low`` is above the first ``eval/accuracy``. No evidence (no such metrics) counts as
-"did not rise".
+n = the completions that component's mean is over: ``reward/scored/<name>`` (rows with a reward that it scored; a
+row it does not apply to, or an infrastructure failure, is in no mean), else ``rollout/groups_sampled`` ×
+``rollout/group_size`` − ``reward/infra_failed`` per step, else ``samples_per_step``; or the latest held-out
+``eval/accuracy_ci_low`` is above the first ``eval/accuracy``. No evidence (no such metrics) counts as "did not
+rise".
 
 Detectors (metric ``monitor/<name>``: 1.0 on a step where the rule holds, else 0.0):
 - ``length_drift``: |recent / baseline − 1| of ``response_length/mean`` (tokens) ≥ ``length_drift_frac`` (default
@@ -60,13 +62,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, get_args
 
-from grpo.rewards import RESERVED_REWARD_NAMES
+from grpo.rewards import RESERVED_REWARD_NAMES, SCORED_PREFIX
 from grpo.stats import wilson_interval
 
 DetectorName = Literal["length_drift", "reward_saturation", "kl_band", "entropy_band", "eval_drop"]
 DETECTORS: tuple[str, ...] = get_args(DetectorName)
 LENGTH_KEY, KL_KEY, ENTROPY_KEY = "response_length/mean", "actor/kl", "actor/entropy"
-EVAL_KEY, EVAL_N_KEY = "eval/accuracy", "eval/n"
+EVAL_KEY, EVAL_N_KEY, EVAL_PROBLEMS_KEY = "eval/accuracy", "eval/n", "eval/problems"
 EVAL_LOW_KEY, EVAL_HIGH_KEY = "eval/accuracy_ci_low", "eval/accuracy_ci_high"
 TRIPPED_KEY = "monitor/tripped"
 
@@ -92,7 +94,7 @@ class MonitorConfig:
     kl_max: float = 0.5  #: actor/kl above this fires, nats per token, > 0
     entropy_drop_frac: float = 0.5  #: fires below baseline · (1 − this); in (0, 1)
     entropy_rise_frac: float = 0.5  #: fires above baseline · (1 + this); > 0
-    eval_confidence: float = 0.95  #: Wilson coverage when an eval row has eval/n but no ci keys; in (0, 1)
+    eval_confidence: float = 0.95  #: Wilson coverage for an eval row without ci keys (n: eval/problems); in (0, 1)
     verifiable_reward: str = "accuracy"  #: the component that measures the task (reward/<name>, 0/1)
     shaping_rewards: tuple[str, ...] | None = None  #: components watched for saturation; None: all other components
     samples_per_step: int | None = None  #: completions per step when rows lack rollout/groups_sampled, group_size
@@ -142,6 +144,11 @@ class _Point(NamedTuple):
     samples: int | None
 
 
+def _number(value: object) -> bool:
+    """A finite int or float (not a bool): a value a series may hold."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _mean(points: list[_Point]) -> float:
     return sum(p.value for p in points) / len(points)
 
@@ -180,7 +187,8 @@ class Monitor:
             ``{"monitor/<detector>": 0.0 | 1.0 for each enabled detector, "monitor/tripped": 0.0 | 1.0}``.
 
         Raises:
-            ValueError: a step not after the previous one; an eval row with neither its ci keys nor ``eval/n``.
+            ValueError: a step not after the previous one; an eval row with neither its ci keys nor a count
+                (``eval/problems`` or ``eval/n``, the scored problems or completions) >= 1.
         """
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"monitor steps must increase: got step {step} after step {self._last_step}")
@@ -194,23 +202,31 @@ class Monitor:
             self.first_trip = Trip(step, tuple(onsets), min(onsets.values()))
         return out
 
-    def _record(self, step: int, metrics: Mapping[str, object]) -> None:
-        samples = self.config.samples_per_step
+    def _samples(self, metrics: Mapping[str, object]) -> int | None:
+        """Completions with a reward in the row: sampled (``rollout/groups_sampled`` × ``rollout/group_size``) less
+        ``reward/infra_failed``; else ``samples_per_step``."""
         groups, size = metrics.get("rollout/groups_sampled"), metrics.get("rollout/group_size")
-        if isinstance(groups, int | float) and isinstance(size, int | float) and groups * size >= 1:
-            samples = int(groups * size)
+        if not (_number(groups) and _number(size) and groups * size >= 1):
+            return self.config.samples_per_step
+        failed = metrics.get("reward/infra_failed")
+        return max(int(groups * size) - (int(failed) if _number(failed) else 0), 0)
+
+    def _record(self, step: int, metrics: Mapping[str, object]) -> None:
+        samples = self._samples(metrics)
         for key, value in metrics.items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-                self._series.setdefault(key, []).append(_Point(step, float(value), samples))
-        if isinstance(metrics.get(EVAL_KEY), int | float) and math.isfinite(metrics[EVAL_KEY]):
+            if _number(value):
+                scored = metrics.get(f"reward/{SCORED_PREFIX}/{key.removeprefix('reward/')}")
+                n = int(scored) if key.startswith("reward/") and _number(scored) else samples
+                self._series.setdefault(key, []).append(_Point(step, float(value), n))
+        if _number(metrics.get(EVAL_KEY)):
             accuracy = float(metrics[EVAL_KEY])
             if EVAL_LOW_KEY in metrics and EVAL_HIGH_KEY in metrics:
                 low, high = float(metrics[EVAL_LOW_KEY]), float(metrics[EVAL_HIGH_KEY])
-            elif isinstance(metrics.get(EVAL_N_KEY), int | float):
-                n = int(metrics[EVAL_N_KEY])
-                low, high = wilson_interval(accuracy * n, n, self.config.eval_confidence)
+            elif _number(n := metrics.get(EVAL_PROBLEMS_KEY, metrics.get(EVAL_N_KEY))) and n >= 1:
+                low, high = wilson_interval(accuracy * int(n), int(n), self.config.eval_confidence)
             else:
-                raise ValueError(f"step {step}: {EVAL_KEY} needs {EVAL_LOW_KEY} and {EVAL_HIGH_KEY}, or {EVAL_N_KEY}")
+                raise ValueError(f"step {step}: {EVAL_KEY} needs {EVAL_LOW_KEY} and {EVAL_HIGH_KEY}, or "
+                                 f"{EVAL_PROBLEMS_KEY} / {EVAL_N_KEY} >= 1")
             self._evals.append((step, accuracy, low, high))
 
     def _windows(self, key: str, window: int | None = None) -> tuple[list[_Point], list[_Point]] | None:

@@ -48,15 +48,15 @@ clip (the spec checks both at validation).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 
-from grpo.registry import Registry
+from grpo.registry import Registry, set_implied
 
-__all__ = ["LOG_RATIO_CLAMP", "POLICY_LOSSES", "PolicyLossName", "PolicyTerm", "register_policy_loss",
+__all__ = ["GSPO_CLIP", "LOG_RATIO_CLAMP", "POLICY_LOSSES", "PolicyLossName", "PolicyTerm", "register_policy_loss",
            "sequence_advantages", "supports_dual_clip"]
 
 #: The built-in names (a type for callers; the registry owns the selectable names).
@@ -97,19 +97,23 @@ class PolicyLossTerm(Protocol):
 POLICY_LOSSES: Registry[PolicyLossTerm] = Registry("policy loss")
 
 
-def register_policy_loss(name: str, *, sequence_advantages: bool = False,
-                         dual_clip: bool = True) -> Callable[[PolicyLossTerm], PolicyLossTerm]:
+def register_policy_loss(name: str, *, sequence_advantages: bool = False, dual_clip: bool = True,
+                         implies: Mapping[str, float] | None = None,
+                         why: str = "") -> Callable[[PolicyLossTerm], PolicyLossTerm]:
     """Decorator adding a term to :data:`POLICY_LOSSES`; a duplicate name raises ``ValueError``.
 
     Args:
         sequence_advantages: the term needs one advantage per sequence (refused with ``kl_in_reward``'s per-token
             advantages). dual_clip: the term honours ``dual_clip_c`` (else it is refused with one).
+        implies: settings of the spec's ``algorithm`` section that choosing the term implies unless the spec sets
+            them (its source's clip range: ``{"clip_eps_low": ..., "clip_eps_high": ...}``), with ``why`` (the
+            source; :func:`grpo.registry.set_implied`).
     """
 
     def decorator(fn: PolicyLossTerm) -> PolicyLossTerm:
         fn.sequence_advantages = sequence_advantages  # type: ignore[attr-defined]
         fn.dual_clip = dual_clip  # type: ignore[attr-defined]
-        return POLICY_LOSSES.register(name)(fn)
+        return POLICY_LOSSES.register(name)(set_implied(fn, implies, why))
 
     return decorator
 
@@ -169,7 +173,14 @@ def _ppo(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_hig
     return _clipped_surrogate(ratio, advantages, mask, clip_eps_low, clip_eps_high, dual_clip_c)
 
 
-@register_policy_loss("gspo", sequence_advantages=True)
+#: GSPO's clip range for its sequence-level ratio: "we set the left and right clipping ranges in Eq. (5) to 3e-4 and
+#: 4e-4" (Zheng et al. 2025, sec. 5.1), about 500x narrower than PPO's token-level 0.2 (a geometric mean of token
+#: ratios moves far less than one token's).
+GSPO_CLIP = {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4}
+_GSPO_WHY = "GSPO's clip range of its sequence-level ratio (Zheng et al. 2025, sec. 5.1)"
+
+
+@register_policy_loss("gspo", sequence_advantages=True, implies=GSPO_CLIP, why=_GSPO_WHY)
 def _gspo(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_high, dual_clip_c):
     """GSPO: the sequence's geometric-mean ratio clipped per sequence, its loss at each of its tokens (module doc)."""
     valid = mask.any(dim=-1)
@@ -185,7 +196,7 @@ def _gspo(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_hi
                       dual_active=None if seq.dual_active is None else tokens(seq.dual_active))
 
 
-@register_policy_loss("gspo_token")
+@register_policy_loss("gspo_token", implies=GSPO_CLIP, why=_GSPO_WHY)
 def _gspo_token(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_high, dual_clip_c):
     """GSPO-token: the detached sequence ratio times π_θ(y_t)/sg[π_θ(y_t)], clipped per token (module doc)."""
     log_s = _sequence_log_ratio(logprobs, old_logprobs, mask).detach()
@@ -193,7 +204,9 @@ def _gspo_token(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_
     return _clipped_surrogate(ratio, advantages, mask, clip_eps_low, clip_eps_high, dual_clip_c)
 
 
-@register_policy_loss("cispo", dual_clip=False)
+@register_policy_loss("cispo", dual_clip=False, implies={"clip_eps_low": 0.999}, why=(
+    "CISPO puts no lower bound on the IS weight (MiniMax-M1, 2025, sec. 3.1: eps_low set large; 0.999 is the largest "
+    "the spec takes); the paper tunes eps_high and gives no value, so the spec's clip_eps_high stays"))
 def _cispo(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_high, dual_clip_c):
     """CISPO: −sg[clip(r)]·A·logp per token (module doc); registered with ``dual_clip=False``, so the caller refuses a
     dual clip."""

@@ -152,16 +152,27 @@ def accuracy_estimate(per_problem: Sequence[Sequence[float]], confidence: float 
     k > 1 this is conservative (at least as wide as needed); for k = 1 it is the exact Wilson interval. Treating the
     P · k samples as independent trials would be too narrow: samples of one problem are correlated.
 
+    Problems may have different numbers of samples k_j ≥ 1 (held-out evaluation passes only the scored samples of
+    each problem, and only problems with one): the accuracy is then the mean over problems of each one's fraction
+    correct, equal to `mean_at_k` when every k_j is the same, and ``samples`` is Σ_j k_j.
+
     Args:
-        per_problem: [P][k] scores as in `mean_at_k`. confidence: in (0, 1).
+        per_problem: [P][k_j] scores (1.0 correct, 0.0 wrong; values in [0, 1] accepted). confidence: in (0, 1).
 
     Raises:
-        ValueError: as `mean_at_k` and `wilson_interval`.
+        ValueError: no problems, a problem without samples, a score outside [0, 1] or not a number, and as
+            `wilson_interval`.
     """
-    accuracy = mean_at_k(per_problem)
+    if len(per_problem) == 0:
+        raise ValueError("accuracy_estimate needs at least one problem, got none")
+    empty = [i for i, samples in enumerate(per_problem) if len(samples) == 0]
+    if empty:
+        raise ValueError(f"accuracy_estimate needs at least one sample per problem: problem {empty[0]} has none")
+    fractions = [sum(_scores(s, f"problem {i}'s samples")) / len(s) for i, s in enumerate(per_problem)]
     problems = len(per_problem)
+    accuracy = sum(fractions) / problems
     low, high = wilson_interval(min(accuracy * problems, problems), problems, confidence)
-    return AccuracyEstimate(accuracy, low, high, problems, problems * len(per_problem[0]))
+    return AccuracyEstimate(accuracy, low, high, problems, sum(len(s) for s in per_problem))
 
 
 class PairedComparison(NamedTuple):

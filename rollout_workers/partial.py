@@ -1,6 +1,7 @@
 """Partial rollouts (``rollout.partial_rollout``): the bookkeeping of completions interrupted by a weight update and
-continued from their tokens. Pure (no vLLM, no Ray): the engine (:class:`rollout_workers.engine.RolloutEngine`) sends
-the requests :func:`completion_jobs` plans and gathers what comes back with :func:`assemble_group`.
+continued from their tokens. Pure (no vLLM, no Ray), shared by every engine (``rollout_workers.vllm``,
+``rollout_workers.hf``): an engine sends the requests :func:`completion_jobs` plans and gathers what comes back with
+:func:`assemble_group`.
 
 A weight update does not wait for the longest completion: the engine aborts its unfinished requests (vLLM's own
 ``LLMEngine.abort_request``), returns the tokens sampled so far with finish reason ``"interrupted"``, the new weights
@@ -117,14 +118,16 @@ class CompletionState:
 
     Attributes:
         ids: new token ids. logprobs: their behaviour logprobs (natural log). text: their decoded text.
-        finish_reason: vLLM's (``"stop"``, ``"length"``, ``"abort"``...) once finished; None while running (an
+        finish_reason: the engine's (``"stop"``, ``"length"``, ``"abort"``...) once finished; None while running (an
             aborted request never reports one: it is ``"interrupted"``).
+        stop_reason: the stop string that ended it (``rollout.stop``), else None.
     """
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | None = None
 
     def add(self, ids: list[int], logprobs: list[float], text: str) -> None:
         """Append one DELTA output's tokens (``len(ids) == len(logprobs)``)."""

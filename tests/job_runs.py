@@ -3,8 +3,14 @@ train ranks and placement groups, so the module's next job finds the Ray cluster
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Iterator
+
+#: Figures of the wall clock or the machine's memory, not of the run: a resumed run's differ from an uninterrupted
+#: one's. The stall detector's value and flag (``health/value/stall``, ``health/stall``) are ratios of step times.
+WALL_CLOCK = re.compile(r"^(timing|time|perf|memory|goodput)/|seconds|_s$|_per_s$|idle_fraction$|peak|"
+                        r"^health/(value/)?stall$")
 
 
 @contextmanager

@@ -31,8 +31,8 @@ class FaultyFleet(EngineFleet):
         self.faults = dict(faults)
         self.steps = 0
 
-    def begin_step(self) -> None:
-        super().begin_step()
+    def begin_step(self, figures=None) -> None:
+        super().begin_step(figures)
         self.steps += 1
 
     def generate(self, requests, on_groups=None, record=True, recover=True, interrupt_epoch=None):

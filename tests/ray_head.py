@@ -18,6 +18,8 @@ from typing import Iterator
 
 import psutil
 
+from cluster.ops.prestop import wait_gone
+
 
 def free_port() -> int:
     return free_ports(1)[0]
@@ -118,31 +120,10 @@ class RayHead:
                     proc.send_signal(sig)
                 except psutil.NoSuchProcess:
                     pass
-            procs = _wait_stopped(procs, grace_s)
+            procs = wait_gone(procs, grace_s, poll_s=0.1)
             if not procs:
                 break
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those of ``procs`` that still run: neither gone nor zombies."""
-    running = []
-    for proc in procs:
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                running.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    return running
-
-
-def _wait_stopped(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
-    """Wait up to ``timeout_s`` seconds until none of ``procs`` runs (:func:`_running`), collecting those that are
-    this process's children; returns those still running."""
-    deadline = time.monotonic() + timeout_s
-    while (procs := _running(procs)) and time.monotonic() < deadline:
-        psutil.wait_procs(procs, timeout=0.1)
-    return procs
 
 
 @contextmanager

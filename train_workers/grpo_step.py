@@ -76,6 +76,7 @@ class GRPOStep:
     Attributes:
         kl_coef: β in use (:meth:`set_kl_coef`). lr: the learning rate in use (:meth:`set_lr`), ``actor/lr``.
         phase_s: seconds per phase of the last step (keys :data:`~train_workers.step_metrics.PHASES`).
+        traced: the last step's ``TrainResult.token_logprobs`` (this rank's traced sequences).
     """
 
     def __init__(self, engine: StepEngine, algorithm, train, max_response_tokens: int):
@@ -85,6 +86,7 @@ class GRPOStep:
         self.lr = float(train.lr)
         self.phase_s = dict.fromkeys(PHASES, 0.0)
         self._extremes = torch.full((len(EXTREMES),), -math.inf, dtype=torch.float64)
+        self.traced: dict[int, list[float]] = {}
 
     def set_kl_coef(self, kl_coef: float) -> None:
         """Set β for the following train steps (the driver's adaptive KL controller calls this every step).
@@ -136,11 +138,13 @@ class GRPOStep:
             non-finite metric: ``"actor/loss"`` or ``"actor/grad_norm"``); ``metrics`` summed/averaged over all ranks
             and iterations: ``actor/*`` (with ``actor/update_skipped``, the fraction of iterations skipped, 0.0 or 1.0
             with one iteration) and ``rollout/logprob_diff`` (engine vs trainer before the first update);
-            ``timing/<phase>_s`` (rank 0); ``kl``: ``actor/kl``; ``grad_norm``: ``actor/grad_norm``.
+            ``timing/<phase>_s`` (rank 0); ``kl``: ``actor/kl``; ``grad_norm``: ``actor/grad_norm``;
+            ``token_logprobs``: this rank's traced sequences (``PackedMicroBatch.traced``).
         """
         t0 = time.perf_counter()
         engine, alg = self.engine, self.algorithm
         self.phase_s = dict.fromkeys(PHASES, 0.0)
+        self.traced = {}
         self._extremes = torch.full((len(EXTREMES),), -math.inf, dtype=torch.float64)
         iterations, mis = alg.num_iterations, alg.mis
         saved = self._behaviour_passes(microbatches) if iterations > 1 or mis is not None \
@@ -175,7 +179,7 @@ class GRPOStep:
             metrics.update(off_policy_metrics(totals, engine.all_reduce_max(self._extremes), mis is not None))
         return TrainResult(policy_version=policy_version + 1 if applied else policy_version,
                            skipped=applied < iterations, skip_reason=skip_reason, metrics=metrics,
-                           kl=metrics["actor/kl"], grad_norm=metrics["actor/grad_norm"])
+                           kl=metrics["actor/kl"], grad_norm=metrics["actor/grad_norm"], token_logprobs=self.traced)
 
     def _correcting(self) -> bool:
         """Whether the off-policy metrics are reported: with a correction on (``algorithm.tis_cap`` or
@@ -352,7 +356,17 @@ class GRPOStep:
             out[SUMS["tokens_first"]] = float(known.sum())
             if self._correcting():
                 self._record_off_policy(out, old, behaviour, mask, loss_mask)
+            self._trace(mb, old)
         return loss, out
+
+    def _trace(self, mb: PackedMicroBatch, old: torch.Tensor) -> None:
+        """Keep the trainer's logprobs before the update (``old``, [n, T] float32) of ``mb``'s traced sequences in
+        :attr:`traced`, keyed by their index in the step's rollout batch: every response token, R_i floats."""
+        if mb.traced is None or not bool(mb.traced.any()):
+            return
+        lengths = torch.bincount(mb.token_seq, minlength=mb.num_sequences).tolist()
+        for slot in mb.traced.nonzero().flatten().tolist():
+            self.traced[int(mb.seq_indices[slot])] = old[slot, :lengths[slot]].detach().float().cpu().tolist()
 
     def _record_off_policy(self, out: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
                            loss_mask: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ This module is the one owner of the backend names: the spec validates ``train.st
 
 from __future__ import annotations
 
-import importlib
+from contract.registry_entries import add_entry, resolve_entry
 
 #: ``train.strategy`` → backend class, or ``"module:Class"`` resolved by :func:`train_backend`.
 TRAIN_BACKENDS: dict[str, type | str] = {
@@ -38,11 +38,7 @@ def register_train_backend(name: str, backend: type | str, *, model_parallel: bo
     Raises:
         ValueError: ``name`` is registered already, or a string ``backend`` is not ``"module:Class"``.
     """
-    if name in TRAIN_BACKENDS:
-        raise ValueError(f"train backend {name!r} is registered already ({TRAIN_BACKENDS[name]!r})")
-    if isinstance(backend, str) and not _split(backend):
-        raise ValueError(f"train backend {name!r}: expected 'module:Class', got {backend!r}")
-    TRAIN_BACKENDS[name] = backend
+    add_entry(TRAIN_BACKENDS, "train backend", name, backend)
     if model_parallel:
         MODEL_PARALLEL_BACKENDS.add(name)
     else:
@@ -59,14 +55,4 @@ def train_backend(name: str) -> type:
     """
     if name not in TRAIN_BACKENDS:
         raise ValueError(f"train.strategy {name!r} has no train backend; known: {sorted(TRAIN_BACKENDS)}")
-    entry = TRAIN_BACKENDS[name]
-    if not isinstance(entry, str):
-        return entry
-    module, cls = _split(entry)
-    return getattr(importlib.import_module(module), cls)
-
-
-def _split(path: str) -> tuple[str, str] | None:
-    """``"pkg.mod:Class"`` → ``("pkg.mod", "Class")``; None when either part is missing."""
-    module, _, cls = path.partition(":")
-    return (module, cls) if module and cls else None
+    return resolve_entry(TRAIN_BACKENDS[name])

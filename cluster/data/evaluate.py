@@ -1,6 +1,6 @@
-"""GSM8K pass@1 of a model folder with the vLLM engine (greedy decoding, one sample per problem).
+"""GSM8K pass@1 of a model folder with the vLLM rollout engine (greedy decoding, one sample per problem).
 
-    grpo-cluster eval --model runs/gsm8k_smollm2_cpu/checkpoints/step_000010 --data ../shared/data/gsm8k/test.jsonl
+    grpo-cluster eval --model runs/gsm8k_smollm2_cpu/checkpoints/step_000010 --data gsm8k/test.jsonl
 """
 
 from __future__ import annotations
@@ -78,36 +78,38 @@ def evaluate_gsm8k(model: str, data: str, limit: int | None = None, max_tokens: 
     examples = _gsm8k_rows(data)
     examples = examples if limit is None else examples[:limit]
     path = resolve_model_path(model, setting=model_setting)
-    if not torch.cuda.is_available():
-        from rollout_workers.cpu_engine import configure_cpu_env
-
-        configure_cpu_env(kv_cache_gib)
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    # The same ids training samples from, given to vLLM as token prompts (a text prompt would get BOS again).
+    from cluster.spec import RolloutSpec
+    from contract.messages import GroupRequest, SamplingOverride
+    from rollout_workers.registry import rollout_engine
+
+    # The same ids training samples from, given to the engine as token prompts (a text prompt would get BOS again).
     prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(path), examples, system_prompt, prompt_suffix)
-    llm = LLM(model=path, dtype="float32" if not torch.cuda.is_available() else "auto", enforce_eager=True,
-              max_model_len=engine_max_model_len([len(ids) for ids in prompt_ids], max_tokens),
-              gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.5, seed=0)
+    on_gpu = torch.cuda.is_available()
+    rollout = RolloutSpec(max_response_tokens=max_tokens, kv_cache_gib=float(kv_cache_gib),
+                          num_gpus_per_replica=1.0 if on_gpu else 0.0)
+    engine = rollout_engine("vllm")(path, rollout, "auto" if on_gpu else "float32", 0,
+                                    engine_max_model_len([len(ids) for ids in prompt_ids], max_tokens))
+    greedy = SamplingOverride(temperature=0.0, max_tokens=max_tokens)
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    groups, _ = engine.generate([GroupRequest(i, ids, group_size=1, sampling=greedy)
+                                 for i, ids in enumerate(prompt_ids)], 1)
     seconds = time.perf_counter() - t0
-    texts = [o.outputs[0].text for o in outs]
-    n_tokens = [len(o.outputs[0].token_ids) for o in outs]
+    texts = [g.texts[0] for g in groups]
+    n_tokens = [len(g.response_ids[0]) for g in groups]
+    truncated = [g.finish_reasons[0] == "length" for g in groups]
     acc = [accuracy_reward(t, e.answer) for t, e in zip(texts, examples)]
     fmt = [format_reward(t) for t in texts]
     n = len(examples)
     return {
         "pass@1": sum(acc) / n, "format": sum(fmt) / n, "n": n,
         "mean_tokens": sum(n_tokens) / n,
-        "truncated": sum(o.outputs[0].finish_reason == "length" for o in outs) / n,
+        "truncated": sum(truncated) / n,
         "seconds": seconds, "tokens_per_s": sum(n_tokens) / max(seconds, 1e-9),
         "problems": [{"index": i, "question": e.question, "correct": a, "format": f, "tokens": k,
-                      "truncated": o.outputs[0].finish_reason == "length", "completion": t}
-                     for i, (e, a, f, k, o, t) in enumerate(zip(examples, acc, fmt, n_tokens, outs, texts))],
+                      "truncated": cut, "completion": t}
+                     for i, (e, a, f, k, cut, t) in enumerate(zip(examples, acc, fmt, n_tokens, truncated, texts))],
     }
 
 

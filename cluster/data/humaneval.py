@@ -11,11 +11,16 @@ Each problem becomes one row (:func:`humaneval_row`):
 
 - ``prompt``: ``data.humaneval.instruction``, a blank line, then the HumanEval prompt (imports, helpers, the
   function's signature and docstring) in a ```python block;
-- ``tests``: the problem's ``test`` code (which defines ``check(candidate)``) followed by ``check(<entry_point>)``,
-  what the ``code`` reward runs after the completion's program in the sandbox (``grpo.rewards.code``);
+- ``tests``: the problem's tests as call cases (``{"args": [...], "expected": ..., "check": ...}``), which the ``code``
+  reward judges outside the program's process (``sandbox.code_reward``): ``check(candidate)``'s asserts turned into
+  data by :func:`sandbox.asserts.calls_from_check` (162 of the 164 problems; random inputs fixed with seed 0). The
+  two whose tests cannot be so expressed (HumanEval/32 ``find_zero`` checks a property of the result with the
+  prompt's ``poly``; HumanEval/33 ``sort_third`` compares the candidate with itself) keep the ``test`` code followed
+  by ``check(<entry_point>)``: test code, which only the ``code_asserts`` reward runs; with ``code`` they are left
+  out of their split, named in a warning and counted as skipped rows;
 - ``starter_code`` (the HumanEval prompt) and ``entry_point``: with them the ``code`` reward runs the starter code
   before the completion's program, so a completion that writes the whole function (redefining the stub) and one
-  that writes only the body (continuing the signature) are both scored (``grpo.rewards.code.assemble_program``);
+  that writes only the body (continuing the signature) are both scored (``sandbox.programs.assemble_program``);
 - ``task_id`` (``HumanEval/<n>``) and ``canonical_solution`` (the reference body), for reading results.
 
 The row's index (the prompt id) is its task number.
@@ -23,16 +28,21 @@ The row's index (the prompt id) is its task number.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
+import logging
 import random
 from pathlib import Path
 
 from cluster.data.rows import DataError, Example, RowFormat, parse_record
+from sandbox.asserts import calls_from_check
 
 __all__ = ["HUMANEVAL_PROBLEMS", "humaneval_examples", "humaneval_path", "humaneval_row", "humaneval_split",
-           "load_humaneval"]
+           "humaneval_tests", "load_humaneval"]
+
+logger = logging.getLogger(__name__)
 
 #: Problems in HumanEval (task ids ``HumanEval/0`` .. ``HumanEval/163``).
 HUMANEVAL_PROBLEMS = 164
@@ -104,6 +114,21 @@ def humaneval_split(held_out_size: int, split_seed: int, total: int = HUMANEVAL_
     return sorted(order[held_out_size:]), sorted(order[:held_out_size])
 
 
+@functools.lru_cache(maxsize=None)
+def _call_cases(test: str, entry_point: str, prompt: str) -> tuple[dict, ...] | str:
+    """:func:`sandbox.asserts.calls_from_check` of one problem, once per process (0.35 s for all 164 here)."""
+    cases = calls_from_check(test, entry_point, prompt)
+    return cases if isinstance(cases, str) else tuple(cases)
+
+
+def humaneval_tests(problem: dict) -> list[dict] | str:
+    """A problem's ``tests`` value (module doc): its call cases, or its test code and the call of ``check``."""
+    cases = _call_cases(problem["test"], problem["entry_point"], problem["prompt"])
+    if isinstance(cases, tuple):
+        return list(cases)
+    return f"{problem['test'].rstrip()}\n\n\ncheck({problem['entry_point']})\n"
+
+
 def humaneval_row(problem: dict, instruction: str) -> dict:
     """One HumanEval problem as a data row (module doc): ``prompt``, ``tests``, ``starter_code``, ``entry_point``,
     ``task_id``, ``canonical_solution``."""
@@ -111,7 +136,7 @@ def humaneval_row(problem: dict, instruction: str) -> dict:
     fenced = starter if starter.endswith("\n") else starter + "\n"
     return {
         "prompt": f"{instruction}\n\n```python\n{fenced}```",
-        "tests": f"{problem['test'].rstrip()}\n\n\ncheck({problem['entry_point']})\n",
+        "tests": humaneval_tests(problem),
         "starter_code": starter,
         "entry_point": problem["entry_point"],
         "task_id": problem["task_id"],
@@ -123,7 +148,9 @@ def humaneval_examples(he, split: str = "train", checks=()) -> tuple[list[Exampl
     """The ``split`` (``train`` or ``held_out``) of HumanEval as Examples, for the spec's ``data.humaneval``
     section ``he`` (``held_out_size``, ``split_seed``, ``instruction``); rows are read like jsonl rows
     (:func:`cluster.data.parse_record`, prompt column ``prompt``) and must pass ``checks``, the row checks of the
-    rewards that score them. No row is skipped: (examples, 0).
+    rewards that score them. A problem whose tests are test code that a reward of the job refuses (``code``, which
+    runs only tests judged outside the program's process) is left out, named in a warning and counted:
+    (examples, problems left out).
 
     Raises:
         DataError: as :func:`humaneval_path` and :func:`load_humaneval`; a reward the job uses cannot score the rows
@@ -132,10 +159,18 @@ def humaneval_examples(he, split: str = "train", checks=()) -> tuple[list[Exampl
     problems = load_humaneval()
     train, held_out = humaneval_split(he.held_out_size, he.split_seed)
     fmt = RowFormat("prompt", "answer", tuple(checks), "data.source 'humaneval'")
-    examples = []
+    examples, left_out = [], []
     for index in (train if split == "train" else held_out):
+        row = humaneval_row(problems[index], he.instruction)
         try:
-            examples.append(parse_record(humaneval_row(problems[index], he.instruction), index, fmt))
+            examples.append(parse_record(row, index, fmt))
         except ValueError as exc:
+            if isinstance(row["tests"], str):
+                left_out.append(problems[index]["task_id"])
+                continue
             raise DataError(f"data.source 'humaneval': {problems[index]['task_id']}: {exc}") from None
-    return examples, 0
+    if left_out:
+        logger.warning("data.source 'humaneval': %s left out of the %s split: the tests exist only as test code "
+                       "(run in the program's own process), which a reward of this job refuses; the reward "
+                       "'code_asserts' runs them (docs/sandbox.md)", ", ".join(left_out), split)
+    return examples, len(left_out)

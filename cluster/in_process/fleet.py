@@ -1,23 +1,28 @@
-"""The in-process rollout side: :class:`LocalFleet` samples groups with transformers in the calling process.
+"""The in-process rollout side: :class:`LocalFleet` samples groups on the ``hf`` rollout engine in the calling process.
 
 It implements :class:`contract.protocols.Fleet` with the semantics of the Ray shell's fleet
-(``cluster.ray_shell.fleet.EngineFleet`` over vLLM engines, ``rollout_workers.engine.RolloutEngine``):
+(``cluster.ray_shell.fleet.EngineFleet`` over engine actors):
 
-- Its own copy of the policy: an HF model loaded from the weights it starts from, never sharing a tensor with the
-  trainer (in ``one_step_off``/``async`` the next batch is generated in a thread while the trainer updates its
-  weights); the trainer's policy reaches it only through the weight sync (:mod:`cluster.in_process.sync`).
+- Its engine is the ``hf`` rollout engine (:class:`rollout_workers.hf.engine.HFEngine`, the one ``rollout.engine:
+  hf`` starts under Ray), built here: its own copy of the policy, never sharing a tensor with the trainer (in
+  ``one_step_off``/``async`` the next batch is generated in a thread while the trainer updates its weights); the
+  trainer's policy reaches it only through the weight sync (:mod:`cluster.in_process.sync`, the engine's own
+  receiving side). Whatever ``rollout.engine`` says, the in-process runtime samples with transformers.
 - Engines are logical: ``rollout.replicas`` (then :meth:`LocalFleet.scale`) shares of the dispatch over the one
-  model. Groups go to them with :func:`cluster.loop.scheduler.assign_groups` (whole groups, by tokens in flight) and
+  engine. Groups go to them with :func:`cluster.loop.scheduler.assign_groups` (whole groups, by tokens in flight) and
   each engine's share is sampled in turn, so the per-engine figures (groups, tokens, busy seconds) and the idle
   fraction are those of engines that run one after the other.
-- Sampling (:mod:`cluster.in_process.sampling`): one completion per row of a KV-cached batch, its own generator
+- Sampling (:mod:`rollout_workers.hf.sampling`): one completion per row of a KV-cached batch, its own generator
   seeded from (request seed, sample index) as vLLM seeds ``n=G`` requests, behaviour logprobs under the rollout's
-  filtered distribution. A completion's request jobs and its group's assembly (partial rollouts: continued
-  completions, per-token policy versions) are ``rollout_workers.partial``'s, the engine's own bookkeeping.
+  filtered distribution, ``rollout.stop`` with vLLM's semantics; partial rollouts (continued completions, per-token
+  policy versions) through the engines' shared bookkeeping (``rollout_workers.partial``).
+- Requests (``contract.requests.RequestServer``, :meth:`LocalFleet.submit`): served by the engine's batching thread
+  (``rollout_workers.hf.serving``), figures under ``engine-0``; a sync pauses the running batch and its requests
+  continue on the new version.
 - Versions: every engine's version is recorded in the loop's ledger (``check_engine`` at start, ``set_engines`` when
   the engine list changes, ``synced`` after a verified sync, ``sync_failed`` after a failed one); groups staler than
-  ``rollout.max_staleness`` are refused and sampled again after a resync (or, with ``recover=False``, raise
-  :class:`contract.errors.RecoveryDeferred`).
+  ``rollout.max_staleness`` are refused and sampled again after a resync by the fleets' one staleness gate
+  (:class:`contract.staleness.StalenessGate`; with ``recover=False`` :class:`contract.errors.RecoveryDeferred`).
 
 Not modelled: engine faults (nothing dies in process: ``restarts`` stays 0) and the KV cache's capacity
 (``kv_cache_usage`` is None).
@@ -25,90 +30,104 @@ Not modelled: engine faults (nothing dies in process: ``restarts`` stays 0) and 
 
 from __future__ import annotations
 
-import random
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
-from cluster.in_process.sampling import MAX_BATCH_ROWS, request_sampling, sample_groups
-from cluster.in_process.sync import LocalWeightSync, peft_bound_modules, sync_targets
+from cluster.in_process.progress import library_progress_bars
+from cluster.in_process.logical_engine import LocalEngine
+from cluster.in_process.sync import LocalWeightSync
 from cluster.in_process.trainer import LocalTrainer
 from cluster.loop.scheduler import assign_groups
-from contract.model_source import ModelSource
 from contract.errors import RecoveryDeferred
 from contract.figures import FleetFigures
-from contract.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerateStats, SyncReport
+from contract.goodput import PoolTime
+from contract.messages import EngineLoad, GroupRequest, GroupResult, PoolGenerateStats
+from contract.model_source import ModelSource
 from contract.protocols import MetricSink
+from contract.requests import TokenRequest, TokenResult
+from contract.staleness import StalenessGate
+from contract.sync_reports import SyncReport
 from contract.versions import PolicyVersionLedger
-from grpo.eos import eos_token_ids
+from rollout_workers.hf.engine import HFEngine
+from rollout_workers.hf.sampling import MAX_BATCH_ROWS
 
-__all__ = ["LocalEngine", "LocalFleet", "StaleSamplesError", "load_policy_model", "request_sampling"]
-
-
-class StaleSamplesError(RuntimeError):
-    """Groups kept coming back older than ``rollout.max_staleness`` after the fleet was synced again."""
+__all__ = ["LocalEngine", "LocalFleet", "NoPolicyError"]
 
 
-class LocalEngine:
-    """One logical engine of a :class:`LocalFleet`: a share of the dispatch over the fleet's one model, and the handle
-    the ledger records a version for.
-
-    Attributes:
-        index: its position in the fleet (``engine-<index>`` in the per-engine figures).
-    """
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"LocalEngine({self.index})"
+class NoPolicyError(RuntimeError):
+    """The fleet's engine holds no complete policy (a sync failed part-way): it is synced before it samples."""
 
 
 class LocalFleet:
     """The rollout side in this process (:class:`contract.protocols.Fleet`); works with a :class:`LocalTrainer`.
 
     Args:
-        spec: the validated job spec (``rollout``: replicas, group size, sampling, length cap, ``max_staleness``;
-            ``model.dtype``; ``sync``; ``train.lora``; ``seed`` for requests without a seed).
+        spec: the validated job spec (``rollout``: replicas, group size, sampling, stop strings, length cap,
+            ``max_staleness``; ``model.dtype``; ``sync``; ``train.lora``; ``seed`` for requests without a seed).
         max_batch_rows: completions decoded together at most.
+        progress: False: transformers' progress bars are off while :meth:`start` loads the model
+            (:func:`cluster.in_process.progress.library_progress_bars`).
 
     Attributes:
         figures: the current step's :class:`FleetFigures`.
-        model: the fleet's own policy copy (after :meth:`start`). tokenizer: its tokenizer.
-        model_version: the policy version the model holds; None after a failed sync (it refuses to sample).
-        eos_ids: the ids that end a completion: the model's ``generation_config`` EOS ids and the tokenizer's.
+        engine: the fleet's :class:`HFEngine` (after :meth:`start`).
     """
 
-    def __init__(self, spec, max_batch_rows: int = MAX_BATCH_ROWS):
-        self.spec, self.max_batch_rows = spec, max_batch_rows
+    def __init__(self, spec, max_batch_rows: int = MAX_BATCH_ROWS, *, progress: bool = True):
+        self.spec = spec
+        self.max_batch_rows = max_batch_rows
+        self.progress = progress
         self.figures = FleetFigures()
-        self.model = self.tokenizer = None
-        self.model_version: int | None = None
+        self.engine: HFEngine | None = None
+        self._busy_s = 0.0  # engine-seconds of sampling over every generate call, accepted or not
         self.versions: PolicyVersionLedger | None = None
         self._engines: list[LocalEngine] = []
         self._sync: LocalWeightSync | None = None
         self._status: Callable[[str], None] = lambda message: None
-        self.eos_ids: frozenset[int] = frozenset()
-        self._lock = threading.Lock()  # generate and the weight sync never run at once
+        self._lock = threading.Lock()  # a dispatch and the weight sync never run at once
         self._interrupted_epoch = -1
-        self._unseeded = random.Random(spec.seed)  # seeds of requests that carry none
         self._logged_engines = 0
+        self._figures_lock = threading.Lock()  # served requests' figures arrive on the engine's thread
+        self._busy_seen = 0.0  # the engine's newest busy counter (TokenResult.busy_s)
+
+    # ---- the engine's state, read through the fleet (tests, the loop's checks) -----------------------------------
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The engine's policy copy (None before :meth:`start` and after :meth:`shutdown`)."""
+        return self.engine.model if self.engine is not None else None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer if self.engine is not None else None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The ids that end a completion: the model's ``generation_config`` EOS ids and the tokenizer's."""
+        return self.engine.eos_ids if self.engine is not None else frozenset()
+
+    @property
+    def model_version(self) -> int | None:
+        """The policy version the engine holds; None after a failed sync (it refuses to sample) or before start."""
+        return self.engine.policy_version if self.engine is not None else None
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self, weights_path: str, policy_version: int, trainer: LocalTrainer, versions: PolicyVersionLedger,
               status: Callable[[str], None]) -> None:
-        """Load the fleet's own copy of the policy from ``weights_path`` (``model.dtype``; with ``train.lora.sync:
-        adapter`` wrapped with PEFT adapters from the trainer's adapter config, ``B = 0``: the base), form the weight
-        sync with ``trainer``'s rank and record ``rollout.replicas`` engines in ``versions`` (their versions unknown
-        until the first sync, as the Ray shell's). A resumed LoRA job's fleet holds the base model until the loop
-        syncs the checkpoint's policy.
+        """Build the fleet's :class:`HFEngine` from ``weights_path`` (``model.dtype``; with ``train.lora.sync:
+        adapter`` the engine wraps its model with PEFT adapters from the trainer's adapter config when the sync
+        forms, ``B = 0``: the base), form the weight sync with ``trainer``'s rank and record ``rollout.replicas``
+        engines in ``versions`` (their versions unknown until the first sync, as the Ray shell's). A resumed LoRA
+        job's fleet holds the base model until the loop syncs the checkpoint's policy.
 
         Raises:
             TypeError: ``trainer`` is not a :class:`LocalTrainer`.
             RuntimeError: the trainer is not started, or its rank is on a GPU (the in-process sync is gloo).
-            ValueError: the trainer's sync plan does not fit the model (:class:`LocalWeightSync`).
+            ValueError: the trainer's sync plan does not fit the model (``HFEngine.init_weight_sync``).
             PolicyVersionError: ``policy_version`` is ahead of the trainer's (``versions.check_engine``).
         """
         if not isinstance(trainer, LocalTrainer):
@@ -118,23 +137,17 @@ class LocalFleet:
         if trainer.info is not None and trainer.info.device != "cpu":
             raise RuntimeError(f"LocalFleet: the in-process weight sync runs over gloo, so the train rank must be on "
                                f"the CPU (train.num_gpus_per_worker 0), got device {trainer.info.device}")
-        from transformers import AutoTokenizer
-
         versions.check_engine(policy_version, f"the in-process fleet starting from {weights_path}")
         self.shutdown()
         self.versions, self._status = versions, status
-        self._interrupted_epoch = -1  # as a freshly started engine
-        adapter_config = trainer.worker.sync_adapter_config()
-        source = ModelSource.of(self.spec.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(weights_path, **source.hf_kwargs(weights_path))
-        self.model = load_policy_model(weights_path, self.spec, adapter_config)
-        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        self.eos_ids = eos_token_ids(config_eos, self.tokenizer.eos_token_id)
-        self.model_version = policy_version
+        self._interrupted_epoch, self._busy_seen = -1, 0.0  # as a freshly started engine
+        r = self.spec.rollout.model_copy(update={"cpu_affinity": None})  # never bind the calling process
+        with library_progress_bars(self.progress):
+            self.engine = HFEngine(weights_path, r, self.spec.model.dtype, self.spec.seed, 0, policy_version,
+                                   lora=self.spec.train.lora, source=ModelSource.of(self.spec.model),
+                                   max_batch_rows=self.max_batch_rows)
         self._engines = [LocalEngine(i) for i in range(self.spec.rollout.replicas)]
-        adapter = adapter_config is not None
-        self._sync = LocalWeightSync(self.spec, trainer.worker, sync_targets(self.model, adapter), versions,
-                                     bound_modules=(lambda: peft_bound_modules(self.model)) if adapter else None)
+        self._sync = LocalWeightSync(self.spec, trainer.worker, self.engine, versions)
         versions.set_engines(self._engines)
 
     def check(self, model_path: str) -> None:
@@ -166,9 +179,17 @@ class LocalFleet:
         """The tensors every sync streams, in plan order (HF names, or PEFT's adapter names); [] before start."""
         return list(self._sync.names) if self._sync is not None else []
 
-    def begin_step(self) -> None:
-        """Start a step's :attr:`figures` afresh."""
-        self.figures = FleetFigures()
+    def begin_step(self, figures: FleetFigures | None = None) -> None:
+        """Start a step's :attr:`figures`: afresh (the engine's busy counter as seen so far is the request window's
+        base), or from a carried-over round's ``figures``."""
+        with self._figures_lock:
+            self.figures = figures if figures is not None else FleetFigures(engines=len(self._engines),
+                                                                            busy_base={0: self._busy_seen})
+
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the logical engines (pool ``rollout``) and their sampling seconds so far;
+        no cores of their own (they sample in the driver's process, on its cores)."""
+        return [PoolTime("rollout", len(self._engines), self._busy_s)]
 
     def describe(self) -> str:
         """``"2 engine(s) in process, 3 sync bucket(s)"``."""
@@ -176,13 +197,16 @@ class LocalFleet:
         return f"{self.num_engines} engine(s) in process, {buckets} sync bucket(s)"
 
     def shutdown(self) -> None:
-        """Close the weight-sync group and drop the model (idempotent)."""
+        """Close the weight-sync group and drop the engine (idempotent)."""
         sync, self._sync = self._sync, None
         if sync is not None:
             sync.close()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
         if self.versions is not None and self._engines:
             self.versions.set_engines([])
-        self._engines, self.model, self.model_version = [], None, None
+        self._engines = []
 
     # ---- sampling -------------------------------------------------------------------------------------------------
     def generate(self, requests: list[GroupRequest], on_groups: Callable[[list[GroupResult]], None] | None = None,
@@ -196,34 +220,53 @@ class LocalFleet:
             RuntimeError: before :meth:`start`.
             RecoveryDeferred: with ``recover=False``, the groups came back stale or the model holds no complete
                 policy (a failed sync).
-            StaleSamplesError: groups still stale after a resync.
+            StaleSamplesError: groups still stale after a resync (``contract.staleness``).
             PolicyVersionError: a group sampled at a version ahead of the trainer's.
             ValueError: a request's ``resume_from`` does not fit it (``rollout_workers.partial.completion_jobs``).
         """
         if self._sync is None:
             raise RuntimeError("LocalFleet.generate: the fleet is not started (call start first)")
-        max_staleness = self.spec.rollout.max_staleness
-        for _ in range(3):
-            if self.model_version is None:  # a failed sync left a partial load
-                if not recover:
-                    raise RecoveryDeferred(f"the fleet's model holds no complete policy after a failed sync; "
-                                           f"{len(requests)} group(s) to sample again after the sync")
-                self._resync("a failed weight sync")
-            groups, stats = self._generate_once(requests, on_groups, interrupt_epoch)
-            stale = [g for g in groups if self.versions.staleness(g.policy_version) > max_staleness]
-            if not stale:
-                if record:
-                    self.figures.add(stats)
-                return groups
+
+        def on_fault(exc: BaseException) -> bool:  # NoPolicyError: a failed sync left a partial load
             if not recover:
-                raise RecoveryDeferred(f"{len(stale)} stale group(s) during a generate that overlaps training")
-            self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
-                         f"(trainer {self.versions.current}, rollout.max_staleness={max_staleness}); re-syncing and "
-                         f"sampling again")
-            self.figures.stale_refused += len(stale)
-            self._resync("stale samples")
-        raise StaleSamplesError(f"the in-process fleet still returned stale groups after 3 attempts (model at policy "
-                                f"version {self.model_version}, trainer at {self.versions.current})")
+                raise RecoveryDeferred(f"the fleet's model holds no complete policy after a failed sync; "
+                                       f"{len(requests)} group(s) to sample again after the sync") from exc
+            self._resync("a failed weight sync")
+            return True
+
+        def once():
+            groups, stats = self._generate_once(requests, on_groups, interrupt_epoch)
+            self._busy_s += sum(stats.engine_seconds)  # accepted or not: the engine spent it
+            return groups, stats
+
+        gate = StalenessGate(self.versions, self.spec.rollout.max_staleness, self._resync, self._status)
+        return gate.run(once, figures=lambda: self.figures, record=record, recover=recover, attempts=3,
+                        faults=(NoPolicyError,), on_fault=on_fault)
+
+    def submit(self, request: TokenRequest) -> Future[TokenResult]:
+        """Serve one request on the engine (``contract.requests.RequestServer``; thread-safe); its figures go to the
+        step's :attr:`figures` under engine 0.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self.engine is None:
+            raise RuntimeError("LocalFleet.submit: the fleet is not started (call start first)")
+        submitted, outer = time.perf_counter(), Future()
+
+        def settle(inner: Future) -> None:
+            if inner.exception() is not None:
+                outer.set_exception(inner.exception())
+                return
+            result = dataclasses.replace(inner.result(), engine="engine-0")
+            with self._figures_lock:
+                self._busy_s += max(0.0, result.busy_s - self._busy_seen)  # what it served since the newest seen
+                self._busy_seen = max(self._busy_seen, result.busy_s)
+                self.figures.add_request(0, result, submitted, time.perf_counter())
+            outer.set_result(result)
+
+        self.engine.submit(request).add_done_callback(settle)
+        return outer
 
     def interrupt(self, epoch: int) -> None:
         """Stop every generate call of ``interrupt_epoch`` <= ``epoch``, running or still to come, at its next token
@@ -231,7 +274,8 @@ class LocalFleet:
         self._interrupted_epoch = max(self._interrupted_epoch, int(epoch))
 
     def interrupted(self, interrupt_epoch: int | None) -> bool:
-        """Whether a call of ``interrupt_epoch`` must stop now (None: never); checked before every token step."""
+        """Whether a call of ``interrupt_epoch`` must stop now (None: never); the engine checks it before every token
+        step (the logical engines share the one engine, so the fleet keeps the epochs)."""
         return interrupt_epoch is not None and self._interrupted_epoch >= interrupt_epoch
 
     def _generate_once(self, requests: list[GroupRequest], on_groups, interrupt_epoch: int | None
@@ -263,18 +307,19 @@ class LocalFleet:
         idle = min(1.0, max(0.0, 1.0 - sum(busy) / (len(self._engines) * wall))) if wall > 0 else 0.0
         return [by_id[q.group_id] for q in requests], PoolGenerateStats(
             tokens=sum(e.tokens for e in per_engine), engine_seconds=busy, engine_idle_fraction=idle,
-            per_engine=per_engine)
+            per_engine=per_engine, capacity_seconds=len(self._engines) * wall)
 
     def _sample(self, requests: list[GroupRequest], interrupt_epoch: int | None) -> list[GroupResult]:
-        """Sample ``requests``' completions on the model (one engine's share), under the lock: every completion
-        of every group (or, resuming, only the interrupted ones, from their tokens), assembled as the engine does."""
+        """One logical engine's share on the engine (``HFEngine.generate``), under the fleet's lock.
+
+        Raises:
+            NoPolicyError: the engine holds no complete policy after a failed weight sync.
+        """
         with self._lock:
-            version = self.model_version
-            if version is None:
-                raise RuntimeError("the fleet's model holds no complete policy after a failed weight sync")
-            return sample_groups(self.model, self.tokenizer, self.eos_ids, requests, self.spec.rollout, version,
-                                 lambda: self._unseeded.getrandbits(63), lambda: self.interrupted(interrupt_epoch),
-                                 self.max_batch_rows)
+            if self.model_version is None:
+                raise NoPolicyError("the fleet's model holds no complete policy after a failed weight sync")
+            return self.engine.generate(requests, self.spec.rollout.group_size, interrupt_epoch,
+                                        interrupted=lambda: self.interrupted(interrupt_epoch))[0]
 
     # ---- weights and engines --------------------------------------------------------------------------------------
     def sync_policy(self) -> SyncReport:
@@ -288,9 +333,11 @@ class LocalFleet:
         if self._sync is None:
             raise RuntimeError("LocalFleet.sync_policy: the fleet is not started")
         with self._lock:
-            self.model_version = None  # a partial load until the sync is verified
-            report = self._sync.sync(len(self._engines))
-            self.model_version = report.policy_version
+            try:
+                report = self._sync.sync(len(self._engines))
+            except BaseException:
+                self.engine.refuse_until_synced()  # perhaps received but not verified
+                raise
         return report
 
     def _resync(self, why: str) -> None:
@@ -341,24 +388,3 @@ class LocalFleet:
 def _prior_tokens(requests: list[GroupRequest]) -> int:
     """Tokens the requests' ``resume_from`` groups already had (not sampled by this call)."""
     return sum(len(ids) for q in requests if q.resume_from is not None for ids in q.resume_from.response_ids)
-
-
-def load_policy_model(weights_path: str, spec, adapter_config: dict | None = None) -> torch.nn.Module:
-    """The fleet's policy copy: ``weights_path`` in ``model.dtype``, on a GPU when ``rollout.num_gpus_per_replica``
-    > 0 and one is visible, in eval mode without gradients; with ``adapter_config`` (``train.lora.sync: adapter``)
-    wrapped by PEFT with that config (adapters at their ``B = 0`` start: the base model)."""
-    from transformers import AutoModelForCausalLM
-
-    from train_workers.sharding import as_dtype
-
-    on_gpu = torch.cuda.is_available() and spec.rollout.num_gpus_per_replica > 0
-    model = AutoModelForCausalLM.from_pretrained(weights_path, dtype=as_dtype(spec.model.dtype),
-                                                 **ModelSource.of(spec.model).hf_kwargs(weights_path))
-    if adapter_config is not None:
-        from peft import get_peft_config, get_peft_model
-
-        model = get_peft_model(model, get_peft_config(dict(adapter_config)))
-    model.to(torch.device("cuda") if on_gpu else torch.device("cpu"))
-    model.eval()
-    model.requires_grad_(False)
-    return model

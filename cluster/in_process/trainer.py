@@ -2,7 +2,7 @@
 
 :class:`LocalTrainer` implements :class:`contract.protocols.Trainer` with ONE rank (W = 1) of the backend
 ``train.strategy`` names (``train_workers.registry.train_backend``; FSDP2's ``FSDPTrainWorker`` for ``fsdp``), built
-with the arguments ``cluster.ray_shell.pools.TrainPool`` gives a rank, and calls the rank's
+with the arguments ``cluster.ray_shell.train_pool.TrainPool`` gives a rank, and calls the rank's
 :class:`contract.train_worker.TrainWorker` methods directly (no Ray). Its process group is torch.distributed's default
 group of this process, a gloo (or NCCL) group of one over loopback TCP; :meth:`LocalTrainer.shutdown` destroys it, so
 another LocalTrainer can start later in the same process (several jobs one after another in one pytest run), but two
@@ -17,11 +17,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cluster.in_process.progress import library_progress_bars
 from cluster.spec.algorithm import effective_algorithm
 from contract.batches import PackedMicroBatch
+from contract.goodput import PoolTime
 from contract.messages import TrainRankInfo, TrainResult
 from contract.model_source import ModelSource
 from train_workers.registry import train_backend
+from train_workers.step_metrics import COMPUTE_KEY
 
 __all__ = ["LocalTrainer"]
 
@@ -43,12 +46,14 @@ class LocalTrainer:
 
     world_size = 1
 
-    def __init__(self, spec):
+    def __init__(self, spec, *, progress: bool = True):
         self.spec = spec
+        self.progress = progress
         self.num_parameters = 0
         self.worker = None
         self.info: TrainRankInfo | None = None
         self._threads: int | None = None  # torch's thread count before the rank was built
+        self._busy_s = 0.0  # the rank's timing/train_compute_s over every train step
 
     def _train_spec(self):
         """``train`` as the one rank gets it: ``world_size`` 1, ``cpu_affinity`` cleared."""
@@ -56,21 +61,21 @@ class LocalTrainer:
 
     def check(self, model_path: str) -> None:
         """Pre-start checks against the model (starts nothing): ``train.lora`` targets and rank
-        (``cluster.ops.model_checks.check_lora``; no engine to check), the backend's layout for one rank
-        (``check_train_layout``).
+        (``cluster.data.model_checks.check_lora`` with the ``hf`` engine, which serves any PEFT adapter), the
+        backend's layout for one rank (``check_train_layout``).
 
         Raises:
             ModelError: naming the spec field; ``train.tensor_parallel_size`` or ``train.pipeline_parallel_size``
                 above 1 (a model split over several ranks cannot run as one rank).
         """
         from cluster.data.models import ModelError
-        from cluster.ops.model_checks import check_lora, check_train_layout
+        from cluster.data.model_checks import check_lora, check_train_layout
 
         for field in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self.spec.train, field) != 1:
                 raise ModelError(f"train.{field}: the in-process runtime runs one train rank, expected 1, got "
                                  f"{getattr(self.spec.train, field)}")
-        check_lora(self.spec.train.lora, model_path, engine=False, source=ModelSource.of(self.spec.model))
+        check_lora(self.spec.train.lora, model_path, engine="hf", source=ModelSource.of(self.spec.model))
         check_train_layout(self._train_spec(), model_path, self.spec.model.dtype)
 
     @property
@@ -109,11 +114,12 @@ class LocalTrainer:
         algorithm = effective_algorithm(s.algorithm, s.rollout)  # with the off-policy default, if it applies
         self._threads = torch.get_num_threads()
         try:
-            self.worker = train_backend(train.strategy)(
-                0, 1, model_path, train, algorithm, s.rollout.temperature, s.rollout.max_response_tokens,
-                s.model.dtype, s.seed, sampling_filters=filters, model_source=ModelSource.of(s.model))
-            host, port = self.worker.node_address()
-            self.info = self.worker.init_distributed(host, port, policy_path)
+            with library_progress_bars(self.progress):
+                self.worker = train_backend(train.strategy)(
+                    0, 1, model_path, train, algorithm, s.rollout.temperature, s.rollout.max_response_tokens,
+                    s.model.dtype, s.seed, sampling_filters=filters, model_source=ModelSource.of(s.model))
+                host, port = self.worker.node_address()
+                self.info = self.worker.init_distributed(host, port, policy_path)
         except BaseException:
             self.shutdown()
             raise
@@ -137,7 +143,14 @@ class LocalTrainer:
         if len(per_rank) != 1:
             raise ValueError(f"LocalTrainer.train_step: expected micro-batches for 1 train rank (world_size 1), got "
                              f"{len(per_rank)} lists")
-        return self._rank().train_step(per_rank[0], num_tokens, num_sequences)
+        result = self._rank().train_step(per_rank[0], num_tokens, num_sequences)
+        self._busy_s += result.metrics.get(COMPUTE_KEY, 0.0)
+        return result
+
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the one rank (pool ``train``) and its train-step seconds so far; no cores of
+        its own (it runs in the driver's process)."""
+        return [PoolTime("train", 1 if self.worker is not None else 0, self._busy_s)]
 
     def reference_logprobs(self, mb: PackedMicroBatch) -> torch.Tensor | None:
         """The reference policy's logprobs of ``mb`` ([n, T] float32; ``TrainWorker.reference_logprobs``)."""

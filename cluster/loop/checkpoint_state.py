@@ -16,8 +16,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.loop.checkpoints import (TRAINER_STATE, complete_checkpoints, latest_checkpoint, set_aside,
-                                     truncate_jsonl, write_atomic)
+from cluster.loop.checkpoints import (TRAINER_STATE, complete_checkpoints, latest_checkpoint, remove_checkpoint,
+                                     remove_leftovers, set_aside, truncate_jsonl, write_atomic)
 from contract.protocols import Trainer
 from cluster.loop.requests import PromptQueue
 from cluster.loop.sampling import GroupSizeController
@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 #: The driver's append-only per-step logs under ``output_dir``.
-STEP_LOGS = ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl")
+STEP_LOGS = ("metrics.jsonl", "trained_prompts.jsonl", "workers.jsonl", "samples.jsonl")
 
 
 def resume_point(root: Path, resuming: bool, status: Callable[[str], None]) -> Path | None:
@@ -165,7 +165,8 @@ def write_checkpoint(root: Path, step: int, train: Trainer, model_path: str, spe
     of step ``protect`` (``checkpoint.keep_best``).
 
     Atomic: everything is written into ``step_NNNNNN.partial`` and renamed when complete (``trainer_state.json``
-    last), so a crash mid-write leaves the previous checkpoint the latest complete one.
+    last), so a crash mid-write leaves the previous checkpoint the latest complete one; a checkpoint replaced or
+    pruned is renamed aside before it is deleted (:func:`cluster.loop.checkpoints.remove_checkpoint`).
 
     Returns the checkpoint folder.
     """
@@ -173,8 +174,9 @@ def write_checkpoint(root: Path, step: int, train: Trainer, model_path: str, spe
     tmp = root / f"step_{step:06d}.partial"
     for stale in (tmp, path):
         if stale.exists():
-            shutil.rmtree(stale)
+            remove_checkpoint(stale)
     tmp.mkdir(parents=True)
+    remove_leftovers(root)
     save_train_state(train, str(tmp), str(path))
     for name in TOKENIZER_FILES:
         src = Path(model_path) / name
@@ -195,4 +197,7 @@ def prune_checkpoints(root: Path, keep_last: int | None, protect: int | None = N
         return
     for old in complete_checkpoints(root)[:-keep_last]:
         if protect is None or old.name != f"step_{protect:06d}":
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                remove_checkpoint(old)
+            except OSError:
+                pass  # a checkpoint that cannot be deleted stays (as before: pruning never fails the job)

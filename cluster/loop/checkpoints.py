@@ -2,13 +2,15 @@
 and trimming or setting aside jsonl logs on resume / fresh start.
 
 A checkpoint is ``<checkpoint.dir>/step_NNNNNN`` (zero-padded step; more digits past 999,999), complete when it holds
-``trainer_state.json`` (written last); an interrupted save leaves only ``step_NNNNNN.partial``.
+``trainer_state.json`` (written last); an interrupted save leaves only ``step_NNNNNN.partial``, an interrupted deletion
+only ``step_NNNNNN.deleting``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -32,6 +34,29 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint folder under ``root`` (see :func:`complete_checkpoints`), or None."""
     done = complete_checkpoints(root)
     return done[-1] if done else None
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete the checkpoint folder ``path`` (complete or not) so that no reader ever takes what is left of it for a
+    complete checkpoint: it is renamed to ``<name>.deleting`` first (one atomic step; :func:`complete_checkpoints`
+    never lists that name), then removed. A process killed in between leaves the ``.deleting`` folder, removed by the
+    next deletion of the same name or by :func:`remove_leftovers`. (Removed in place, a folder could keep
+    ``trainer_state.json`` and lose its weights.)
+
+    Raises:
+        OSError: the rename or the removal failed.
+    """
+    doomed = path.with_name(path.name + ".deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def remove_leftovers(root: Path) -> None:
+    """Delete what interrupted deletions left under ``root`` (``step_*.deleting``; see :func:`remove_checkpoint`)."""
+    for doomed in Path(root).glob("step_*.deleting"):
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def write_atomic(path: Path, text: str) -> None:

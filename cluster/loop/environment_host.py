@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from contract.goodput import PoolTime
 from grpo.environments import Observation, Turn, check_observation, make_environment
 
 __all__ = ["EnvironmentFailure", "EnvironmentHost", "LocalEnvironments", "StepOutcome"]
@@ -77,6 +78,12 @@ class LocalEnvironments:
 
     def __init__(self, name: str, options: Mapping[str, Any], parallel: int, timeout_s: float):
         self.name, self.options, self.parallel, self.timeout_s = name, dict(options), parallel, timeout_s
+        self._busy_s = 0.0  # slot-seconds of environment calls (builds + resets, steps, closes) so far
+
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: ``parallel`` slots (pool ``environment``) and the seconds their calls
+        took so far (an overrunning call's until its timeout); no cores of their own (threads of this process)."""
+        return [PoolTime("environment", self.parallel, self._busy_s)]
 
     def open(self, rows: Sequence[Mapping[str, Any]]) -> list[object | EnvironmentFailure]:
         """Build and reset one environment per row (in the worker threads, within the timeout)."""
@@ -145,10 +152,12 @@ class LocalEnvironments:
                 i = None
             if i is not None:
                 running.pop(i)
+                self._busy_s += seconds
                 outcomes[i] = StepOutcome(value if error is None else EnvironmentFailure(
                     f"environment {self.name!r} raised in {what}: {type(error).__name__}: {error}"), seconds)
             for j in [j for j, t0 in running.items() if time.monotonic() - t0 >= self.timeout_s]:
                 running.pop(j)
+                self._busy_s += self.timeout_s
                 outcomes[j] = StepOutcome(EnvironmentFailure(
                     f"environment {self.name!r} {what} did not return within rollout.multi_turn.step_timeout_s="
                     f"{self.timeout_s:g}"), self.timeout_s)

@@ -35,6 +35,7 @@ from cluster.loop.environment_host import EnvironmentFailure, EnvironmentHost, L
 from cluster.loop.episode_state import Episode, episode_group
 from cluster.loop.observation_tokens import ObservationTokens
 from cluster.loop.partial_rollouts import RoundInterrupted
+from contract.goodput import PoolTime, TimedPool
 from contract.messages import GroupRequest, GroupResult
 from contract.protocols import Fleet
 from grpo.environments import check_observation
@@ -101,6 +102,14 @@ class EpisodeRunner:
         self.turn_tokens = self.multi_turn.turn_tokens(spec.rollout.max_response_tokens)
         self.observations = ObservationTokens(tokenizer, chat_template)
         self.tokenizer, self.host, self._status = tokenizer, host, status
+
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the environment host's pools, when it reports its time (none else)."""
+        return self.host.pool_times() if isinstance(self.host, TimedPool) else []
+
+    def shutdown(self) -> None:
+        """Stop the environment host (the job is ending)."""
+        self.host.shutdown()
 
     def decode(self, ids: list[int]) -> str:
         """Token ids → text, special tokens skipped (as the engines decode)."""
@@ -231,13 +240,13 @@ class EpisodeRunner:
 
 def make_episode_runner(spec, tokenizer, status: Callable[[str], None] = lambda m: None) -> EpisodeRunner | None:
     """The job's :class:`EpisodeRunner` with its environments in this process (:class:`LocalEnvironments`); None
-    without ``rollout.multi_turn``.
+    without ``rollout.multi_turn`` or with its ``runner: agent_pool`` (``cluster.loop.agent_episodes``).
 
     Raises:
         ObservationTokenError: the chat template cannot delimit observations (``data.chat_template``).
     """
     mt = spec.rollout.multi_turn
-    if mt is None:
+    if mt is None or mt.runner != "lock_step":
         return None
     host = LocalEnvironments(mt.environment, mt.options, mt.parallel, mt.step_timeout_s)
     return EpisodeRunner(spec, tokenizer, host, status, chat_template=chat_template_text(spec.data))

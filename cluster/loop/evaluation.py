@@ -3,18 +3,23 @@
 The held-out prompts run on the rollout engines, which hold the trainer's current weights after each step's sync, as
 :class:`contract.messages.GroupRequest` s with a :class:`contract.messages.SamplingOverride` (greedy by default, the
 eval's own length cap) and a fixed seed per prompt (:func:`eval_seed`: the same at every evaluation, so two
-evaluations differ only by the weights). Completions are scored with reward functions called as in training
-(``grpo.rewards.combine_rewards``: whole-row functions get the prompts and every column of the rows):
-``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``, and ``eval.format_reward``, default ``format``; the
-held-out rows must pass those rewards' row checks when they are loaded.
+evaluations differ only by the weights). Completions are scored (:mod:`cluster.loop.eval_scoring`) with reward
+functions called as in training (``grpo.rewards.combine_rewards``: whole-row functions get the prompts and every
+column of the rows): ``eval.accuracy_reward``, default the GSM8K verifier ``accuracy``, and ``eval.format_reward``,
+default ``format``; the held-out rows must pass those rewards' row checks when they are loaded.
 
 Metrics (``eval/*``, on the metrics row of the step the evaluation ran after; the starting weights' evaluation is a
 row of its own with step 0):
 
-- ``eval/accuracy``: mean@k over the P prompts (pass@1 when k = ``eval.samples`` = 1), a proportion in [0, 1];
-  ``eval/accuracy_ci_low`` / ``eval/accuracy_ci_high``: its 95 % Wilson interval over the P prompts
-  (:func:`grpo.stats.accuracy_estimate`: exact for k = 1, conservative for k > 1).
-- ``eval/n``: completions scored (P · k); ``eval/problems``: P.
+- ``eval/accuracy``: mean@k over the scored prompts (pass@1 when k = ``eval.samples`` = 1), a proportion in [0, 1]:
+  each prompt's fraction correct among its scored completions, averaged over the prompts with at least one;
+  ``eval/accuracy_ci_low`` / ``eval/accuracy_ci_high``: its 95 % Wilson interval over those prompts
+  (:func:`grpo.stats.accuracy_estimate`: exact for k = 1, conservative for k > 1). NaN when nothing was scored.
+- ``eval/n``: completions scored (at most P · k); ``eval/problems``: prompts with at least one scored completion
+  (at most P, the interval's n).
+- ``eval/unscored``: completions ``eval.accuracy_reward`` gave no score (None/NaN: its verifier failed). They are not
+  wrong answers: they are left out of ``eval/accuracy``, its interval, ``eval/n`` and ``eval/problems``, and an
+  evaluation with any says so in a warning (the job's status line) and on the console line.
 - ``eval/dropped``: held-out rows read but not evaluated: over ``data.max_prompt_tokens``, unreadable rows skipped
   (``data.on_bad_row: skip``) and, for a reasoning-gym held-out split, problems also in the training split
   (``eval.limit``'s cut is not counted). Two runs' ``eval/accuracy`` are over the same problems only if their
@@ -23,13 +28,22 @@ row of its own with step 0):
   ``eval/max_turns_fraction``, ``eval/token_budget_fraction`` (``rollout.multi_turn`` only: the held-out prompts run
   as episodes, as in training; ``cluster.loop.episode_metrics``).
 - ``eval/response_length_mean``: mean completion length (sampled tokens), tokens; ``eval/truncated_fraction``:
-  fraction of completions cut at ``eval.max_tokens``; ``eval/format_rate``: mean ``eval.format_reward`` score (absent
-  when it is null).
+  fraction of completions cut at ``eval.max_tokens`` (both over every completion generated, scored or not);
+  ``eval/format_rate``: mean ``eval.format_reward`` score over the completions it scored, ``eval/format_unscored``:
+  those it did not (both absent when it is null).
 - ``eval/seconds``: wall seconds of the evaluation (generate + score); not counted in ``timing/*``.
 - ``eval/best_accuracy``, ``eval/best_step``: the highest ``eval/accuracy`` so far and the step it was measured at
   (ties keep the earlier step; step 0 is the starting weights).
 
-A completion the accuracy function gives no score (None/NaN) counts as wrong; the format function likewise as unpaid.
+A completion the accuracy function gives no score (None/NaN) is unscored, not wrong (``eval/unscored``); the format
+function's likewise (``eval/format_unscored``). Two evaluations are over the same completions only if their
+``eval/unscored`` agree as well.
+
+Agents (``rollout.agent``): the held-out prompts run as agent episodes (``eval.temperature``, the same seeds), and
+each episode is scored by the agent's own reward (:func:`agent_scores`): correct when its ``accuracy`` component,
+or its reward when it returns none, is at least 1; no reward (None, a failure) counts as wrong. ``eval/n`` counts
+episodes (an episode trained as several sequences counts once). ``eval/reward/<name>``: the mean of each component
+the agent returned, over the held-out episodes that returned it (``cluster.loop.episode_metrics.component_metrics``).
 
 ``checkpoint.keep_best`` (see :meth:`HeldOutEval.checkpoint_wanted` and :meth:`HeldOutEval.protected_step`): an
 evaluation at step s >= 1 that sets a new best asks for step s's checkpoint (written then if none was due), and
@@ -40,6 +54,7 @@ evaluation at step s >= 1 that sets a new best asks for step s's checkpoint (wri
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import zlib
@@ -47,17 +62,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.data import DataError, Example, as_example, load_jsonl_examples, row_columns
+from cluster.data import DataError, Example, load_jsonl_examples
 from cluster.data.sources import load_examples, load_hf_examples
 from cluster.loop.checkpoints import TRAINER_STATE
-from cluster.loop.episode_metrics import EVAL_EPISODE_KEYS, episode_metrics
+from cluster.loop.eval_scoring import (EvalScores, agent_scores, eval_metrics, score_eval, score_problems,
+                                      unscored_warning)
 from cluster.loop.setup import SetupError, prompt_ids, reward_checks
 from contract.messages import GroupRequest, GroupResult, SamplingOverride
-from grpo.rewards import combine_rewards
-from grpo.stats import accuracy_estimate
 
-__all__ = ["EvalScores", "EvalSet", "HeldOutEval", "eval_metrics", "eval_seed", "load_eval_set", "load_evaluation",
-           "restore_best", "score_eval", "score_problems"]
+__all__ = ["EvalScores", "EvalSet", "HeldOutEval", "agent_scores", "eval_metrics", "eval_seed", "load_eval_set",
+           "load_evaluation", "restore_best", "score_eval", "score_problems", "unscored_warning"]
+
+logger = logging.getLogger(__name__)
 
 #: Generates one group per request, results in request order (``EngineFleet.generate`` without step figures).
 Generate = Callable[[list[GroupRequest]], list[GroupResult]]
@@ -96,32 +112,35 @@ class EvalSet:
 
 def _held_out_split(data, checks) -> tuple[str, str, list[Example], int]:
     """(field, what, examples, bad rows) of the source's own held-out split: ``data.test_path``, ``data.hub.
-    test_split``, a ``reasoning_gym`` source's held-out seeds or ``humaneval``'s held-out problems (its DataError
-    names the data field already)."""
+    test_split``, a ``reasoning_gym`` source's held-out seeds, ``humaneval``'s or ``code_functions``' held-out
+    problems (its DataError names the data field already)."""
     field, path = {"reasoning_gym": ("data.reasoning_gym", "reasoning-gym held-out split"),
                    "hf_hub": ("data.hub.test_split", f"{data.hub.name}[{data.hub.test_split}]"),
-                   "humaneval": ("data.humaneval", "HumanEval held-out split")}.get(
+                   "humaneval": ("data.humaneval", "HumanEval held-out split"),
+                   "code_functions": ("data.code_functions", "code functions held-out split")}.get(
         data.source, ("data.test_path", data.test_path))
     examples, bad_rows = load_examples(data, "held_out", checks)
     return field, path, examples, bad_rows
 
 
-def load_eval_set(ev, data, tokenizer) -> EvalSet:
+def load_eval_set(ev, data, tokenizer, by_agent: bool = False) -> EvalSet:
     """Read the held-out prompts with ``data``'s fields and prompt (system prompt, suffix, chat template), drop
     prompts over ``data.max_prompt_tokens`` and keep the first ``eval.limit``. ``eval.data_path`` is read in the
     format of ``data.source`` (jsonl, or the ``hf_datasets`` file format; a jsonl file for ``hf_hub``); without it,
     the source's own held-out split (``data.test_path``, ``data.hub.test_split``, or a ``reasoning_gym`` source's
-    held-out seeds). Rows must pass the row checks of ``eval.accuracy_reward`` and ``eval.format_reward``.
+    held-out seeds). Rows must pass the row checks of ``eval.accuracy_reward`` and ``eval.format_reward`` (none
+    with ``by_agent``: the agent scores its own episodes).
 
     Args:
         ev: the spec's ``eval`` section. data: its ``data`` section. tokenizer: the model's tokenizer.
+        by_agent: the job has an agent (``rollout.agent``).
 
     Raises:
         DataError: the file is missing, unreadable or has no usable rows, a row the eval's rewards refuse, or every
             prompt is too long; prefixed with the field that named the file.
     """
-    checks = (*reward_checks([ev.accuracy_reward], "eval.accuracy_reward"),
-              *reward_checks([ev.format_reward] if ev.format_reward else [], "eval.format_reward"))
+    checks = () if by_agent else (*reward_checks([ev.accuracy_reward], "eval.accuracy_reward"),
+                                  *reward_checks([ev.format_reward] if ev.format_reward else [], "eval.format_reward"))
     if ev.data_path is None:
         field, path, examples, bad_rows = _held_out_split(data, checks)
     else:
@@ -143,118 +162,23 @@ def load_eval_set(ev, data, tokenizer) -> EvalSet:
                    bad_rows=bad_rows, filtered=len(examples) - len(kept))
 
 
-def _scores(name: str, texts: list[str], rows: list[Example]) -> list[float]:
-    """Reward function ``name`` on the completions, one row (its Example) each, called as in training
-    (``grpo.rewards.combine_rewards``); None/NaN → 0.0.
-
-    Raises:
-        ValueError: a score outside [0, 1] (eval rates need 1 = pays, 0 = does not), naming the function.
-        RewardError: the function raised, or returned the wrong number of values or non-numbers.
-    """
-    result = combine_rewards(texts, [ex.reference for ex in rows], {name: 1.0},
-                             prompts=[ex.prompt_as_given for ex in rows], columns=row_columns(rows))
-    out = []
-    for value in result.per_function[name].tolist():
-        value = 0.0 if math.isnan(value) else float(value)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"eval: reward function {name!r} gave {value!r}; eval needs scores in [0, 1]")
-        out.append(value)
-    return out
-
-
-@dataclass(frozen=True)
-class EvalScores:
-    """The scores behind one evaluation's ``eval/*`` figures.
-
-    Attributes:
-        correct: P lists of k outcomes, 1.0 (full credit) or 0.0, one list per held-out prompt in order.
-        formatted: P·k format scores in [0, 1] in group order, or None without a format reward.
-    """
-
-    correct: list[list[float]]
-    formatted: list[float] | None
-
-
-def score_problems(groups: list[GroupResult], rows: list[Example] | list[str], accuracy_reward: str,
-                   format_reward: str | None) -> EvalScores:
-    """Score P groups of k completions with the eval's reward functions (called once each over the whole set).
-
-    Args:
-        groups: P results, one per held-out prompt, each with k completions.
-        rows: P held-out rows (their Examples; a bare reference string stands for a row with only a reference).
-        accuracy_reward, format_reward: reward function names (``format_reward`` None: no format scores).
-
-    Raises:
-        ValueError: a different number of groups and rows, or a score outside [0, 1].
-    """
-    rows = [as_example(r) for r in rows]
-    if len(groups) != len(rows):
-        raise ValueError(f"eval: {len(groups)} groups for {len(rows)} held-out rows; expected one group per row")
-    texts = [t for g in groups for t in g.texts]
-    per_row = [ex for g, ex in zip(groups, rows) for _ in g.texts]
-    # correct = full credit: a partial score (reasoning-gym's decimal scorer pays 0.75 for "-191" against 191) is a
-    # wrong answer, so pass@1 and its Wilson interval are of 0/1 outcomes
-    flat = [1.0 if s >= 1.0 else 0.0 for s in _scores(accuracy_reward, texts, per_row)]
-    correct, start = [], 0
-    for g in groups:
-        correct.append(flat[start:start + len(g.texts)])
-        start += len(g.texts)
-    formatted = _scores(format_reward, texts, per_row) if format_reward is not None else None
-    return EvalScores(correct=correct, formatted=formatted)
-
-
-def eval_metrics(groups: list[GroupResult], scores: EvalScores) -> dict[str, float]:
-    """The ``eval/*`` figures (module docstring) of P groups and their :func:`score_problems` scores, without
-    timing and best-step keys.
-
-    Raises:
-        ValueError: no groups, or groups of different k.
-    """
-    est = accuracy_estimate(scores.correct)
-    lengths = [sum(g.sampled_of(i)) for g in groups for i in range(len(g.response_ids))]  # sampled tokens only
-    reasons = [r for g in groups for r in g.finish_reasons]
-    metrics = {"eval/accuracy": est.accuracy, "eval/accuracy_ci_low": est.ci_low,
-               "eval/accuracy_ci_high": est.ci_high, "eval/n": float(est.samples), "eval/problems": float(est.problems),
-               "eval/response_length_mean": sum(lengths) / len(lengths),
-               "eval/truncated_fraction": sum(r == "length" for r in reasons) / len(reasons)}
-    episodes = [e for g in groups for e in (g.episodes or [])]
-    if episodes:  # multi-turn: how the held-out episodes went
-        full = episode_metrics(episodes, prefix="")
-        metrics.update({f"eval/{key}": full[key] for key in EVAL_EPISODE_KEYS})
-    if scores.formatted is not None:
-        metrics["eval/format_rate"] = sum(scores.formatted) / len(scores.formatted)
-    return metrics
-
-
-def score_eval(groups: list[GroupResult], rows: list[Example] | list[str], accuracy_reward: str,
-               format_reward: str | None) -> dict[str, float]:
-    """The ``eval/*`` figures of P groups of k completions (module docstring), without timing and best-step keys:
-    :func:`eval_metrics` of :func:`score_problems`.
-
-    Args:
-        groups: P results, one per held-out prompt, each with k completions.
-        rows: P held-out rows (their Examples; a bare reference string stands for a row with only a reference).
-        accuracy_reward, format_reward: reward function names (``format_reward`` None: no format rate).
-
-    Raises:
-        ValueError: no groups, groups of different k, or a score outside [0, 1].
-    """
-    if not groups:
-        raise ValueError("eval: no groups to score; expected one per held-out prompt")
-    return eval_metrics(groups, score_problems(groups, rows, accuracy_reward, format_reward))
-
-
 class HeldOutEval:
     """When to evaluate, running one evaluation, and the best step so far.
 
     Args:
         ev: the spec's ``eval`` section. evalset: the held-out prompts. seed: the spec's seed. total_steps: the
             job's last step (``eval.at_end``). max_tokens: the completion cap (``eval.max_tokens`` or
-            ``rollout.max_response_tokens``). keep_best: ``checkpoint.keep_best``.
+            ``rollout.max_response_tokens``). keep_best: ``checkpoint.keep_best``. by_agent: score the episodes by
+            the agent's own reward (:func:`agent_scores`; ``rollout.agent``).
+        warn: where an evaluation's warning goes (:func:`unscored_warning`; the job passes its status line);
+            default the module's logger.
     """
 
-    def __init__(self, ev, evalset: EvalSet, seed: int, total_steps: int, max_tokens: int, keep_best: bool = False):
+    def __init__(self, ev, evalset: EvalSet, seed: int, total_steps: int, max_tokens: int, keep_best: bool = False,
+                 by_agent: bool = False, warn: Callable[[str], None] | None = None):
         self.ev, self.evalset, self.total_steps, self.keep_best = ev, evalset, total_steps, keep_best
+        self.by_agent = by_agent
+        self.warn = warn if warn is not None else logger.warning
         sampling = SamplingOverride(temperature=ev.temperature, max_tokens=max_tokens)
         self.requests = [GroupRequest(group_id=i, prompt_ids=ids, group_size=ev.samples, seed=eval_seed(seed, i),
                                       sampling=sampling) for i, ids in enumerate(evalset.prompt_ids)]
@@ -262,6 +186,7 @@ class HeldOutEval:
         self.best_step: int | None = None
         self.best_accuracy: float | None = None
         self._new_best_at: int | None = None  # step of the last evaluation, when it set a new best
+        self._last: tuple[list[GroupResult], EvalScores] | None = None  # the last evaluation's groups and scores
 
     def due(self, step: int) -> bool:
         """Whether an evaluation runs after step ``step`` (0: before step 1, on the starting weights)."""
@@ -278,13 +203,38 @@ class HeldOutEval:
         """
         t0 = time.perf_counter()
         groups = generate(self.requests)
-        metrics = score_eval(groups, self.rows, self.ev.accuracy_reward, self.ev.format_reward)
+        if not groups:
+            raise ValueError("eval: no groups to score; expected one per held-out prompt")
+        scores = (agent_scores(groups) if self.by_agent
+                  else score_problems(groups, self.rows, self.ev.accuracy_reward, self.ev.format_reward))
+        metrics = eval_metrics(groups, scores)
+        self._last = (groups, scores)
+        reward = "the agent's reward" if self.by_agent else f"eval.accuracy_reward {self.ev.accuracy_reward!r}"
+        if (warning := unscored_warning(metrics, reward)) is not None:
+            self.warn(f"warning: step {step}: {warning}")
         self._new_best_at = None
-        if self.best_accuracy is None or metrics["eval/accuracy"] > self.best_accuracy:
-            self.best_step, self.best_accuracy, self._new_best_at = step, metrics["eval/accuracy"], step
-        return {**metrics, "eval/dropped": float(self.evalset.dropped),
-                "eval/seconds": time.perf_counter() - t0, "eval/best_accuracy": self.best_accuracy,
-                "eval/best_step": float(self.best_step)}
+        accuracy = metrics["eval/accuracy"]  # NaN when nothing was scored: never a best
+        if not math.isnan(accuracy) and (self.best_accuracy is None or accuracy > self.best_accuracy):
+            self.best_step = step
+            self.best_accuracy = accuracy
+            self._new_best_at = step
+        best = {} if self.best_step is None else {"eval/best_accuracy": self.best_accuracy,
+                                                  "eval/best_step": float(self.best_step)}
+        return {**metrics, "eval/dropped": float(self.evalset.dropped), "eval/seconds": time.perf_counter() - t0,
+                **best}
+
+    def results(self) -> tuple[list[GroupResult], list[str], list[list[float]], list[float] | None]:
+        """The last evaluation's per-problem results (``cluster.loop.samples.SampleRecorder.eval_records``'s
+        arguments): its P groups, the P reference answers, each problem's k outcomes and the P·k format scores (None
+        without a format reward).
+
+        Raises:
+            RuntimeError: no evaluation ran yet.
+        """
+        if self._last is None:
+            raise RuntimeError("HeldOutEval.results: no evaluation has run yet")
+        groups, scores = self._last
+        return groups, [ex.reference for ex in self.rows], scores.correct, scores.formatted
 
     def checkpoint_wanted(self, step: int) -> bool:
         """With ``keep_best``: the evaluation after step ``step`` (>= 1) set a new best, so its checkpoint is due."""
@@ -315,14 +265,14 @@ def load_evaluation(spec, tokenizer, status: Callable[[str], None]) -> HeldOutEv
     ev = spec.eval
     if ev is None:
         return None
-    evalset = load_eval_set(ev, spec.data, tokenizer)
+    evalset = load_eval_set(ev, spec.data, tokenizer, by_agent=spec.rollout.agent is not None)
     # a generated held-out split has no unreadable rows: what it drops are problems also in the training split
     dropped = "also in the training split" if spec.data.source == "reasoning_gym" and ev.data_path is None else \
         "bad rows"
     status(f"eval: {len(evalset.examples)} held-out prompts x {ev.samples} from {evalset.path} ({evalset.bad_rows} "
            f"{dropped} skipped, {evalset.filtered} over data.max_prompt_tokens dropped)")
     return HeldOutEval(ev, evalset, spec.seed, spec.total_steps, ev.max_tokens or spec.rollout.max_response_tokens,
-                       keep_best=spec.checkpoint.keep_best)
+                       keep_best=spec.checkpoint.keep_best, by_agent=spec.rollout.agent is not None, warn=status)
 
 
 def restore_best(evaluation: HeldOutEval | None, checkpoint: Path) -> None:

@@ -252,7 +252,8 @@ class Guard:
         """The watched shaping component whose recent mean rose most above its baseline (None: none watched)."""
         rises = {}
         for name in self.shaping():
-            series = [v for _, r in sorted(self.rows.items()) if isinstance(v := r.get(f"reward/{name}"), int | float)]
+            series = [v for _, r in sorted(self.rows.items())
+                      if isinstance(v := r.get(f"reward/{name}"), int | float) and math.isfinite(v)]  # NaN: scored none
             base, after = series[:self.spec.baseline_steps], series[self.spec.baseline_steps:]
             if base and after:
                 recent = after[-self.spec.window_steps:]

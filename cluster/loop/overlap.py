@@ -164,6 +164,8 @@ class AsyncSchedule(Generic[B, R, S]):
             producer's call runs to its end (a weight update waits for the longest completion).
         mode: ``"async"``, or ``"one_step_off"`` (then ``max_staleness`` must be 1): the ``rollout.mode`` the caller
             reports (the driver keys the async-only metrics and checkpoint fields on it); the schedule is the same.
+        waiting: → a context manager around the caller's wait for the producer once ``train`` has ended (the
+            driver's goodput clock counts it as a wait on the engines); None: nothing around it.
     Raises:
         ValueError: ``max_staleness`` < 1; mode ``one_step_off`` with ``max_staleness`` != 1; another mode; some but
             not all of ``version``, ``batch_version``, ``drop``.
@@ -173,7 +175,8 @@ class AsyncSchedule(Generic[B, R, S]):
                  max_staleness: int, version: Callable[[], int] | None = None,
                  batch_version: Callable[[B], int] | None = None, drop: Callable[[list[B]], None] | None = None,
                  last_step: int | None = None, deferrable: tuple[type[BaseException], ...] = (),
-                 interrupt: Callable[[], None] | None = None, mode: RolloutMode = "async"):
+                 interrupt: Callable[[], None] | None = None, mode: RolloutMode = "async",
+                 waiting: Callable[[], contextlib.AbstractContextManager] | None = None):
         if mode not in ("async", "one_step_off"):
             raise ValueError(f"AsyncSchedule: expected mode 'async' or 'one_step_off', got {mode!r}")
         if max_staleness < 1:
@@ -186,6 +189,7 @@ class AsyncSchedule(Generic[B, R, S]):
         self.generate, self.train, self.sync, self.deferrable = generate, train, sync, deferrable
         self.max_staleness, self.version, self.batch_version, self.drop = max_staleness, version, batch_version, drop
         self.last_step, self.interrupt = last_step, interrupt
+        self.waiting = waiting if waiting is not None else contextlib.nullcontext
         self._interrupted = False  # the running step's producer call was interrupted
         self._queue: deque[tuple[int, B]] = deque()  # (the step that will train it, batch), oldest first
         self._stop = threading.Event()  # set: the producer starts no further generate call
@@ -266,7 +270,8 @@ class AsyncSchedule(Generic[B, R, S]):
                 future.exception()  # no thread outlives the step: wait for the call to end, then raise
                 raise
             try:
-                future.result()  # waits for the current generate call to end; raises its error
+                with self.waiting():
+                    future.result()  # waits for the current generate call to end; raises its error
             except self.deferrable:
                 return trained, True
         return trained, False
@@ -305,7 +310,8 @@ def make_schedule(mode: RolloutMode, generate: Callable[[int], B], train: Callab
     """The schedule of ``rollout.mode``: :class:`SyncSchedule`, or :class:`AsyncSchedule` for ``async`` and for
     ``one_step_off`` (async with ``max_staleness`` 1, whatever ``async_args`` says). ``deferrable``: see
     :class:`AsyncSchedule`; unused by ``sync``. ``async_args``: :class:`AsyncSchedule`'s keyword arguments
-    (``max_staleness``, ``version``, ``batch_version``, ``drop``, ``last_step``, ``interrupt``), ignored by ``sync``.
+    (``max_staleness``, ``version``, ``batch_version``, ``drop``, ``last_step``, ``interrupt``, ``waiting``), ignored
+    by ``sync``.
 
     Raises:
         ValueError: an unknown mode (expected 'async', 'one_step_off' or 'sync'); AsyncSchedule's errors.

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from functools import partial
 
 from cluster.loop.episodes import EpisodeRunner
+from cluster.loop.goodput import DriverClock
 from cluster.loop.overlap import GenerateInterrupted
 from cluster.loop.partial_rollouts import PartialRollouts, RoundInterrupted
 from cluster.loop.requests import PromptQueue
@@ -50,22 +51,26 @@ class BatchProducer:
         status: one-line progress messages.
         reward_pool: where the reward functions run (each engine's groups are submitted as they arrive); None: in
             the calling thread (``cluster.rewards.inline.InlineRewardPool``).
+        fleet: the rollout side (started by the job before the first :meth:`produce`); None only for a job that
+            checks its inputs and never runs (``dry_run``).
+        episodes: (``rollout.multi_turn``) runs each round's groups as multi-turn episodes over the fleet; None: one
+            completion per sample.
+        driver_clock: counts the driver's waits on the engines and the reward pool (``cluster.loop.goodput``);
+            None: a clock of its own, read by nobody.
 
     Attributes:
-        fleet: the rollout side; set by the job when its collaborators start (None before).
-        episodes: (``rollout.multi_turn``) runs each round's groups as multi-turn episodes over the fleet; set by the
-            job; None: one completion per sample.
         partial: (``rollout.partial_rollout``) the carried round, interrupt epoch and ``rollout/partial_*`` counts;
             None otherwise.
     """
 
     def __init__(self, spec, requests: PromptQueue, scoring: Scoring, group_size: GroupSizeController,
-                 status: Callable[[str], None], reward_pool: RewardPool | None = None):
+                 status: Callable[[str], None], reward_pool: RewardPool | None = None, *, fleet: Fleet | None,
+                 episodes: EpisodeRunner | None = None, driver_clock: DriverClock | None = None):
         self.spec, self.requests, self.scoring, self.group_size, self._status = (spec, requests, scoring, group_size,
                                                                                status)
+        self.driver_clock = driver_clock if driver_clock is not None else DriverClock()
         self.reward_pool = reward_pool if reward_pool is not None else InlineRewardPool()
-        self.fleet: Fleet | None = None
-        self.episodes: EpisodeRunner | None = None
+        self.fleet, self.episodes = fleet, episodes
         r = spec.rollout
         self.partial = PartialRollouts(r.max_staleness) if r.partial_rollout else None
 
@@ -128,10 +133,9 @@ class BatchProducer:
         position = carried.position if carried is not None else self.position()
         group_size = carried.group_size if carried is not None else self.group_size.group_size(step)
         self.requests.begin_step(step)
-        self.fleet.begin_step()
+        self.fleet.begin_step(carried.figures if carried is not None else None)
         if carried is not None:
             self.requests.redraw(carried.examples, carried.requests)
-            self.fleet.figures = carried.figures
         epoch = self.partial.epoch if self.partial is not None and overlapped else None
         sample_round = partial(self._sample_round, group_size, clock, not overlapped, carried=carried,
                                interrupt_epoch=epoch)
@@ -164,9 +168,10 @@ class BatchProducer:
         clock.show("generate")
         examples, requests = ((carried.examples, carried.requests) if carried is not None
                               else self.requests.draw(num_prompts, group_size))
-        scorer = RoundScorer(self.scoring, requests, examples, self.reward_pool, self.spec.rollout.timeout_s)
+        scorer = RoundScorer(self.scoring, requests, examples, self.reward_pool, self.spec.rollout.timeout_s,
+                             driver_clock=self.driver_clock)
         extra = {"interrupt_epoch": interrupt_epoch} if interrupt_epoch is not None else {}
-        with clock.measure("generate"):
+        with clock.measure("generate"), self.driver_clock.waiting():
             if self.episodes is not None:  # raises RoundInterrupted itself, carrying its episodes
                 groups = self.episodes.run(self.fleet, requests, examples, on_groups=scorer.on_groups,
                                            recover=recover, carried=carried.episodes if carried else None, **extra)

@@ -110,7 +110,7 @@ class OneStepOffRollout(SyncRollout):
 
     def _schedule_args(self) -> dict:
         return dict(max_staleness=1, mode="one_step_off", deferrable=(RecoveryDeferred,),
-                    last_step=self.spec.total_steps)
+                    last_step=self.spec.total_steps, waiting=self.training.driver_clock.waiting)
 
     def step(self, step: int, bar=None) -> StepOutcome:
         self._step, self._bar = step, None  # the phases overlap: no single phase to show
@@ -165,7 +165,7 @@ class AsyncRollout(OneStepOffRollout):
         interrupt = self.producer.interrupt if self.producer.partial is not None else None
         return dict(max_staleness=self.spec.rollout.max_staleness, mode="async", deferrable=(RecoveryDeferred,),
                     last_step=self.spec.total_steps, version=self.version, batch_version=batch_version,
-                    drop=self._drop_stale, interrupt=interrupt)
+                    drop=self._drop_stale, interrupt=interrupt, waiting=self.training.driver_clock.waiting)
 
     def _drop_stale(self, batches: list[StepBatch]) -> None:
         """The queued ``batches`` (oldest first) were dropped because the oldest is more than

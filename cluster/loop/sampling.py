@@ -104,7 +104,7 @@ def sample_groups(sample_round: Callable[[int], RolloutBatch], prompts_per_step:
         return SamplingResult(batch=rounds[-1], sampled=sampled, rounds=len(rounds), all_equal_fraction=all_equal)
     parts = [rounds[r].select(rows) for r, rows in kept_rows]
     batch = RolloutBatch.concat(parts)
-    batch.num_failed = sampled.num_failed
+    batch.num_failed, batch.num_not_applicable = sampled.num_failed, sampled.num_not_applicable
     return SamplingResult(batch=batch, sampled=sampled, rounds=len(rounds), all_equal_fraction=all_equal)
 
 

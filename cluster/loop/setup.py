@@ -1,6 +1,6 @@
 """What a job checks and loads before any worker starts: writable output folders, the tokenizer, the model's EOS ids
 and the training prompts as token ids. (The runtimes' own checks against the model — ``train.lora`` targets, the
-model-parallel layout — are in :mod:`cluster.ops.model_checks`.)
+model-parallel layout — are in :mod:`cluster.data.model_checks`.)
 
 Every problem is raised here, naming the spec field, so ``grpo-cluster run`` and ``validate`` stop before Ray starts.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.data import DataError, Example, chat_prompt_ids, chat_template_text
-from cluster.data.models import ModelError
+from cluster.data.models import ModelError, resolve_model_path
 from cluster.data.sources import describe_source, load_examples
 from grpo.eos import eos_token_ids
 from grpo.rewards.checks import row_checks
@@ -71,6 +71,30 @@ def ensure_writable_dir(path: Path, field: str, create: bool = True) -> None:
         probe.unlink()
     except OSError as exc:
         raise SetupError(f"{field}: cannot write to {path}: {exc.strerror or exc}") from None
+
+
+def check_before_start(spec, checkpoint_dir: Path, parts: Sequence, *, create: bool) -> tuple[str, object]:
+    """A job's checks before anything starts, cheapest first: ``output_dir`` and ``checkpoint.dir`` (``checkpoint_dir``)
+    writable (created when ``create``), the trackers' libraries (``metrics.trackers``), ``model.path`` resolved
+    (``model.cache_dir``) and checked by each of ``parts`` that is not None (the trainer's and the fleet's ``check``),
+    the reward endpoints answering (``reward_endpoints``); then the tokenizer is loaded. Returns (the model folder,
+    the tokenizer).
+
+    Raises:
+        SetupError, ModelError, TrackerSetupError: naming the spec field and what is wrong.
+    """
+    from cluster.sinks.trackers import check_trackers
+    from contract.model_source import ModelSource
+
+    ensure_writable_dir(Path(spec.output_dir), "output_dir", create=create)
+    ensure_writable_dir(checkpoint_dir, "checkpoint.dir", create=create)
+    check_trackers(list(spec.metrics.trackers))  # their libraries, before anything heavy
+    model_path = resolve_model_path(spec.model.path, spec.model.cache_dir)
+    for part in parts:
+        if part is not None:
+            part.check(model_path)
+    check_reward_endpoints(spec.reward_endpoints)
+    return model_path, load_tokenizer(model_path, ModelSource.of(spec.model))
 
 
 def load_tokenizer(model_path: str, source=None):
@@ -154,18 +178,21 @@ def load_prompts(data, tokenizer, rewards: Mapping[str, float] | Sequence[str] =
 
 def check_reward_endpoints(endpoints: Mapping) -> None:
     """Probe every reward endpoint of the spec (``reward_endpoints``) once, before anything starts
-    (``grpo.rewards.endpoint.EndpointReward.probe``: ``health_url`` answers 2xx, or an empty batch POSTed to ``url``
-    gets ``{"rewards": []}``), each within its ``probe_timeout_s``.
+    (``cluster.rewards.endpoint.EndpointReward.probe``: ``health_url`` answers 2xx, or an empty batch POSTed to
+    ``url`` gets ``{"rewards": []}``), each within its ``probe_timeout_s``, its connection closed afterwards.
 
     Raises:
         SetupError: naming ``reward_endpoints.<name>.url`` (or ``.health_url``) and why the service did not answer.
     """
-    from grpo.rewards.endpoint import EndpointReward, expand_headers
+    from cluster.rewards.endpoint import EndpointReward, expand_headers
 
     for name, e in endpoints.items():
         endpoint = EndpointReward(name, e.url, timeout_s=e.timeout_s, headers=expand_headers(e.headers),
                                   health_url=e.health_url)
-        why = endpoint.probe(e.probe_timeout_s)
+        try:
+            why = endpoint.probe(e.probe_timeout_s)
+        finally:
+            endpoint.close()
         if why is not None:
             field = "health_url" if e.health_url is not None else "url"
             raise SetupError(f"reward_endpoints.{name}.{field}: the reward endpoint {name!r} does not answer: {why} "

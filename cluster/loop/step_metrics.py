@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from contract.figures import FleetFigures
-from cluster.loop.episode_metrics import episode_metrics
+from cluster.loop.episode_metrics import component_metrics, episode_metrics
 from cluster.loop.sampling import SamplingResult
 from contract.messages import TrainResult
 from grpo.off_policy import staleness_histogram
@@ -109,15 +109,22 @@ def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_trai
     trained on (``sampling.batch``); staleness is the trainer's version at train time minus each row's. Completions
     without a reward (infrastructure failures, NaN total: ``cluster.loop.scoring``) are counted in
     ``reward/infra_failed`` and left out of the ``reward/*``, ``response_length/*`` and ``groups/*`` figures, which
-    equal those of the same step without them."""
+    equal those of the same step without them. Rewards and ``episode/*`` are per episode: an agent's episode trained
+    as several sequences (rows) counts once. ``rollout/sequences_trained`` counts the trained rows with at least one
+    token in the loss (a row masked whole trains nothing)."""
     sampled, batch = sampling.sampled, sampling.batch
+    episode_rows = sampled.episode_rows()
+    index = torch.tensor(episode_rows, dtype=torch.long)
+    episodes = [sampled.episodes[i] for i in episode_rows] if sampled.episodes is not None else []
     scored = [i for i, failed in enumerate(sampled.rewards.isnan().tolist()) if not failed]  # infra failures left out
     sampled_lengths = sampled.sampled_lengths()  # a multi-turn episode's observation tokens are not its response's
     lengths = torch.tensor([sampled_lengths[i] for i in scored], dtype=torch.float32)
     staleness = torch.tensor([version_at_train - v for v in batch.versions], dtype=torch.float32)
     return {
-        **reward_metrics(sampled.rewards, sampled.per_function, sampled.num_failed),
-        **episode_metrics(sampled.episodes or []),
+        **reward_metrics(sampled.rewards[index], {k: v[index] for k, v in sampled.per_function.items()},
+                         sampled.num_failed, sampled.num_not_applicable),
+        **component_metrics(episodes),
+        **episode_metrics(episodes),
         "groups/all_equal_fraction": sampling.all_equal_fraction,
         "response_length/mean": float(lengths.mean()) if scored else float("nan"),
         "response_length/max": float(lengths.max()) if scored else float("nan"),
@@ -126,7 +133,7 @@ def _sampling_metrics(sampling: SamplingResult, group_size: int, version_at_trai
         "rollout/group_size": group_size,
         "rollout/sampling_rounds": sampling.rounds,
         "rollout/groups_sampled": sampling.num_groups_sampled,
-        "rollout/sequences_trained": len(batch),
+        "rollout/sequences_trained": batch.num_trained_sequences(),
         "rollout/sample_policy_version_min": min(sampled.versions),
         "rollout/staleness_max": float(staleness.max()),
         "rollout/staleness_mean": float(staleness.mean()),
@@ -142,7 +149,8 @@ def step_metrics(*, policy_version: int, sampling: SamplingResult, group_size: i
     Args:
         policy_version: the trainer's version after the step; version_at_train: before it.
         sampling: the step's sampling rounds; group_size: G this step.
-        fleet: the fleet's figures of the step; engines: engines serving now; restarts: engines replaced so far.
+        fleet: the fleet's figures of the step (generate calls and served requests); engines: engines serving now;
+            restarts: engines replaced so far.
         train: the train step's result; skipped_total: updates skipped for NaN/Inf so far.
         sync: the sync's ``sync/*`` metrics (``{"sync/skipped": 1.0}`` alone when nothing was sent).
         packing: the micro-batch plan's ``packing/*`` metrics.
@@ -174,7 +182,15 @@ def step_metrics(*, policy_version: int, sampling: SamplingResult, group_size: i
         "timing/step_s": clock.step_s(),
         "perf/rollout_tokens_per_s": fleet.tokens / max(generate_s, 1e-9),
         "perf/train_tokens_per_s": train.metrics["perf/train_tokens"] / max(train_s, 1e-9),
+        **_request_metrics(fleet),
     }
+
+
+def _request_metrics(fleet: FleetFigures) -> dict:
+    """``rollout/request_queue_s``: mean seconds a request served this step (request-level generation,
+    ``contract.requests``) waited before its engine started it; absent when the step served none."""
+    queued = fleet.request_queue_mean_s
+    return {} if queued is None else {"rollout/request_queue_s": queued}
 
 
 def async_metrics(batch: StepBatch, version_at_train: int, dropped: list[StepBatch], queued: int,

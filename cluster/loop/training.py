@@ -13,12 +13,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cluster.loop.goodput import DriverClock
 from cluster.loop.lr_schedule import LRSchedule
+from cluster.loop.samples import sample_rows, traced_mask
 from cluster.loop.scheduler import plan_microbatches
 from cluster.loop.step_metrics import StepBatch, StepClock
 from contract.batches import RolloutBatch
-from contract.messages import SyncReport, TrainResult
+from contract.messages import TrainResult
 from contract.protocols import Fleet, Trainer
+from contract.sync_reports import SyncReport
 from contract.versions import PolicyVersionLedger
 from train_workers.packing import pack_rank_microbatches
 from weight_sync.verify import AdapterSyncError
@@ -34,11 +37,13 @@ class NumericsError(RuntimeError):
     """``train.max_skipped_updates`` updates in a row had a NaN/Inf loss or gradient."""
 
 
-def microbatches(batch: RolloutBatch, train, world_size: int | None = None) -> tuple[list, dict]:
+def microbatches(batch: RolloutBatch, train, world_size: int | None = None,
+                 traced: set[int] = frozenset()) -> tuple[list, dict]:
     """Balance the batch's N sequences over ``world_size`` ranks (default ``train.world_size``; the trainer's own
     rank count, e.g. 1 in the in-process runtime) and pack each rank's micro-batches under
     ``train.max_tokens_per_microbatch`` tokens (prompt + response; a multi-turn episode's response holds its
-    observation tokens, which are packed and run forward but masked out of the loss).
+    observation tokens, which are packed and run forward but masked out of the loss). The rows in ``traced`` (the
+    step's samples) are marked for their per-token trainer logprobs (``PackedMicroBatch.traced``).
 
     Returns:
         (per rank: its packed micro-batches, the plan's ``packing/*`` metrics).
@@ -49,6 +54,9 @@ def microbatches(batch: RolloutBatch, train, world_size: int | None = None) -> t
     per_rank = pack_rank_microbatches(plan.ranks, batch.prompt_ids, batch.response_ids, batch.advantages,
                                       batch.behaviour_logprobs, batch.valid_lengths, group_ids=batch.group_ids,
                                       loss_masks=batch.loss_masks)
+    if traced:
+        for mb in (mb for rank in per_rank for mb in rank):
+            mb.traced = traced_mask(mb.seq_indices, traced)
     return per_rank, plan.stats(lengths)
 
 
@@ -68,10 +76,12 @@ def load_train_state(train: Trainer, checkpoint: str, policy_version: int) -> di
 
 
 class SkippedUpdates:
-    """Counts updates skipped for NaN/Inf: in a row (reset by a good update) and in total.
+    """Counts updates skipped for NaN/Inf: steps in a row with a skipped update (reset by a step without one) and
+    optimizer updates skipped in total (``actor/updates_skipped_total``: with ``algorithm.num_iterations`` > 1 a step
+    may skip several).
 
     Args:
-        limit: ``train.max_skipped_updates``; that many in a row stop the job.
+        limit: ``train.max_skipped_updates``; that many steps in a row stop the job.
     """
 
     def __init__(self, limit: int):
@@ -83,15 +93,17 @@ class SkippedUpdates:
         """A good update: the run of skipped ones ends."""
         self.in_a_row = 0
 
-    def note(self, reason: str, step: int, policy_version: int, status: Callable[[str], None]) -> None:
-        """Count a skipped update (``reason``: the non-finite metric, or ``""``) and say so on ``status``.
+    def note(self, reason: str, step: int, policy_version: int, status: Callable[[str], None],
+             updates: int = 1) -> None:
+        """Count a step's skipped update(s) (``reason``: the non-finite metric, or ``""``; ``updates``: how many of
+        its optimizer updates were skipped) and say so on ``status``.
 
         Raises:
-            NumericsError: ``limit`` updates in a row were skipped (naming the step, the metric and the last good
+            NumericsError: ``limit`` steps in a row skipped an update (naming the step, the metric and the last good
                 policy version).
         """
         self.in_a_row += 1
-        self.total += 1
+        self.total += max(int(updates), 1)
         metric = reason or "loss or grad_norm"
         status(f"step {step}: non-finite {metric}; update skipped, weights not broadcast "
                f"({self.in_a_row} in a row, limit {self.limit})")
@@ -111,12 +123,13 @@ class SkippedUpdates:
 
 @dataclass
 class Trained:
-    """The train phase's outcome: the trainer's :class:`TrainResult`, the micro-batch plan's ``packing/*`` metrics
-    and the policy version the step trained from."""
+    """The train phase's outcome: the trainer's :class:`TrainResult`, the micro-batch plan's ``packing/*`` metrics,
+    the policy version the step trained from and the loss tokens the update learned from (0 when it was skipped)."""
 
     result: TrainResult
     packing: dict
     version_at_train: int
+    trained_tokens: int = 0
 
 
 class TrainPhase:
@@ -129,25 +142,40 @@ class TrainPhase:
         versions: the policy-version ledger (the trainer reports each step's version to it).
         status: one-line progress messages.
         current_step: the job's running step (the learning rate is the schedule's at it); None: the batch's step.
+        trainer, fleet: the job's train and rollout sides (started by the job before the first step); None only for
+            a job that checks its inputs and never runs (``dry_run``).
+        driver_clock: counts the driver's waits on the train step and the weight sync (``cluster.loop.goodput``);
+            None: a clock of its own, read by nobody.
+
+        before_update: called first thing in :meth:`train`, before the trainer is touched (the job's preemption:
+            from here a SIGTERM finishes the step instead of abandoning it); None: nothing.
 
     Attributes:
-        trainer, fleet: the job's collaborators, set when they start (None before).
         lr_schedule: the job's :class:`~cluster.loop.lr_schedule.LRSchedule`.
-        clock: the running step's clock (its ``train`` and ``sync`` phases are measured here); the job sets a new one
-            each step.
+        clock: the running step's clock (its ``train`` and ``sync`` phases are measured here), new at each
+            :meth:`begin_step`.
     """
 
     def __init__(self, spec, kl_controller, skips: SkippedUpdates, versions: PolicyVersionLedger,
-                 status: Callable[[str], None], current_step: Callable[[], int] | None = None):
+                 status: Callable[[str], None], current_step: Callable[[], int] | None = None, *,
+                 trainer: Trainer | None, fleet: Fleet | None, driver_clock: DriverClock | None = None,
+                 before_update: Callable[[], None] | None = None):
         self.spec, self.kl_controller, self.skips, self.versions, self._status = (spec, kl_controller, skips,
                                                                                  versions, status)
         self.lr_schedule = LRSchedule.from_spec(spec.train, spec.total_steps)
         self._current_step = current_step
-        self.trainer: Trainer | None = None
-        self.fleet: Fleet | None = None
+        self.trainer, self.fleet = trainer, fleet
+        self.driver_clock = driver_clock if driver_clock is not None else DriverClock()
         self.clock = StepClock()
+        self.before_update = before_update
         self._adapter_payload: tuple[int, int] | None = None  # (policy version, CRC-32) of the last adapter sync
         self._rounding_warned = False
+
+    def begin_step(self, bar=None) -> StepClock:
+        """A new step: a new :attr:`clock` (naming the phase on ``bar``, a tqdm bar, when given), returned for the
+        phases measured elsewhere (generate, score)."""
+        self.clock = StepClock(bar)
+        return self.clock
 
     def train(self, batch: StepBatch) -> Trained:
         """One policy update on ``batch``'s trained rows (β from the KL controller, the learning rate from the
@@ -156,10 +184,13 @@ class TrainPhase:
         Raises:
             NumericsError: ``train.max_skipped_updates`` updates in a row were skipped.
         """
+        if self.before_update is not None:
+            self.before_update()
         version_at_train = self.versions.current
         rows = batch.sampling.batch
         with self.clock.phase("train"):
-            per_rank, packing = microbatches(rows, self.spec.train, self.trainer.world_size)
+            traced = set(sample_rows(rows, self.spec.metrics.samples_per_step))  # the step's samples (samples.jsonl)
+            per_rank, packing = microbatches(rows, self.spec.train, self.trainer.world_size, traced)
             counts = rows.loss_token_counts()  # valid_lengths, less a multi-turn episode's observation tokens
             num_tokens = sum(counts)
             num_sequences = sum(v > 0 for v in counts)
@@ -168,14 +199,17 @@ class TrainPhase:
             if self.lr_schedule.varies:
                 step = self._current_step() if self._current_step is not None else batch.step
                 self.trainer.set_lr(self.lr_schedule.lr(step))
-            result = self.trainer.train_step(per_rank, num_tokens, num_sequences)
+            with self.driver_clock.waiting():
+                result = self.trainer.train_step(per_rank, num_tokens, num_sequences)
             if result.skipped:
-                self.skips.note(result.skip_reason, batch.step, version_at_train, self._status)
+                iterations = self.spec.algorithm.num_iterations
+                skipped = round(result.metrics.get("actor/update_skipped", 1.0) * iterations)  # a fraction of them
+                self.skips.note(result.skip_reason, batch.step, version_at_train, self._status, updates=skipped)
             else:
                 self.skips.reset()
-                if result.kl is not None:
-                    self.kl_controller.update(result.kl, len(rows))
-        return Trained(result, packing, version_at_train)
+                if result.kl is not None:  # the KL of the sequences that trained: a row masked whole is no sample
+                    self.kl_controller.update(result.kl, num_sequences)
+        return Trained(result, packing, version_at_train, 0 if result.skipped else num_tokens)
 
     def sync(self, trained: Trained) -> dict:
         """Report the trainer's version to the ledger (``PolicyVersionError`` if it went backwards or skipped one)
@@ -188,7 +222,8 @@ class TrainPhase:
         with self.clock.phase("sync"):
             if not self.versions.trained(trained.result.policy_version):
                 return {"sync/skipped": 1.0}
-            report = self.fleet.sync_policy()
+            with self.driver_clock.waiting():
+                report = self.fleet.sync_policy()
             self._check_lora_sync(trained.result, report)
             return {**report.metrics(), "sync/skipped": 0.0}
 

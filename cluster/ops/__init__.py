@@ -1,7 +1,9 @@
-"""Operations around a job: the ``validate`` and Jobs API subcommands (submit, status, logs, stop, scale), the checks
-made before a job starts, Ray start-up, the Jobs API client, the job control actor and the metrics sinks.
+"""The command line's side of a job: the subcommands (``cli_*``: validate, eval, spec, merge and the Jobs API's
+submit, status, logs, stop, scale), the checks made before a job starts (``prepare``), the Jobs API client and its
+upload (``jobs``, ``upload``, ``reward_files``), held-out evaluation from a spec (``spec_eval``) and the configuration
+reference generator (``spec_docs``).
 
-May import Ray, ``cluster.spec`` and ``cluster.data``, and, inside functions, ``cluster.loop`` (resource checks,
-setup errors) and ``cluster.driver`` (``prepare`` builds a dry-run ``GRPOJob``); ``prepare`` imports only the
+Nothing below the command line imports this package: the loop, the runtimes and the metric sinks (``cluster.sinks``)
+are imported from here, never the other way (tests/unit/test_import_layering.py). ``prepare`` imports only the
 standard library at module level so a bare interpreter can report a missing dependency.
 """

@@ -36,10 +36,17 @@ def _paired(args, baseline: list[dict] | None, problems: list[dict], summary: di
         return
     from grpo.stats import paired_comparison
 
-    paired = paired_comparison([row["correct"] for row in baseline], [row["correct"] for row in problems])
-    print(f"against {args.against}: {paired.before} -> {paired.after} correct of {paired.n}; "
+    pairs = [(a["correct"], b["correct"]) for a, b in zip(baseline, problems)]
+    both = [(a, b) for a, b in pairs if a is not None and b is not None]  # a problem unscored in either: left out
+    left_out = len(pairs) - len(both)
+    if not both:
+        print(f"against {args.against}: no problem was scored in both runs ({left_out} unscored in either)")
+        return
+    paired = paired_comparison([a for a, _ in both], [b for _, b in both])
+    unscored = f" ({left_out} problems unscored in either run left out)" if left_out else ""
+    print(f"against {args.against}: {paired.before} -> {paired.after} correct of {paired.n}{unscored}; "
           f"{paired.gained} gained, {paired.lost} lost; McNemar exact p = {paired.p_value:.3f}")
-    summary["paired"] = paired._asdict()
+    summary["paired"] = {**paired._asdict(), "unscored_left_out": left_out}
 
 
 def _write(args, result: dict) -> str | None:
@@ -107,6 +114,7 @@ def _cmd_eval_spec(args) -> int:
     from cluster.data import DataError
     from cluster.data.evaluate import check_same_problems, check_writable
     from cluster.data.models import ModelError
+    from cluster.loop.evaluation import unscored_warning
     from cluster.ops.prepare import import_modules
     from cluster.ops.spec_eval import SpecEvalError, evaluate_prepared, prepare_spec_eval, spec_engine
     from cluster.spec import SpecError, load_spec, locate_field_error
@@ -141,10 +149,13 @@ def _cmd_eval_spec(args) -> int:
     m, ev = result["metrics"], spec.eval
     what = "pass@1" if ev.samples == 1 else f"mean@{ev.samples}"
     fmt = f"format {m['eval/format_rate']:.3f}, " if "eval/format_rate" in m else ""
+    unscored = f", {int(m['eval/unscored'])} completions unscored and left out" if m.get("eval/unscored") else ""
     print(f"{what} = {m['eval/accuracy']:.4f} [{m['eval/accuracy_ci_low']:.4f}, {m['eval/accuracy_ci_high']:.4f}] "
           f"(95 % Wilson) on {int(m['eval/problems'])} problems of {prepared.evalset.path} "
-          f"({ev.accuracy_reward}; {fmt}mean length {m['eval/response_length_mean']:.0f} tokens, truncated "
+          f"({ev.accuracy_reward}{unscored}; {fmt}mean length {m['eval/response_length_mean']:.0f} tokens, truncated "
           f"{m['eval/truncated_fraction']:.2f}, {result['tokens_per_s']:.0f} tok/s, {result['seconds']:.0f} s)")
+    if (warning := unscored_warning(m, f"eval.accuracy_reward {ev.accuracy_reward!r}")) is not None:
+        print(f"grpo-cluster eval: warning: {warning}", file=sys.stderr)
     summary = {"model": args.model or spec.model.path, "spec": args.spec, **m, "seconds": result["seconds"],
                "tokens_per_s": result["tokens_per_s"]}
     _paired(args, baseline, result["problems"], summary)
@@ -178,7 +189,8 @@ def add_eval_command(sub) -> None:
     ev.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                     help="with --spec: import this module first, e.g. one that registers reward functions")
     ev.add_argument("--engine", choices=["vllm", "transformers"], default="vllm", help=(
-        "with --spec: the loop's vLLM engine (default) or the in-process transformers sampler"))
+        "with --spec: the vLLM engine (default) or the transformers engine (rollout.engine hf, the in-process "
+        "runtime's)"))
     ev.add_argument("--limit", type=whole_number(1), default=None, metavar="N",
                     help="first N held-out rows only (with --spec: eval.limit)")
     ev.add_argument("--max-tokens", type=whole_number(1), default=None, metavar="N", help=(

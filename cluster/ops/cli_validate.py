@@ -7,7 +7,10 @@ the pools reserve; for the local cluster ``run`` would start, the same check aga
 Ray counts them; no custom resource), and that the ``cpu_affinity`` cores are among this machine's
 (:func:`cluster.ops.prepare.local_cores_problem`).
 Prints the resolved spec's summary: what runs, on what (pools, strategy, torch.distributed backend), how (learning
-rate and its schedule, the objective, the rewards and their weights), from which inputs, reserving what. Starts no
+rate and its schedule, the objective, the rewards and their weights), from which inputs, reserving what; the
+``variants`` line gives each registry-selected choice with the values in force of the settings that belong with it,
+and the ``implied`` line the settings a choice implied because the spec left them out (``cluster.spec.implied``:
+GSPO's clip range for ``policy_loss: gspo``, ...), each with why. Starts no
 Ray cluster, engine or worker, and leaves nothing behind (the output folder is proven writable by creating and
 removing a file). The ``off-policy`` line names the behaviour correction the train ranks apply in ``rollout.mode``
 one_step_off/async; a job that turns it off (``algorithm.off_policy_correction: none``) is warned about on stderr.
@@ -80,8 +83,41 @@ def reward_summary(spec) -> str:
     from grpo.rewards import REWARD_FUNCTIONS
     from grpo.rewards.calling import where_defined
 
+    if spec.rollout.agent is not None:
+        from cluster.agents.kinds import ecosystem_key
+
+        if ecosystem_key(spec.rollout.agent) is not None:
+            return "the environment's own reward (reward/agent)"
+        return "the agent's return (reward/agent; a dict's parts as reward/<name>)"
     return ", ".join(f"{name} x{weight:g} ({where_defined(REWARD_FUNCTIONS[name])})"
                      for name, weight in spec.algorithm.rewards.items())
+
+
+def agent_summary(rollout) -> str:
+    """The agent (``rollout.agent``, with where it is defined or the ecosystem library and its version, or
+    multi_turn's environment on the agent pool) and its pool in one line."""
+    from importlib.metadata import version
+
+    from cluster.agents.kinds import ecosystem_key
+    from cluster.agents.loading import load_agent
+    from cluster.agents.plan import agent_base_dir
+    from grpo.rewards.calling import where_defined
+
+    pool = rollout.agent_pool
+    workers = (f"{pool.workers} worker(s) x {pool.episodes_per_worker} episodes at once, "
+               f"{pool.num_cpus_per_worker:g} CPU each, {pool.timeout_s:g} s per episode")
+    if rollout.agent is None:
+        return f"the {rollout.multi_turn.environment!r} environment on the agent pool: {workers}"
+    options = f" with {dict(rollout.agent_options)}" if rollout.agent_options else ""
+    found = ecosystem_key(rollout.agent)
+    if found is not None:
+        kind = found[0]
+        return (f"{rollout.agent}{options} (a {kind.name} environment, {kind.distribution} "
+                f"{version(kind.distribution)}); {workers}; at most {pool.max_episode_tokens} tokens of context per "
+                f"episode; its reward is the environment's")
+    where = where_defined(load_agent(rollout.agent, agent_base_dir(rollout.agent)))
+    return (f"{rollout.agent}{options} ({where}); {workers}; at most {pool.max_episode_tokens} tokens of context per "
+            f"episode; its return is the reward")
 
 
 def episode_summary(rollout) -> str:
@@ -129,24 +165,56 @@ def algorithm_summary(a) -> str:
             f"{1 + a.clip_eps_high:g}] (policy loss {a.policy_loss}), {a.num_iterations} update(s) per batch; {kl}")
 
 
+def _yaml_value(value) -> str:
+    """A setting's value as a spec would write it: 3e-04 as 0.0003, None as null, booleans lower case."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def variants_summary(spec, implied: set[str]) -> str:
+    """Each registry-selected field's choice (``cluster.spec.variants.SELECTORS``) with the values in force of the
+    settings that belong with it, those a choice implied marked ``(implied)``, e.g. ``policy_loss gspo
+    (clip_eps_low 0.0003 (implied), clip_eps_high 0.0004 (implied), dual_clip_c null)``."""
+    from cluster.spec.variants import SELECTORS
+
+    parts = []
+    for selector in SELECTORS:
+        section = spec
+        for name in selector.field.split(".")[:-1]:
+            section = getattr(section, name) if section is not None else None
+        if section is None or not isinstance(getattr(section, selector.name), str):  # left out (algorithm.mis), or
+            continue                                                                 # a list (metrics.trackers)
+        prefix = selector.field.rsplit(".", 1)[0]
+        companions = [f"{c} {_yaml_value(getattr(section, c))}" + (" (implied)" if f"{prefix}.{c}" in implied else "")
+                      for c in selector.companions]
+        choice = f"{selector.field.removeprefix('algorithm.')} {getattr(section, selector.name)}"
+        parts.append(choice + (f" ({', '.join(companions)})" if companions else ""))
+    return "; ".join(parts)
+
+
+def implied_summary(implied) -> str:
+    """The settings in force because a choice implied them (``cluster.spec.implied.implied_settings``), each with
+    its value and why, or that there are none."""
+    if not implied:
+        return "none: every setting in force is given by the spec or is its field's default"
+    return "; ".join(f"{i.field} {_yaml_value(i.value)} ({i.why})" for i in implied)
+
+
 def metrics_summary(s) -> str:
     """Where a run's metrics go: metrics.jsonl, the console, Prometheus, and each tracker with its location."""
-    from cluster.ops.trackers.backends import BACKENDS
-
-    from urllib.parse import urlsplit
-
-    def without_password(uri: str) -> str:
-        parts = urlsplit(uri)
-        return uri if parts.password is None else uri.replace(f":{parts.password}@", ":***@", 1)
+    from cluster.sinks.trackers import tracker_class
 
     m, out = s.metrics, Path(s.output_dir).resolve()
     prometheus = ("no Prometheus endpoint (metrics.port null)" if m.port is None else
                   f"Prometheus on {m.host}:{m.port}" if m.port else f"Prometheus on a free port of {m.host}")
-    where = {"wandb": lambda b: ("disabled ($WANDB_MODE): nothing written" if b.mode == "disabled" else
-                                 f"{b.mode}, {out / 'wandb'}"),
-             "mlflow": lambda b: without_password(b.uri),
-             "tensorboard": lambda b: str(b.logdir.resolve()), "trackio": lambda b: str(b.wanted.resolve())}
-    trackers = [f"{name} ({where[name](BACKENDS[name](s, out))})" for name in m.trackers]
+    trackers = [f"{name} ({tracker_class(name)(s, out).location()})" for name in m.trackers]
     return (f"{out / 'metrics.jsonl'}, a console line every {m.log_every_steps} step(s), {prometheus}; trackers: "
             + (", ".join(trackers) if trackers else "none (metrics.trackers)"))
 
@@ -156,8 +224,10 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
     from cluster.data.sources import describe_source
     from cluster.ray_shell.pools import resources_needed
     from cluster.spec.algorithm import describe_off_policy
+    from cluster.spec.implied import implied_settings
 
     s, r, t = job.spec, job.spec.rollout, job.spec.train
+    implied = implied_settings(s)
     need = resources_needed(s)
     start = (f"resume from {job.resume_from} (step {job.step}, policy version {job.policy_version})"
              if job.resume_from is not None else "from step 0")
@@ -175,9 +245,13 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
                     + (f" (max_staleness {r.max_staleness})" if r.mode != "sync" else "")
                     + (f"; on cores {r.cpu_affinity}" if r.cpu_affinity is not None else "")),
         *([("episodes", episode_summary(r))] if r.multi_turn is not None else []),
+        *([("agent", agent_summary(r))] if r.agent is not None or (
+            r.multi_turn is not None and r.multi_turn.runner == "agent_pool") else []),
         ("train", train_summary(t)),
         ("optimizer", optimizer_summary(t, s.total_steps)),
         ("algorithm", algorithm_summary(s.algorithm)),
+        ("variants", variants_summary(s, {i.field for i in implied})),
+        ("implied", implied_summary(implied)),
         ("rewards", reward_summary(s)),
         ("off-policy", describe_off_policy(s.algorithm, r)),
         ("reserves", ", ".join(f"{res} {amount:g} ({how})" for res, (amount, how) in need.items())),
@@ -189,9 +263,11 @@ def summary(job, spec_path: str, address: str | None, source: str, have: dict | 
         ev, held = s.eval, job.evaluation.evalset
         when = ", ".join(w for w, on in (("at start", ev.at_start), (f"every {ev.every_steps} steps", ev.every_steps),
                                           ("at end", ev.at_end)) if on)
+        how = ("scored by the agent's own reward" if r.agent is not None
+               else f"at most {job.evaluation.requests[0].sampling.max_tokens} tokens")
         lines.insert(5, ("eval", f"{len(held.examples)} held-out prompts x {ev.samples} from {held.path} ("
-                                 f"{'greedy' if ev.temperature == 0 else f'temperature {ev.temperature:g}'}, at most "
-                                 f"{job.evaluation.requests[0].sampling.max_tokens} tokens), {when}"))
+                                 f"{'greedy' if ev.temperature == 0 else f'temperature {ev.temperature:g}'}, {how}), "
+                                 f"{when}"))
     width = max(len(k) for k, _ in lines) + 2
     return "\n".join(f"{k + ':':<{width}}{v}" for k, v in lines) + "\nvalid: nothing was started or written"
 

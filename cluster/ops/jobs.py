@@ -1,6 +1,6 @@
 """Ray Jobs API wrappers behind ``grpo-cluster submit / status / logs / stop / scale``.
 
-    grpo-cluster submit examples/tiny_cpu.yaml --set total_steps=4 --address http://HOST:8265
+    grpo-cluster submit examples/demo_cpu.yaml --set total_steps=4 --address http://HOST:8265
     grpo-cluster logs JOB --follow          # exit 0 when the job SUCCEEDED, 1 when it FAILED or was STOPPED
     grpo-cluster scale JOB --rollout-replicas 2
 
@@ -48,6 +48,7 @@ from urllib.parse import urlparse
 from cluster.ops.upload import (MAX_UPLOAD_BYTES, UPLOAD_EXCLUDES, JobsError, project_root, stage_working_dir,
                                 upload_files)
 from cluster.ray_shell import control
+from cluster.ray_shell.ray_init import use_token_if_available
 
 __all__ = [
     "DEFAULT_ADDRESS", "SPEC_FILE", "UPLOAD_EXCLUDES", "JobsError", "connect", "default_address", "default_python",
@@ -96,30 +97,13 @@ def connect(address: str | None, timeout_s: float = 5.0):
         except OSError as exc:
             raise JobsError(f"cannot reach the Ray dashboard at {address} ({exc}); expected the Jobs API address "
                             f"http://HOST:8265 of a running cluster (--address or $RAY_ADDRESS)") from None
-    _use_token_if_available()
+    use_token_if_available()
     try:
         return JobSubmissionClient(url)
     except AuthenticationError as exc:
         raise JobsError(f"the Ray cluster at {address} requires token authentication: {exc}") from None
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise JobsError(f"no Ray Jobs API at {address}: {exc}") from None
-
-
-def _use_token_if_available() -> None:
-    """Ray's own rule (``maybe_enable_token_auth_if_token_available``), without its log warning."""
-    if os.environ.get("RAY_AUTH_MODE") is not None:
-        return
-    try:
-        from ray._private.authentication import authentication_token_setup as setup
-    except ImportError:  # a Ray without token authentication
-        return
-    log = logging.getLogger(setup.__name__)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    finally:
-        log.setLevel(level)
 
 
 # ----------------------------------------------------------------------------------------------------- submit
@@ -175,6 +159,17 @@ def _job_id_for(name: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '-', name)[:40]}-{secrets.token_hex(4)}"
 
 
+def stop_wait_env(spec) -> dict[str, str]:
+    """``RAY_JOB_STOP_WAIT_TIME_S`` of a job's runtime env: ``ray job stop`` (``grpo-cluster stop``, a RayJob
+    deleted) sends the driver SIGTERM and SIGKILL that many seconds later (Ray's default: 3), so it is set to
+    ``checkpoint.on_preempt.deadline_s`` plus a margin (:func:`cluster.loop.preemption.kill_after_s`) for the
+    preemption checkpoint; {} when ``checkpoint.on_preempt.enabled`` is false."""
+    from cluster.loop.preemption import RAY_STOP_WAIT_ENV, kill_after_s
+
+    on_preempt = spec.checkpoint.on_preempt
+    return {RAY_STOP_WAIT_ENV: str(kill_after_s(on_preempt))} if on_preempt.enabled else {}
+
+
 def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] = (), pip: Sequence[str] = (),
                 env: Mapping[str, str] = {}, working_dir: str | Path | None = None,
                 submission_id: str | None = None, source: str = "", extra_files: Mapping[str, str] = {}) -> str:
@@ -189,7 +184,7 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
             they must be importable there (inside the working dir or installed).
         pip: requirements Ray installs into a job-specific virtualenv (runtime env ``pip``); empty when the cluster's
             image or environment already has them.
-        env: extra environment variables of the job.
+        env: extra environment variables of the job (they win over :func:`stop_wait_env`'s).
         working_dir: folder to upload instead of the project root.
         submission_id: the job id to use (default ``<spec name>-<8 hex>``).
         source: where the spec came from (stored in the metadata, shown by ``status``).
@@ -203,7 +198,7 @@ def submit_spec(client, spec, *, python: str = "python", imports: Sequence[str] 
     root = Path(working_dir).resolve() if working_dir else project_root()
     entrypoint = " ".join([shlex.quote(python), "-m", "cluster.cli", "run", SPEC_FILE, "--address", "auto",
                            "--no-progress", *(f"--import={shlex.quote(m)}" for m in imports)])
-    runtime_env: dict = {"env_vars": {**env, control.JOB_ID_ENV: submission_id}}
+    runtime_env: dict = {"env_vars": {**stop_wait_env(spec), **env, control.JOB_ID_ENV: submission_id}}
     if pip:
         runtime_env["pip"] = list(pip)
     metadata = {"job_name": spec.name, METADATA_SPEC: spec.model_dump_json(), "grpo_cluster_spec_source": source}

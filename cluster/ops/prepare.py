@@ -122,7 +122,7 @@ def _prepare_spec_job(args, spec, dry_run: bool):
     from cluster.data.models import ModelError
     from cluster.ray_shell.runtime import build_job
     from cluster.loop.setup import SetupError
-    from cluster.ops.metrics import MetricsError
+    from cluster.sinks.metrics import MetricsError
     from cluster.ray_shell.ray_init import AddressError, job_address
 
     try:  # the cluster address is checked before anything heavy is loaded

@@ -1,5 +1,6 @@
 """The reward files ``grpo-cluster submit`` ships with a job, so the reward functions its spec names by location import
-on the cluster.
+on the cluster; the agent file (``rollout.agent``, named the same way; an ecosystem environment's file or module,
+``gymnasium:file.py:Id``) travels by the same rules.
 
 On the cluster the validated spec is ``grpo_job_spec.yaml`` at the root of the uploaded working dir, and the job runs
 from there: a key ``path/to/file.py:function`` (relative to the spec file here) resolves to ``<working dir>/path/to/
@@ -22,17 +23,30 @@ import sys
 from importlib.machinery import PathFinder
 from pathlib import Path
 
+from grpo.rewards.loading import RewardLocation
+
 __all__ = ["reward_files"]
 
 
-def _spec_reward_keys(spec) -> list[tuple[str, str]]:
-    """(spec field, key) of every reward the spec names by location."""
-    from grpo.rewards.loading import is_location
+def _spec_reward_locations(spec, spec_dir: Path) -> list[tuple[str, RewardLocation]]:
+    """(spec field, location) of every reward the spec names by location, and of its agent (``rollout.agent``; for
+    an ecosystem environment, the file or module its id names, if any: ``EcosystemKind.source``)."""
+    from cluster.agents.kinds import ecosystem_key
+    from grpo.rewards.loading import is_location, locate_target, parse_location
 
     keys = [("algorithm.rewards", k) for k in spec.algorithm.rewards]
     if spec.eval is not None:
         keys += [(f"eval.{n}", getattr(spec.eval, n)) for n in ("accuracy_reward", "format_reward")]
-    return [(field, key) for field, key in keys if key is not None and is_location(key)]
+    out = [(field, parse_location(key, spec_dir)) for field, key in keys if key is not None and is_location(key)]
+    agent = spec.rollout.agent
+    found = ecosystem_key(agent) if agent is not None else None
+    if found is not None:
+        target = found[0].source(found[1])
+        if target is not None:
+            out.append(("rollout.agent", locate_target(agent, target, spec_dir)))
+    elif agent is not None and is_location(agent):
+        out.append(("rollout.agent", parse_location(agent, spec_dir)))
+    return out
 
 
 def _module_file(name: str, spec_dir: Path) -> Path | None:
@@ -56,12 +70,11 @@ def reward_files(spec, spec_dir: str | Path, root: str | Path) -> dict[str, str]
         JobsError: a reward file that cannot be placed under the working dir (module docstring), naming the field.
     """
     from cluster.ops.jobs import JobsError
-    from grpo.rewards.loading import parse_location
 
     spec_dir, root = Path(spec_dir).resolve(), Path(root).resolve()
     out: dict[str, str] = {}
-    for field, key in _spec_reward_keys(spec):
-        loc = parse_location(key, spec_dir)
+    for field, loc in _spec_reward_locations(spec, spec_dir):
+        key = loc.key
         if loc.kind == "file":
             rel = Path(loc.target)
             if rel.is_absolute() or ".." in rel.parts or rel.parts[:1] == ("~",):
@@ -75,9 +88,10 @@ def reward_files(spec, spec_dir: str | Path, root: str | Path) -> dict[str, str]
             if src is None or src.is_relative_to(root) or not src.is_relative_to(spec_dir):
                 continue  # in the working dir (uploaded) or installed (the cluster needs it installed too)
             if src.name == "__init__.py":
+                named = f":{loc.function}" if loc.function else ""
                 raise JobsError(f"{field}: reward {key!r} is in the package {src.parent}, outside the uploaded "
                                 f"working dir {root}; submit ships single files only: move the package into the "
-                                f"working dir, or name a file ('path/to/file.py:{loc.function}')")
+                                f"working dir, or name a file ('path/to/file.py{named}')")
             dest = f"{top}.py"
         there = root / dest
         if there.exists() and (there.resolve() == src.resolve() or there.read_bytes() == src.read_bytes()):

@@ -11,14 +11,15 @@ model folder (a checkpoint, an HF folder, ``builtin:...``, a hub id; default the
   ``data.max_prompt_tokens``), tokenized with the evaluated model's tokenizer;
 - the requests of :class:`cluster.loop.evaluation.HeldOutEval` (``eval.samples`` per prompt, ``eval.temperature``,
   greedy by default, the cap ``eval.max_tokens`` or ``rollout.max_response_tokens``, a fixed seed per prompt);
-- generation on the rollout engine the loop uses (``vllm``: ``rollout_workers.engine.RolloutEngine`` in this
-  process, with the spec's ``rollout`` and ``model.dtype``) or the in-process runtime's sampler (``transformers``:
-  ``cluster.in_process.sampling.sample_groups``, no vLLM needed);
+- generation on a rollout engine of ``rollout_workers.registry`` built in this process with the spec's ``rollout``
+  and ``model.dtype``: the vLLM engine (``vllm``) or the transformers engine the in-process runtime uses
+  (``transformers``, i.e. ``rollout.engine: hf``; no vLLM needed);
 - scoring by :func:`cluster.loop.evaluation.score_problems` and :func:`~cluster.loop.evaluation.eval_metrics` with
   ``eval.accuracy_reward`` and ``eval.format_reward`` (loaded as the spec names them).
 
 So the ``eval/*`` figures equal the loop's for the same weights on the same engine: pass@1 (mean@k with k samples)
-with its 95 % Wilson interval, mean length, truncated fraction, format rate.
+with its 95 % Wilson interval over the completions the accuracy reward scored, those it did not (``eval/unscored``),
+mean length, truncated fraction, format rate.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ __all__ = ["ENGINES", "Engine", "SpecEval", "SpecEvalError", "engine_context_tok
            "prepare_spec_eval", "spec_engine"]
 
 Engine = Literal["vllm", "transformers"]
-#: The engines ``--engine`` takes: the loop's vLLM engine, or the in-process runtime's transformers sampler.
-ENGINES: tuple[str, ...] = ("vllm", "transformers")
+#: The engines ``--engine`` takes → their ``rollout.engine`` names: the vLLM engine, or the transformers engine.
+ENGINES: dict[str, str] = {"vllm": "vllm", "transformers": "hf"}
 #: Generates one group per request, results in request order.
 Generate = Callable[[list[GroupRequest]], list[GroupResult]]
 
@@ -107,9 +108,11 @@ def evaluate_prepared(prepared: SpecEval, generate: Generate) -> dict:
         loop (:func:`cluster.loop.evaluation.eval_metrics`); ``seconds`` wall time of generation and scoring;
         ``tokens_per_s`` completion tokens per second of generation; ``problems`` one dict per held-out prompt in
         order: ``index`` (0, 1, ...), ``row`` (the row's index in its source), ``question``, ``correct`` (the
-        fraction of its k completions with full credit: 0 or 1 when k = 1), ``format`` (mean format score, None
-        without a format reward), ``tokens`` (mean completion length), ``truncated`` (any completion cut at the
-        cap), ``completion`` (the first completion's text) and, when k > 1, ``completions`` (all k).
+        fraction of its scored completions with full credit: 0 or 1 when k = 1; None when the accuracy reward scored
+        none), ``format`` (mean format score over the completions it scored, None without a format reward or
+        score), ``tokens`` (mean completion length), ``truncated`` (any completion cut at the cap), ``completion``
+        (the first completion's text), when k > 1 ``completions`` (all k) and, when the accuracy reward left some of
+        them unscored, ``unscored`` (how many).
 
     Raises:
         ValueError: a reward score outside [0, 1], or ``generate`` returned another number of groups.
@@ -126,14 +129,18 @@ def evaluate_prepared(prepared: SpecEval, generate: Generate) -> dict:
     problems, start = [], 0
     for i, (g, ex, correct) in enumerate(zip(groups, prepared.held_out.rows, scores.correct)):
         k = len(g.texts)
-        fmt = scores.formatted[start:start + k] if scores.formatted is not None else None
+        fmt = [v for v in scores.formatted[start:start + k] if v is not None] if scores.formatted is not None else []
         start += k
-        row = {"index": i, "row": ex.index, "question": ex.question, "correct": sum(correct) / k,
-               "format": sum(fmt) / k if fmt is not None else None,
+        scored = [v for v in correct if v is not None]
+        row = {"index": i, "row": ex.index, "question": ex.question,
+               "correct": sum(scored) / len(scored) if scored else None,
+               "format": sum(fmt) / len(fmt) if fmt else None,
                "tokens": sum(len(ids) for ids in g.response_ids) / k,
                "truncated": any(r == "length" for r in g.finish_reasons), "completion": g.texts[0]}
         if k > 1:
             row["completions"] = list(g.texts)
+        if len(scored) < k:
+            row["unscored"] = k - len(scored)
         problems.append(row)
     return {"model": prepared.model, "metrics": metrics, "seconds": seconds,
             "tokens_per_s": tokens / max(generated, 1e-9), "problems": problems}
@@ -150,35 +157,24 @@ def engine_context_tokens(spec, max_tokens: int) -> int:
 def spec_engine(prepared: SpecEval, engine: Engine = "vllm") -> Iterator[Generate]:
     """A ``generate`` over the evaluated model on ``engine``, built from the spec's ``rollout`` and ``model.dtype``.
 
-    ``vllm``: a :class:`rollout_workers.engine.RolloutEngine` in this process (its engine processes are spawned:
-    the calling script needs an ``if __name__ == "__main__":`` guard); seed ``seed``, as the loop's first engine.
-    ``transformers``: the model loaded as the in-process fleet loads its policy copy, sampled with
-    :func:`cluster.in_process.sampling.sample_groups`.
+    ``vllm``: :class:`rollout_workers.vllm.engine.VLLMEngine` in this process (its engine processes are spawned: the
+    calling script needs an ``if __name__ == "__main__":`` guard). ``transformers``: the ``hf`` engine
+    (:class:`rollout_workers.hf.engine.HFEngine`), the in-process fleet's. Seed ``seed``, as the loop's first
+    engine.
 
     Raises:
         ValueError: an unknown ``engine``.
     """
+    if engine not in ENGINES:
+        raise ValueError(f"--engine: expected one of {list(ENGINES)}, got {engine!r}")
+    from contract.model_source import ModelSource
+    from rollout_workers.registry import rollout_engine
+
     spec, path = prepared.spec, prepared.model_path
-    if engine == "vllm":
-        from rollout_workers.engine import RolloutEngine
-
-        rollout_engine = RolloutEngine(path, spec.rollout, spec.model.dtype, spec.seed,
-                                       engine_context_tokens(spec, prepared.max_tokens))
-        yield lambda requests: rollout_engine.generate(requests, spec.rollout.group_size)[0]
-        return
-    if engine == "transformers":
-        from transformers import AutoTokenizer
-
-        from cluster.in_process.fleet import load_policy_model
-        from cluster.in_process.sampling import sample_groups
-        from grpo.eos import eos_token_ids
-
-        model = load_policy_model(path, spec)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        eos = eos_token_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                            tokenizer.eos_token_id)
-        unseeded = random.Random(spec.seed)
-        yield lambda requests: sample_groups(model, tokenizer, eos, requests, spec.rollout, 0,
-                                             lambda: unseeded.getrandbits(63))
-        return
-    raise ValueError(f"--engine: expected one of {list(ENGINES)}, got {engine!r}")
+    built = rollout_engine(ENGINES[engine])(path, spec.rollout, spec.model.dtype, spec.seed,
+                                            engine_context_tokens(spec, prepared.max_tokens),
+                                            source=ModelSource.of(spec.model))
+    try:
+        yield lambda requests: built.generate(requests, spec.rollout.group_size)[0]
+    finally:
+        built.shutdown()

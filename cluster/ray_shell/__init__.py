@@ -1,8 +1,9 @@
 """The Ray shell: everything that needs Ray, in one place, around the pure loop (``cluster.driver.GRPOJob``).
 
 - ``pools`` (what the pools share: failure types, resource needs, ``get`` with a deadline, placement groups),
-  ``rollout_pool`` (the vLLM engine actors) and ``train_pool`` (the train ranks of the backend ``train.strategy``
-  names, and :class:`~cluster.ray_shell.train_pool.RayTrainer`, the ``contract.protocols.Trainer`` on Ray);
+  ``rollout_pool`` (the rollout engine actors of ``rollout.engine``) and ``train_pool`` (the train ranks of the
+  backend ``train.strategy`` names, and :class:`~cluster.ray_shell.train_pool.RayTrainer`, the
+  ``contract.protocols.Trainer`` on Ray);
 - ``sync``: the weight-sync coordinator (train rank 0 + every engine worker; membership, one verified sync per
   policy version);
 - ``fleet``: :class:`~cluster.ray_shell.fleet.EngineFleet`, the ``contract.protocols.Fleet`` on Ray (generate and

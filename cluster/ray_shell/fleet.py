@@ -1,7 +1,7 @@
 """The rollout engines on a Ray cluster as the loop sees them (``contract.protocols.Fleet``): generate and sync with
 engine-fault replacement, re-sampling of stale groups, resizing, and the per-engine figures of a step.
 
-Membership lives in the rollout pool (:class:`cluster.ray_shell.pools.RolloutPool`) and the weight-sync group
+Membership lives in the rollout pool (:class:`cluster.ray_shell.rollout_pool.RolloutPool`) and the weight-sync group
 (:class:`cluster.ray_shell.sync.WeightSync`); the fleet keeps the two in step: an engine that dies is replaced, the sync
 group rebuilt over the new members, and every engine brought to the trainer's policy version before it samples again.
 Every policy version is read from, and every engine's report checked against, the ledger
@@ -9,33 +9,43 @@ Every policy version is read from, and every engine's report checked against, th
 
 Reliability: groups carry their own seeds (:func:`cluster.loop.requests.request_seed`), so re-sampling after a
 replacement or a resync gives the same groups.
+
+Request-level generation (``contract.requests.RequestServer``): :meth:`EngineFleet.submit` sends each request to an
+engine actor as its own call (:mod:`cluster.ray_shell.requests`: dispatch, and the replacement of an engine that dies
+with requests in flight, whose requests are sampled again from scratch); a weight sync pauses the requests an engine
+is serving and they continue on the new version (the engines' own serving, ``rollout_workers``). Membership changes
+(a replacement, a resync, scaling) hold :attr:`EngineFleet.membership`, since request faults are recovered from a
+thread of their own.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import ray
 
 from cluster.ray_shell.pools import WorkerTimeout, wait_dead
+from cluster.ray_shell.requests import RequestDispatch
 from cluster.ray_shell.rollout_pool import RolloutPool
 from cluster.ray_shell.sync import SyncMemberError, WeightSync
-from cluster.spec.multi_turn import generated_tokens
+from cluster.spec.agents import context_tokens
 from contract.errors import RecoveryDeferred
 from contract.figures import FleetFigures
-from contract.messages import EngineLoad, GroupRequest, GroupResult, SyncReport
+from contract.goodput import PoolTime
+from contract.messages import EngineLoad, GroupRequest, GroupResult
+from contract.requests import TokenRequest, TokenResult
+from contract.staleness import StalenessGate
+from contract.sync_reports import SyncReport
 from contract.versions import PolicyVersionLedger
 
 if TYPE_CHECKING:
-    from cluster.ops.metrics import MetricsLogger
+    from cluster.sinks.metrics import MetricsLogger
 
 #: Errors after which the fleet looks for dead or half-synced engines before giving up.
 ENGINE_ERRORS = (ray.exceptions.RayError, WorkerTimeout, SyncMemberError)
-
-
-class StaleSamplesError(RuntimeError):
-    """Engines kept returning samples older than ``rollout.max_staleness`` after being synced again."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -64,12 +74,26 @@ class EngineFleet:
         self.sync: WeightSync | None = None
         self.versions = None
         self.figures = FleetFigures()
+        self._busy_s = 0.0  # engine-seconds of sampling over every generate call, accepted or not
         self._logged_engines = 0  # engines with Prometheus series
         self._status: Callable[[str], None] = print
+        self.membership = threading.RLock()  # replacements, resyncs and scaling (request faults recover in a thread)
+        self._figures_lock = threading.Lock()  # served requests' figures arrive on Ray's threads
+        self._busy_seen: dict[int, float] = {}  # engine index → its newest busy counter (TokenResult.busy_s)
+        self.requests: RequestDispatch | None = None  # built with the engines (attach)
 
     def check(self, model_path: str) -> None:
-        """Nothing to check before start beyond the trainer's checks (vLLM's LoRA support is checked with
-        ``train.lora``, :meth:`cluster.ray_shell.train_pool.RayTrainer.check`)."""
+        """Before start: the engines' context fits the model's positions
+        (:func:`cluster.data.model_checks.check_engine_context`; the ``rollout.engine``'s LoRA support is checked with
+        ``train.lora``, :meth:`cluster.ray_shell.train_pool.RayTrainer.check`).
+
+        Raises:
+            ModelError: naming the spec field the context comes from and the model's limit.
+        """
+        from cluster.data.model_checks import check_engine_context
+        from contract.model_source import ModelSource
+
+        check_engine_context(self.spec, model_path, ModelSource.of(self.spec.model))
 
     def start(self, weights_path: str, policy_version: int, trainer, versions: PolicyVersionLedger,
               status: Callable[[str], None]) -> None:
@@ -84,7 +108,7 @@ class EngineFleet:
         if pool is None:
             raise TypeError(f"EngineFleet.start: expected a started RayTrainer, got {type(trainer).__name__}")
         r = self.spec.rollout
-        max_model_len = r.max_model_len or self.spec.data.max_prompt_tokens + generated_tokens(r)
+        max_model_len = r.max_model_len or context_tokens(r, self.spec.data.max_prompt_tokens)
         rollout = RolloutPool(self.spec, weights_path, max_model_len, policy_version)
         try:
             sync = WeightSync(self.spec, pool, rollout, versions)
@@ -97,6 +121,7 @@ class EngineFleet:
                status: Callable[[str], None]) -> None:
         """Serve over ``rollout`` and ``sync`` with the ledger ``versions`` (what :meth:`start` builds)."""
         self.rollout, self.sync, self.versions, self._status = rollout, sync, versions, status
+        self.requests, self._busy_seen = RequestDispatch(self), {}
         self._check_infos(range(len(rollout.infos)))
 
     @property
@@ -107,6 +132,12 @@ class EngineFleet:
     def restarts(self) -> int:
         return self.rollout.restarts if self.rollout is not None else 0
 
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the engines (pool ``rollout``), their sampling seconds so far and the
+        cores they hold (``rollout.num_cpus_per_replica`` each)."""
+        n = self.num_engines
+        return [PoolTime("rollout", n, self._busy_s, cores=n * self.spec.rollout.num_cpus_per_replica)]
+
     def describe(self) -> str:
         buckets = f", {self.sync.num_buckets} sync bucket(s)" if self.sync is not None else ""
         return f"{self.num_engines} engine(s){buckets}"
@@ -115,20 +146,64 @@ class EngineFleet:
         """Close the sync group, kill the engines and wait until they are gone (idempotent)."""
         if self.rollout is None:
             return
+        if self.requests is not None:
+            self.requests.shutdown()
         rollout, self.rollout, self.sync = self.rollout, None, None
         engines = list(rollout.engines)
         rollout.shutdown()
         wait_dead(engines)
 
-    def begin_step(self) -> None:
-        """Start a step's figures afresh."""
-        self.figures = FleetFigures()
+    def begin_step(self, figures: FleetFigures | None = None) -> None:
+        """Start a step's figures: afresh (the engines' busy counters as seen so far are the request window's base),
+        or from a carried-over round's ``figures``."""
+        with self._figures_lock:
+            self.figures = figures if figures is not None else FleetFigures(engines=self.num_engines,
+                                                                            busy_base=dict(self._busy_seen))
+
+    # ---- request-level generation ---------------------------------------------------------------------------------
+    def submit(self, request: TokenRequest) -> Future[TokenResult]:
+        """Serve one request on an engine (``contract.requests.RequestServer``; thread-safe): dispatch, pauses and
+        faults as :mod:`cluster.ray_shell.requests` says.
+
+        Raises:
+            RuntimeError: before :meth:`start`.
+        """
+        if self.rollout is None:
+            raise RuntimeError("EngineFleet.submit: the fleet is not started")
+        return self.requests.submit(request)
+
+    def record_request(self, engine: int, result: TokenResult, submitted: float, done: float) -> None:
+        """Add a served request to the step's figures (called on Ray's threads)."""
+        with self._figures_lock:
+            seen = self._busy_seen.get(engine, 0.0)
+            self._busy_s += max(0.0, result.busy_s - seen)  # the engine's counter grew by what it served since
+            self._busy_seen[engine] = max(seen, result.busy_s)
+            self.figures.add_request(engine, result, submitted, done)
+
+    def recover_engines(self, cause: BaseException) -> None:
+        """After a request's engine died: replace the dead engines and sync the new group (under
+        :attr:`membership`); nothing to do when a generate call's recovery already did.
+
+        Raises:
+            EngineFailure: more engine deaths than ``rollout.max_engine_restarts``, or no room for a replacement.
+        """
+        with self.membership:
+            dead = self.rollout.dead_engines()
+            if not dead:
+                self.sync.ensure_current()
+                return
+            why = f"{type(cause).__name__}: {first_line(cause)}"
+            self._status(f"rollout engine(s) {dead} failed serving requests ({why}; {self.rollout.where(dead)}); "
+                         f"replacing them and sampling their requests again")
+            self._replace(dead, why)
+            self.resync(f"replacing engine(s) {dead}")
 
     def generate(self, requests: list[GroupRequest],
                  on_groups: Callable[[list[GroupResult]], None] | None = None,
                  record: bool = True, recover: bool = True, interrupt_epoch: int | None = None) -> list[GroupResult]:
         """Generate, replacing dead engines and re-sampling (same seeds → same groups) until every group comes from
-        an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``).
+        an engine at a version within ``rollout.max_staleness`` of the trainer's (``versions.current``): the fleets'
+        one staleness gate (:class:`contract.staleness.StalenessGate`) over :meth:`RolloutPool.generate`.
 
         Returns the groups in request order; the accepted call's stats are added to :attr:`figures` when ``record``
         (held-out evaluation passes False: its calls are not the step's rollouts). ``recover=False`` (a generate that
@@ -139,36 +214,28 @@ class EngineFleet:
 
         Raises:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
-            StaleSamplesError: engines stay stale after being synced again.
+            StaleSamplesError: engines stay stale after being synced again (``contract.staleness``).
             PolicyVersionError: a group was sampled at a version ahead of the trainer's.
             RecoveryDeferred: with ``recover=False``, an engine died or is half-synced, or groups came back stale.
         """
-        r = self.spec.rollout
-        for attempt in range(r.max_engine_restarts + 3):
-            try:
-                extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
-                groups, stats = self.rollout.generate(requests, on_groups, **extra)
-            except ENGINE_ERRORS as exc:
-                if not recover and (self.rollout.dead_engines() or self.versions.stale_engines()):
-                    raise RecoveryDeferred(f"engine fault during a generate that overlaps training "
-                                           f"({type(exc).__name__}: {first_line(exc)}); {len(requests)} group(s) "
-                                           f"to sample again after the sync") from exc
-                if not recover or not self._recover(exc, len(requests)):
-                    raise
-                continue
-            stale = [g for g in groups if self.versions.staleness(g.policy_version) > r.max_staleness]
-            if not stale:
-                if record:
-                    self.figures.add(stats)
-                return groups
-            if not recover:
-                raise RecoveryDeferred(f"{len(stale)} stale group(s) during a generate that overlaps training")
-            self._status(f"{len(stale)} group(s) sampled at policy version {min(g.policy_version for g in stale)} "
-                         f"(trainer {self.versions.current}, rollout.max_staleness={r.max_staleness}); re-syncing "
-                         f"and sampling again")
-            self.figures.stale_refused += len(stale)
-            self.resync("stale samples")
-        raise StaleSamplesError(f"engines still returned stale or failed samples after {attempt + 1} attempts")
+        extra = {} if interrupt_epoch is None else {"interrupt_epoch": interrupt_epoch}
+
+        def on_fault(exc: BaseException) -> bool:
+            if not recover and (self.rollout.dead_engines() or self.versions.stale_engines()):
+                raise RecoveryDeferred(f"engine fault during a generate that overlaps training "
+                                       f"({type(exc).__name__}: {first_line(exc)}); {len(requests)} group(s) "
+                                       f"to sample again after the sync") from exc
+            return recover and self._recover(exc, len(requests))
+
+        def once():
+            groups, stats = self.rollout.generate(requests, on_groups, **extra)
+            self._busy_s += sum(stats.engine_seconds)  # accepted or not: the engines spent it
+            return groups, stats
+
+        gate = StalenessGate(self.versions, self.spec.rollout.max_staleness, self.resync, self._status)
+        return gate.run(once, figures=lambda: self.figures,
+                        record=record, recover=recover, attempts=self.spec.rollout.max_engine_restarts + 3,
+                        faults=ENGINE_ERRORS, on_fault=on_fault)
 
     def interrupt(self, epoch: int) -> None:
         """Partial rollouts: stop every engine's generate calls of ``interrupt_epoch`` <= ``epoch`` at their next
@@ -182,6 +249,11 @@ class EngineFleet:
     def _recover(self, exc: BaseException, num_groups: int) -> bool:
         """After a failed generate call: sync engines that hold no complete policy, or replace dead ones and sync
         the new group. Returns False when no engine is dead or half-synced (the error is not an engine fault)."""
+        with self.membership:
+            return self._recover_held(exc, num_groups)
+
+    def _recover_held(self, exc: BaseException, num_groups: int) -> bool:
+        """:meth:`_recover` under :attr:`membership`."""
         dead = self.rollout.dead_engines()
         if not dead and self.versions.stale_engines():
             # alive, but holding no complete policy (a sync failed part-way): sync again, then re-sample
@@ -199,8 +271,11 @@ class EngineFleet:
         return True
 
     def _replace(self, indices: list[int], cause: str) -> None:
-        """Replace the engines at ``indices`` (:meth:`RolloutPool.replace`) and check their start-up reports."""
+        """Replace the engines at ``indices`` (:meth:`RolloutPool.replace`) and check their start-up reports (a new
+        engine's busy counter starts at 0)."""
         self.rollout.replace(indices, self.versions.current, cause)
+        with self._figures_lock:
+            self._busy_seen.update((i, 0.0) for i in indices)
         self._check_infos(indices)
 
     def _check_infos(self, indices) -> None:
@@ -219,6 +294,11 @@ class EngineFleet:
             EngineFailure: more engine deaths than ``rollout.max_engine_restarts``.
             SyncVerificationError: an engine's weights differ from the trainer's (not retried: names the tensor).
         """
+        with self.membership:
+            return self._sync_held()
+
+    def _sync_held(self) -> SyncReport:
+        """:meth:`sync_policy` under :attr:`membership`."""
         try:
             return self.sync.sync()
         except ENGINE_ERRORS as exc:
@@ -237,8 +317,9 @@ class EngineFleet:
         Raises:
             RuntimeError: ``sync.verify`` is on and the sync was not verified (naming ``why``).
         """
-        self.sync.rebuild(self.rollout.engines)
-        report = self.sync.sync()
+        with self.membership:
+            self.sync.rebuild(self.rollout.engines)
+            report = self.sync.sync()
         if self.spec.sync.verify and not report.verified:
             raise RuntimeError(f"weight sync after {why} was not verified")
 
@@ -254,6 +335,11 @@ class EngineFleet:
         """
         if replicas < 1:
             raise ValueError(f"rollout replicas must be >= 1, got {replicas}")
+        with self.membership:
+            self._scale_held(replicas)
+
+    def _scale_held(self, replicas: int) -> None:
+        """:meth:`scale` under :attr:`membership`."""
         have = len(self.rollout.engines)
         if replicas == have:
             return

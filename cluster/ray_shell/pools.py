@@ -1,7 +1,7 @@
 """What the Ray pools share: their failure types, the job's resource needs, ``ray.get`` with a deadline, placement
 groups and actor shutdown.
 
-The pools themselves are :class:`cluster.ray_shell.rollout_pool.RolloutPool` (vLLM engine actors) and
+The pools themselves are :class:`cluster.ray_shell.rollout_pool.RolloutPool` (rollout engine actors) and
 :class:`cluster.ray_shell.train_pool.TrainPool` (train ranks of the backend ``train.strategy`` names); they own actor
 creation (resources from the spec), the calls that must reach every member together, and timeouts (every
 ``ray.get`` names the operation and its limit). The weight-sync group joining train rank 0 with every engine worker
@@ -15,6 +15,8 @@ import time
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.spec.agents import uses_agent_pool
 
 
 class WorkerTimeout(TimeoutError):
@@ -36,13 +38,17 @@ class TrainWorkerFailure(RuntimeError):
 
 def resources_needed(spec) -> dict[str, tuple[float, str]]:
     """What the job's pools reserve in all, per resource: CPUs, GPUs and the custom resources (``rollout.resources``
-    per replica, ``train.resources`` per rank, ``reward_pool.resources`` per reward worker), e.g.
+    per replica, ``train.resources`` per rank, ``reward_pool.resources`` per reward worker,
+    ``rollout.agent_pool.resources`` per agent worker), e.g.
     ``{"CPU": (2.0, "rollout 1 x 1 + train 2 x 0.5"), ...}``. A reward pool without workers reserves nothing."""
     r, t, w = spec.rollout, spec.train, spec.reward_pool
     pools = [("rollout", r.replicas, {"CPU": r.num_cpus_per_replica, "GPU": r.num_gpus_per_replica, **r.resources}),
              ("train", t.world_size, {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources})]
     if w.workers:
         pools.append(("reward", w.workers, {"CPU": w.num_cpus_per_worker, **w.resources}))
+    if uses_agent_pool(r):
+        a = r.agent_pool
+        pools.append(("agent", a.workers, {"CPU": a.num_cpus_per_worker, **a.resources}))
     names = ["CPU", "GPU"] + sorted({k for _, _, per in pools for k in per} - {"CPU", "GPU"})
     return {res: (sum(count * per.get(res, 0.0) for _, count, per in pools),
                   " + ".join(f"{pool} {count} x {per[res]:g}" for pool, count, per in pools if res in per))
@@ -54,14 +60,17 @@ def reserving_fields(spec, resource: str) -> list[str]:
     ``["rollout.num_gpus_per_replica", "train.num_gpus_per_worker"]``: what a shortage message tells the user to
     change. A reward pool without workers reserves nothing."""
     r, t, w = spec.rollout, spec.train, spec.reward_pool
+    agents = uses_agent_pool(r)
     per = {"CPU": [("rollout.num_cpus_per_replica", r.num_cpus_per_replica),
                    ("train.num_cpus_per_worker", t.num_cpus_per_worker)]
-                  + ([("reward_pool.num_cpus_per_worker", w.num_cpus_per_worker)] if w.workers else []),
+                  + ([("reward_pool.num_cpus_per_worker", w.num_cpus_per_worker)] if w.workers else [])
+                  + ([("rollout.agent_pool.num_cpus_per_worker", r.agent_pool.num_cpus_per_worker)] if agents else []),
            "GPU": [("rollout.num_gpus_per_replica", r.num_gpus_per_replica),
                    ("train.num_gpus_per_worker", t.num_gpus_per_worker)]}
     if resource in per:
         return [name for name, amount in per[resource] if amount]
     pools = [("rollout", r.resources), ("train", t.resources)] + ([("reward_pool", w.resources)] if w.workers else [])
+    pools += [("rollout.agent_pool", r.agent_pool.resources)] if agents else []
     return [f"{section}.resources.{resource}" for section, resources in pools if resources.get(resource)]
 
 

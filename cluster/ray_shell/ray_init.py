@@ -14,7 +14,8 @@ import os
 import socket
 import sys
 
-__all__ = ["LOCAL_NODE_IP", "AddressError", "init_ray", "job_address", "local_cluster_resources", "reachable"]
+__all__ = ["LOCAL_NODE_IP", "AddressError", "init_ray", "job_address", "local_cluster_resources", "reachable",
+           "use_token_if_available"]
 
 LOCAL_NODE_IP = "127.0.0.1"
 """Node IP of a locally started cluster: every Ray port of that cluster listens on loopback only."""
@@ -102,13 +103,31 @@ def init_ray(spec, address: str | None, source: str = "--address", log_to_driver
                 os.environ[name] = value
 
 
+def use_token_if_available() -> None:
+    """Send the cluster's token when one is configured here: Ray's own rule
+    (``maybe_enable_token_auth_if_token_available``, as ``ray start`` and ``ray.init(address="auto")`` apply it),
+    without its log warning. Used by ``init_ray`` joining a cluster and by the Jobs API client
+    (``cluster.ops.jobs.connect``)."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    try:
+        from ray._private.authentication import authentication_token_setup as setup
+    except ImportError:  # a Ray without token authentication
+        return
+    log = logging.getLogger(setup.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        setup.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
+
+
 def _init(spec, address: str | None, source: str, log_to_driver: bool, quiet: dict) -> None:
     import ray
 
     if address is not None:
-        from cluster.ops.jobs import _use_token_if_available
-
-        _use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
+        use_token_if_available()  # as `ray start` and ray.init(address="auto") do: send the cluster's token if any
         try:
             ray.init(address=address, log_to_driver=log_to_driver, logging_level=logging.WARNING, **quiet)
         except (ConnectionError, RuntimeError) as exc:

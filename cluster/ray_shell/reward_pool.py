@@ -112,4 +112,4 @@ def ray_reward_pool(spec, imports: tuple[str, ...] = ()):
         return InlineRewardPool()
     plan = build_plan(spec.algorithm.rewards, imports)
     return WorkerPool(lambda index: RayRewardWorker(plan, spec, index), rp.workers, rp.batch_size, rp.timeout_s,
-                      "Ray actors")
+                      "Ray actors", cores_per_worker=rp.num_cpus_per_worker)

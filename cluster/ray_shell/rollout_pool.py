@@ -1,5 +1,6 @@
-"""The rollout pool: ``rollout.replicas`` vLLM engine actors, each in its own placement group, with load-balanced
-group dispatch and membership changes between steps (add, remove, replace)."""
+"""The rollout pool: ``rollout.replicas`` rollout engine actors (the ``rollout.engine`` of
+``rollout_workers.registry``), each in its own placement group, with load-balanced group dispatch and membership
+changes between steps (add, remove, replace)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,22 @@ from cluster.loop.scheduler import assign_groups
 from cluster.ray_shell.pools import (EngineFailure, InsufficientResources, WorkerTimeout, _in_group, _kill,
                                      _pool_placement_group, get)
 from contract.messages import EngineInfo, EngineLoad, GroupRequest, GroupResult, PoolGenerateStats
+from cluster.ray_shell.requests import REQUEST_GROUP
 from contract.model_source import ModelSource
-from rollout_workers.engine import RolloutEngine
+from rollout_workers.registry import rollout_engine
+
+
+def request_slots(spec) -> int:
+    """Threads of an engine actor's ``requests`` concurrency group (``cluster.ray_shell.requests``): each waits on one
+    served request, so at least the requests a step can have in flight at once — every episode of two batches
+    (``rollout.mode: async`` runs the next while one trains), 2·B·G — and 64; at most 4096."""
+    r = spec.rollout
+    return max(64, min(4096, 2 * r.prompts_per_step * r.group_size))
 
 
 class RolloutPool:
-    """``rollout.replicas`` vLLM engine actors.
+    """``rollout.replicas`` engine actors, each a :class:`contract.rollout_engine.RolloutEngine` of the spec's
+    ``rollout.engine``.
 
     Groups are dispatched by load (:func:`cluster.loop.scheduler.assign_groups`): each prompt's whole group goes to the
     engine with the fewest tokens in flight (prompt + G × max_response_tokens), heaviest first, so engines finish
@@ -50,9 +61,10 @@ class RolloutPool:
         pg = _pool_placement_group(bundles, "STRICT_PACK", f"{self.spec.name}-rollout-{index}",
                                    min(r.timeout_s, 120.0))
         # partial rollouts: a second concurrency slot, so interrupt() reaches the engine while generate() runs
-        # (RolloutEngine's engine lock keeps generate and the weight sync apart)
+        # (every engine keeps generate and the weight sync apart itself); served requests wait in their own group
         concurrency = {"max_concurrency": 2} if r.partial_rollout else {}
-        engine = ray.remote(RolloutEngine).options(
+        engine = ray.remote(concurrency_groups={REQUEST_GROUP: request_slots(self.spec)})(
+            rollout_engine(r.engine)).options(
             num_cpus=bundles[0]["CPU"], num_gpus=bundles[0]["GPU"], resources=dict(r.resources), **_in_group(pg),
             **concurrency,
         ).remote(self.model_path, r, self.spec.model.dtype, self.spec.seed + index, self.max_model_len,
@@ -217,4 +229,5 @@ class RolloutPool:
         wall = time.perf_counter() - t0
         idle = min(1.0, max(0.0, 1.0 - sum(busy) / (len(self.engines) * wall))) if wall > 0 else 0.0
         return [by_id[q.group_id] for q in requests], PoolGenerateStats(
-            tokens=tokens, engine_seconds=busy, engine_idle_fraction=idle, per_engine=per_engine)
+            tokens=tokens, engine_seconds=busy, engine_idle_fraction=idle, per_engine=per_engine,
+            capacity_seconds=len(self.engines) * wall)

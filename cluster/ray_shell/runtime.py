@@ -1,5 +1,5 @@
 """One function that builds a ready job on a Ray cluster from a spec: :func:`build_job` gives the pure loop
-(:class:`cluster.driver.GRPOJob`) its Ray collaborators — vLLM engine actors (:class:`EngineFleet`), the train pool
+(:class:`cluster.driver.GRPOJob`) its Ray collaborators — rollout engine actors (:class:`EngineFleet`), the train pool
 (:class:`RayTrainer`), the reward pool (reward worker actors, or the driver itself: ``ray_reward_pool``) and the job
 control actor (:class:`RayControl`). ``grpo-cluster run``, submitted jobs and the
 restart-on-failure loop (:mod:`cluster.ray_shell.restarts`) call it.
@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from cluster.driver import GRPOJob
+from cluster.endpoint.job import job_endpoint
+from cluster.ray_shell.agent_pool import ray_agent_pool
 from cluster.ray_shell.control import ControlHandle, current_job_id, start_control
 from cluster.ray_shell.fleet import EngineFleet
 from cluster.ray_shell.reward_pool import ray_reward_pool
@@ -65,16 +67,20 @@ class RayControl:
 
 def build_job(spec, *, progress: bool = True, resume: bool = False, resume_past_trip: bool = False,
               dry_run: bool = False, control: bool = True, imports: tuple[str, ...] = ()) -> GRPOJob:
-    """A job over Ray collaborators: :class:`EngineFleet` (``rollout.replicas`` vLLM engines), :class:`RayTrainer`
-    (``train.world_size`` ranks of ``train.strategy``), the reward pool (``reward_pool.workers`` reward worker
-    actors; none: the driver scores), the spec's metric sinks and (with ``control``) the control actor. Their
-    pre-start checks run now; Ray is needed only from :meth:`GRPOJob.start` (``run``) on. ``imports``: modules the
+    """A job over Ray collaborators: :class:`EngineFleet` (``rollout.replicas`` engines of ``rollout.engine``),
+    :class:`RayTrainer` (``train.world_size`` ranks of ``train.strategy``), the reward pool (``reward_pool.workers``
+    reward worker actors; none: the driver scores), the agent pool (``rollout.agent_pool.workers`` agent worker
+    actors, with an agent) and the agent endpoint they call (served in this process: ``cluster.endpoint.job``), the
+    spec's metric sinks and (with ``control``) the control actor. Their pre-start checks run now; Ray is needed only
+    from :meth:`GRPOJob.start` (``run``) on. ``imports``: modules the
     train ranks and reward workers import before they build (``--import``: user-registered variants).
 
     Raises:
         SetupError, ModelError, DataError, MetricsError: the job's inputs (naming the spec field).
     """
     channel = RayControl(current_job_id(spec.name), spec.rollout.replicas) if control and not dry_run else None
-    return GRPOJob(spec, fleet=EngineFleet(spec), trainer=RayTrainer(spec, imports),
-                   reward_pool=ray_reward_pool(spec, imports), control=channel, progress=progress, resume=resume,
+    fleet = EngineFleet(spec)
+    return GRPOJob(spec, fleet=fleet, trainer=RayTrainer(spec, imports),
+                   reward_pool=ray_reward_pool(spec, imports), agent_pool=ray_agent_pool(spec, imports),
+                   agent_endpoint=job_endpoint(spec, fleet), control=channel, progress=progress, resume=resume,
                    dry_run=dry_run, resume_past_trip=resume_past_trip)

@@ -17,7 +17,7 @@ marked broken: the next ``sync`` rebuilds it first (with ``rollout.engines`` as 
 
 What is streamed (``train.lora.sync``): the policy's full weights (full fine-tuning, or LoRA ``merged``), or only the
 LoRA adapter tensors (``adapter``), which every engine loads as a vLLM LoRA adapter of the policy version and serves
-with every request (``rollout_workers.vllm_extension``); verification is the same per-tensor checksum either way.
+with every request (``rollout_workers.vllm.extension``); verification is the same per-tensor checksum either way.
 
 Transports (``sync.mode``): ``broadcast`` (gloo on CPU, NCCL on GPU), ``ipc`` (shared memory on CPU, CUDA IPC on
 GPU; every engine must be on train rank 0's Ray node, else the group is refused), ``auto`` (ipc when every engine is on
@@ -32,7 +32,8 @@ import ray
 
 from cluster.ray_shell.pools import get
 from contract.versions import PolicyVersionLedger
-from contract.messages import EngineInfo, ReceiveReport, SendReport, SyncReport
+from contract.messages import EngineInfo
+from contract.sync_reports import ReceiveReport, SendReport, SyncReport
 from weight_sync.transport import choose_transport
 from weight_sync.verify import adapter_targets, check_adapter_binding, checked_names, compare_checksums
 

@@ -4,6 +4,7 @@ loop is given on a Ray cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Callable
@@ -14,9 +15,11 @@ from ray.util.placement_group import remove_placement_group
 from cluster.ray_shell.pools import (TrainWorkerFailure, _dead_actor_index, _in_group, _kill, _pool_placement_group,
                                      check_cluster_resources, get, wait_dead)
 from cluster.spec.algorithm import effective_algorithm
+from contract.goodput import PoolTime
 from contract.messages import TrainRankInfo, TrainResult
 from contract.model_source import ModelSource
 from train_workers.registry import train_backend
+from train_workers.step_metrics import COMPUTE_KEY
 
 
 def import_user_modules(actor, modules: list[str], paths: list[str]) -> None:
@@ -48,11 +51,13 @@ class TrainPool:
 
     Attributes:
         workers: the rank actors, rank order. infos: each rank's :class:`TrainRankInfo`.
-        num_parameters: of the policy.
+        num_parameters: of the policy. busy_s: rank-seconds of the train steps so far (each rank's
+        ``timing/train_compute_s``, summed).
     """
 
     def __init__(self, spec, model_path: str, policy_path: str | None = None, imports: tuple[str, ...] = ()):
         self.spec = spec
+        self.busy_s = 0.0
         t = spec.train
         bundle = {"CPU": t.num_cpus_per_worker, "GPU": t.num_gpus_per_worker, **t.resources}
         actor_cls = ray.remote(train_backend(t.strategy))
@@ -104,13 +109,15 @@ class TrainPool:
         self._all(lambda w: w.set_lr.remote(lr), "setting the learning rate")
 
     def train_step(self, per_rank_microbatches: list, num_tokens: int, num_sequences: int) -> TrainResult:
-        """One train step on every rank (rank r trains ``per_rank_microbatches[r]``).
+        """One train step on every rank (rank r trains ``per_rank_microbatches[r]``); each rank's
+        ``timing/train_compute_s`` is added to :attr:`busy_s`.
 
         Args:
             num_tokens, num_sequences: loss tokens, and sequences with at least one, over the whole batch.
 
         Returns:
-            rank 0's :class:`TrainResult` (metrics are reduced over ranks, so every rank's are the same).
+            rank 0's :class:`TrainResult` (metrics are reduced over ranks, so every rank's are the same), with the
+            ``token_logprobs`` of every rank's traced sequences.
 
         Raises:
             TrainWorkerFailure: a rank failed, or the ranks disagree on the policy version or the skip.
@@ -118,13 +125,15 @@ class TrainPool:
         refs = [w.train_step.remote(mbs, num_tokens, num_sequences)
                 for w, mbs in zip(self.workers, per_rank_microbatches)]
         results: list[TrainResult] = self._get(refs, self.spec.train.timeout_s, "train step")
+        self.busy_s += sum(r.metrics.get(COMPUTE_KEY, 0.0) for r in results)
         first = results[0]
         for rank, r in enumerate(results[1:], start=1):
             if (r.policy_version, r.skipped) != (first.policy_version, first.skipped):
                 raise TrainWorkerFailure(
                     f"train rank {rank} disagrees with rank 0 after the train step: policy version "
                     f"{r.policy_version} vs {first.policy_version}, skipped {r.skipped} vs {first.skipped}")
-        return first
+        traced = {row: logprobs for r in results for row, logprobs in r.token_logprobs.items()}
+        return dataclasses.replace(first, token_logprobs=traced)
 
     def sync_plan(self, dtype: str, bucket_bytes: int) -> list:
         """The weight-sync bucket plan (``weight_sync.buckets.Bucket`` list) of the policy in the engine ``dtype``,
@@ -177,13 +186,15 @@ class RayTrainer:
         self.pool: TrainPool | None = None
         self.world_size = spec.train.world_size
         self.num_parameters = 0
+        self._stopped_busy_s = 0.0  # rank-seconds of train steps of the pools this trainer stopped
 
     def check(self, model_path: str) -> None:
-        """``train.lora`` against the model's layers (and vLLM's LoRA support for ``sync: adapter``) and the
-        backend's model-parallel layout (:mod:`cluster.ops.model_checks`)."""
-        from cluster.ops.model_checks import check_lora, check_train_layout
+        """``train.lora`` against the model's layers (and the ``rollout.engine``'s LoRA support for ``sync:
+        adapter``) and the backend's model-parallel layout (:mod:`cluster.data.model_checks`)."""
+        from cluster.data.model_checks import check_lora, check_train_layout
 
-        check_lora(self.spec.train.lora, model_path, source=ModelSource.of(self.spec.model))
+        check_lora(self.spec.train.lora, model_path, engine=self.spec.rollout.engine,
+                   source=ModelSource.of(self.spec.model))
         check_train_layout(self.spec.train, model_path, self.spec.model.dtype)
 
     def start(self, model_path: str, policy_path: str | None = None) -> None:
@@ -211,6 +222,13 @@ class RayTrainer:
     def train_step(self, per_rank: list, num_tokens: int, num_sequences: int) -> TrainResult:
         return self._running().train_step(per_rank, num_tokens, num_sequences)
 
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the ranks (pool ``train``), their train-step seconds so far (each rank's
+        ``timing/train_compute_s``) and the cores they hold (``train.num_cpus_per_worker`` each)."""
+        ranks, busy = (len(self.pool.workers), self.pool.busy_s) if self.pool is not None else (0, 0.0)
+        return [PoolTime("train", ranks, self._stopped_busy_s + busy,
+                         cores=ranks * self.spec.train.num_cpus_per_worker)]
+
     def save_checkpoint(self, folder: str, checkpoint: str | None = None) -> None:
         self._running().save_checkpoint(folder, checkpoint)
 
@@ -225,6 +243,7 @@ class RayTrainer:
         if self.pool is None:
             return
         pool, self.pool = self.pool, None
+        self._stopped_busy_s += pool.busy_s
         workers = list(pool.workers)
         pool.shutdown()
         wait_dead(workers)

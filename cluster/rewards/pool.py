@@ -27,10 +27,12 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.rewards.calls import Chunk, join_scores, lost_scores, pack_chunks, split_chunk_scores
+from contract.goodput import PoolTime
 from contract.rewards import RewardCall, RewardScores, RewardTicket
 from grpo.rewards.calling import RewardError
 
@@ -91,14 +93,17 @@ class WorkerPool:
             when it cannot start: a RewardError naming a function that does not load, or the runtime's error).
         workers: how many (>= 1). batch_size: completions per worker call. timeout_s: seconds one call may take.
         kind: what the workers are, for :meth:`describe` (e.g. ``"Ray actors"``).
+        cores_per_worker: CPU cores each worker holds (its Ray resources), for :meth:`pool_times`; 0: the driver's.
     """
 
     def __init__(self, make_worker: Callable[[int], RewardWorker], workers: int, batch_size: int, timeout_s: float,
-                 kind: str):
+                 kind: str, cores_per_worker: float = 0.0):
         if workers < 1:
             raise ValueError(f"a worker pool needs workers >= 1, got {workers}")
         self.make_worker, self.workers, self.batch_size, self.timeout_s, self.kind = (
             make_worker, workers, batch_size, timeout_s, kind)
+        self.cores_per_worker = cores_per_worker
+        self._busy_s = 0.0  # worker-seconds in calls, lost ones included
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -200,15 +205,26 @@ class WorkerPool:
         for index in missing:
             logger.warning("reward pool: a chunk of %d completions was not scored within %g s; its rows get no "
                            "score", len(pending.chunks[index].call), timeout_s)
+            with self._lock:
+                self.counts["lost_rows"] += len(pending.chunks[index].call)  # lost to this step as well
             self._fill(pending, index, lost_scores(len(pending.chunks[index].call), pending.weights), force=True)
         return [join_scores([scores for _, scores in sorted(parts, key=lambda p: p[0].start)]) if parts
                 else lost_scores(0, pending.weights) for parts in pending.parts]
 
     def metrics(self) -> dict[str, float]:
         """``reward_pool/workers`` and the cumulative ``reward_pool/{worker_restarts, timed_out_calls, lost_calls,
-        lost_rows}`` (lost: calls whose worker died or timed out, and their rows)."""
+        lost_rows}`` (lost: calls whose worker died or timed out; ``lost_rows``: their rows and the rows of chunks a
+        step stopped waiting for, every row the pool gave no score)."""
         return {"reward_pool/workers": float(self.workers),
                 **{f"reward_pool/{k}": float(v) for k, v in self.counts.items()}}
+
+    def pool_times(self) -> list[PoolTime]:
+        """``contract.goodput.TimedPool``: the workers (pool ``reward``, none before :meth:`start`) and the seconds
+        their calls took so far (a lost call's until it was given up)."""
+        serving = self.workers if self._threads else 0
+        with self._lock:
+            busy = self._busy_s
+        return [PoolTime("reward", serving, busy, cores=serving * self.cores_per_worker)]
 
     def describe(self) -> str:
         return (f"{self.workers} reward worker(s) ({self.kind}, {self.batch_size} completions per call, "
@@ -249,6 +265,7 @@ class WorkerPool:
 
     def _call(self, slot: int, call: RewardCall) -> RewardScores:
         """One chunk on slot ``slot``'s worker; a lost call's scores are NaN."""
+        t0 = time.perf_counter()
         try:
             worker = self._slots[slot] or self._restart(slot)
             return worker.call(call, self.timeout_s)
@@ -257,6 +274,9 @@ class WorkerPool:
         except Exception as exc:  # noqa: BLE001 - WorkerLost, or a worker that cannot start / be reached
             self._lost(slot, call, exc)
             return lost_scores(len(call), call.weights)
+        finally:
+            with self._lock:
+                self._busy_s += time.perf_counter() - t0
 
     def _restart(self, slot: int) -> RewardWorker:
         """A new worker in slot ``slot`` (counted in ``reward_pool/worker_restarts``).

@@ -22,7 +22,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 
-__all__ = ["CHILD_COMMAND", "child_connections", "parent_connections", "serve_stdio"]
+__all__ = ["CHILD_COMMAND", "child_connections", "parent_connections", "serve_stdio", "watch_parent"]
 
 #: What the parent runs with ``sys.executable -c``.
 CHILD_COMMAND = "from cluster.rewards.stdio import serve_stdio; serve_stdio()"
@@ -49,7 +49,7 @@ def child_connections() -> tuple[Connection, Connection]:
     return receiver, sender
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
     """Exit when the parent process is gone (this process was re-parented)."""
     while True:
         time.sleep(1.0)
@@ -62,7 +62,7 @@ def serve_stdio() -> None:
     from cluster.rewards.worker import RewardWorkerCore, WireError
 
     receiver, sender = child_connections()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=watch_parent, args=(os.getppid(),), daemon=True).start()
     try:
         plan = receiver.recv()
         core = RewardWorkerCore(plan)

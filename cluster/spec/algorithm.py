@@ -6,6 +6,10 @@ those functions' docstrings). Checks that involve other sections (``rollout.max_
 registered variant (``advantage_estimator``, ``policy_loss``, ``loss_agg``, ``kl_estimator``, ``tis_level``,
 ``mis.level``) are checked against their ``grpo`` registry at validation (:mod:`cluster.spec.variants`).
 
+Settings a choice implies unless the spec sets them (:mod:`cluster.spec.implied`, ``grpo.registry.set_implied``):
+gspo and gspo_token GSPO's clip range 3e-4 / 4e-4, cispo ``clip_eps_low`` 0.999, dr_grpo ``loss_agg:
+seq-mean-token-sum-norm``; ``grpo-cluster validate`` prints the values in force and which were implied.
+
 Off-policy default (``off_policy_correction``): ``rollout.mode`` one_step_off and async train on samples of an older
 policy, so unless the spec chooses a correction (``tis_cap`` or ``mis``) the train ranks run token-level truncated
 importance sampling against the engine's logprobs with cap :data:`DEFAULT_TIS_CAP` (:func:`effective_algorithm`; the
@@ -15,17 +19,19 @@ spec itself is never rewritten). ``off_policy_correction: none`` turns that off;
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationInfo, field_validator,
                       model_validator)
 
 from cluster.spec.fields import MAX_COEFFICIENT, MAX_COUNT, MAX_RATIO, FieldConflict, unused_when_off
+from cluster.spec.implied import Rule, with_implied
 from cluster.spec.variants import (ADVANTAGE_ESTIMATOR, KL_ESTIMATOR, LOSS_AGGREGATION, MIS_LEVEL, POLICY_LOSS,
-                                   TIS_LEVEL)
+                                   TIS_LEVEL, implied_by_choices)
 
 __all__ = ["DEFAULT_TIS_CAP", "OFF_POLICY_MODES", "REWARD_NAMES", "AlgorithmSpec", "FieldConflict", "MisSpec",
-           "algorithm_conflicts", "check_reward_key", "describe_off_policy", "effective_algorithm",
+           "algorithm_conflicts", "algorithm_implied", "check_reward_key", "describe_off_policy", "effective_algorithm",
            "off_policy_warning", "reward_names"]
 
 MAX_GROUP_SIZE = 1024
@@ -40,12 +46,12 @@ You Off-Policy RL Training") and of the peers that ship it (verl's and slime's T
 OFF_POLICY_MODES = ("one_step_off", "async")
 """``rollout.mode`` values whose samples come from an older policy than the one that trains on them."""
 
-REWARD_NAMES: tuple[str, ...] = ("accuracy", "format", "math")
+REWARD_NAMES: tuple[str, ...] = ("accuracy", "format", "math", "reasoning_gym", "code", "code_asserts")
 """Builtin reward functions a spec may weight in ``algorithm.rewards`` (more may be registered, see reward_names)."""
 
 
 def reward_names() -> tuple[str, ...]:
-    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: accuracy, format, math, reasoning_gym), read
+    """Names registered in ``grpo.rewards.REWARD_FUNCTIONS`` (builtins: :data:`REWARD_NAMES`), read
     at validation time so functions registered by user code before the spec is loaded are accepted; keys a spec named
     by location (``file.py:function``), registered when it was loaded, are not listed."""
     from grpo.rewards import REWARD_FUNCTIONS
@@ -111,10 +117,21 @@ class MisSpec(BaseModel):
         return self
 
 
+#: The ``algorithm`` fields that select a registered variant whose entry may imply companion settings.
+IMPLYING_SELECTORS = (ADVANTAGE_ESTIMATOR, POLICY_LOSS, LOSS_AGGREGATION, KL_ESTIMATOR, TIS_LEVEL)
+
+
+def algorithm_implied(values: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The ``algorithm`` section's :data:`cluster.spec.implied.Rule`: what its chosen variants imply (module doc)."""
+    defaults = {s.name: AlgorithmSpec.model_fields[s.name].default for s in IMPLYING_SELECTORS}
+    return implied_by_choices(values, IMPLYING_SELECTORS, defaults)
+
+
 class AlgorithmSpec(BaseModel):
     """GRPO objective: advantage estimator, clipped policy loss, KL to the reference policy, rewards, sampling."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    IMPLIED: ClassVar[Rule] = staticmethod(algorithm_implied)
 
     # ---- advantages
     advantage_estimator: Annotated[str, ADVANTAGE_ESTIMATOR.validator] = Field(
@@ -131,12 +148,16 @@ class AlgorithmSpec(BaseModel):
         "ones), cispo (CISPO: clipped, stop-gradient importance weight times the logprob; no dual_clip_c)"))
     loss_agg: Annotated[str, LOSS_AGGREGATION.validator] = Field(
         "seq-mean-token-mean", strict=True, description=LOSS_AGGREGATION.describe(
-            "How per-token losses are reduced to one scalar", "token-mean, seq-mean-token-mean, "
+            "How per-token losses are reduced to one scalar (left out: seq-mean-token-sum-norm with "
+            "advantage_estimator dr_grpo, Dr. GRPO's, else seq-mean-token-mean)", "token-mean, seq-mean-token-mean, "
             "seq-mean-token-sum-norm"))
     clip_eps_low: float = Field(0.2, strict=True, ge=0, lt=1, description=(
-        "Lower ratio clip: ratio >= 1 - clip_eps_low."))
+        "Lower ratio clip: ratio >= 1 - clip_eps_low. Left out, the policy loss's own value: 0.2 for ppo (a token "
+        "ratio), 3e-4 for gspo and gspo_token (GSPO's range of a sequence-level ratio, Zheng et al. 2025), 0.999 for "
+        "cispo (no lower bound on its weight, MiniMax-M1)."))
     clip_eps_high: float = Field(0.2, strict=True, ge=0, le=MAX_RATIO - 1, description=(
-        "Upper ratio clip: ratio <= 1 + clip_eps_high; at most e^20 - 1 (the ratio is clamped at e^20)."))
+        "Upper ratio clip: ratio <= 1 + clip_eps_high; at most e^20 - 1 (the ratio is clamped at e^20). Left out, "
+        "the policy loss's own value: 0.2 for ppo and cispo, 4e-4 for gspo and gspo_token (GSPO's range)."))
     dual_clip_c: float | None = Field(None, strict=True, gt=1, le=MAX_RATIO, description=(
         "Dual clip (Ye et al. 2020): for negative advantages the token loss is at most c·|A|, c in (1, e^20]; null "
         "disables."))
@@ -169,35 +190,38 @@ class AlgorithmSpec(BaseModel):
         "most 1e6."))
     kl_estimator: Annotated[str, KL_ESTIMATOR.validator] = Field("k3", strict=True, description=KL_ESTIMATOR.describe(
         "KL estimator", "k1, k2, k3 (Schulman's)"))
-    kl_in_reward: bool = Field(False, description=(
+    kl_in_reward: bool = Field(False, strict=True, description=(
         "Put the KL in the reward as a per-token penalty (return-to-go added to the advantage) instead of the loss."))
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description=(
         "fixed: beta = kl_coef; adaptive: beta steered so the measured KL approaches kl_target (Ziegler et al. 2019)."))
     kl_target: float = Field(0.01, strict=True, gt=0, le=MAX_COEFFICIENT, description=(
         "Adaptive controller: target KL in nats per token."))
     kl_horizon_sequences: int = Field(10_000, ge=1, le=MAX_COUNT, strict=True, description=(
-        "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences per step / horizon."))
+        "Adaptive controller horizon in sequences: beta moves by at most 20% x sequences trained per step (those "
+        "with a token in the loss) / horizon."))
     # ---- rewards
     rewards: dict[str, StrictFloat] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1}, description=(
-        f"Reward function -> weight. A key is a registered name (builtins: {', '.join(REWARD_NAMES)}, "
-        "reasoning_gym), 'module:function', or 'path/to/file.py:function' (relative to the spec file); the "
+        f"Reward function -> weight. A key is a registered name (builtins: {', '.join(REWARD_NAMES)}: "
+        "docs/own_task.md), 'module:function', or 'path/to/file.py:function' (relative to the spec file); the "
         "function is called fn(prompts=..., completions=..., **columns) or fn(completions, references) and returns "
-        "one float or None (no score) per completion (docs/own_task.md)."))
+        "one finite float or None per completion: None where another weighted reward scores the row means 'does "
+        "not apply' (TRL's convention: the row's total is the weighted sum of the rewards that scored it); a row no "
+        "weighted reward scores has no reward (docs/own_task.md)."))
     reward_combine: Literal["sum-then-normalise", "normalise-then-sum"] = Field(
         "sum-then-normalise", description=(
             "sum-then-normalise: advantage of the weighted reward sum; normalise-then-sum: weighted sum of each "
             "reward's own group advantage."))
     reward_on_error: Literal["raise", "none"] = Field("raise", description=(
-        "A reward function that raises: 'raise' fails the step naming it; 'none' gives its completions no reward "
-        "(counted in reward/failed), an infrastructure failure like a None score."))
+        "A reward function that raises: 'raise' fails the step naming it; 'none' gives the completions of its call "
+        "no reward (counted in reward/failed), an infrastructure failure, even where another reward scored them."))
     max_infra_failed_fraction: float = Field(0.5, strict=True, ge=0, le=1, description=(
-        "Completions without a reward (a function returned None, or raised with reward_on_error 'none': an "
-        "infrastructure failure, not the policy's) are left out of their group's statistics, of the loss and of "
+        "Completions without a reward (no weighted function scored them, or one raised with reward_on_error 'none': "
+        "an infrastructure failure, not the policy's) are left out of their group's statistics, of the loss and of "
         "the step's metrics, and counted in reward/infra_failed. A sampling round (the step's batch, without "
         "dynamic sampling) where more than this fraction of completions have none stops the job naming this field; "
         "one where every completion has none always stops it. 0 stops at the first."))
     # ---- truncated completions
-    mask_truncated: bool = Field(False, description=(
+    mask_truncated: bool = Field(False, strict=True, description=(
         "Completions without EOS (cut at max_response_tokens) are masked out of the loss (DAPO overlong filtering)."))
     overlong_buffer_tokens: int | None = Field(None, ge=1, strict=True, description=(
         "DAPO soft overlong punishment: penalty ramps from 0 to -overlong_penalty_factor over the last this-many "
@@ -205,7 +229,7 @@ class AlgorithmSpec(BaseModel):
     overlong_penalty_factor: float = Field(1.0, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
         "Scale of the overlong penalty (reward units); at most 1e6."))
     # ---- sampling
-    dynamic_sampling: bool = Field(False, description=(
+    dynamic_sampling: bool = Field(False, strict=True, description=(
         "DAPO dynamic sampling: drop groups whose advantages are all zero and sample more prompts until "
         "rollout.prompts_per_step informative groups or max_sampling_rounds."))
     max_sampling_rounds: int = Field(3, ge=1, le=1024, strict=True, description=(
@@ -218,6 +242,13 @@ class AlgorithmSpec(BaseModel):
         "group_size_rise_threshold; null disables."))
     group_size_rise_threshold: float = Field(0.5, strict=True, gt=0, le=1, description=(
         "All-equal group fraction above which the adaptive group size rises."))
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _implied_settings(cls, data: Any, handler) -> AlgorithmSpec:
+        """What the chosen variants imply when the spec leaves the setting out (module doc); a value the spec gives
+        is kept and checked as written."""
+        return with_implied(data, handler, algorithm_implied)
 
     @field_validator("rewards")
     @classmethod
@@ -241,9 +272,7 @@ class AlgorithmSpec(BaseModel):
         if heavy:
             raise ValueError(f"expected reward weights in [-{MAX_COEFFICIENT:g}, {MAX_COEFFICIENT:g}] (they scale "
                              f"float32 rewards), got {heavy}")
-        if not rewards:
-            raise ValueError(f"expected at least one reward from {', '.join(REWARD_NAMES)}, got none")
-        return rewards
+        return rewards  # none at all is refused by JobSpec unless the job has an agent (cluster.spec.agents)
 
     @field_validator("group_size_schedule")
     @classmethod

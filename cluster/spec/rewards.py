@@ -1,6 +1,6 @@
 """Where a job's reward functions run: the ``reward_pool`` section (workers in the driver, Ray actors or local
 processes) and the ``reward_endpoints`` section (reward models served over HTTP, usable as ``algorithm.rewards``
-keys). Imports only pydantic, :mod:`cluster.spec` modules and, lazily, ``grpo.rewards.endpoint`` (an endpoint is
+keys). Imports only pydantic, :mod:`cluster.spec` modules and, lazily, ``cluster.rewards.endpoint`` (an endpoint is
 registered as a reward function when the spec is validated)."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class RewardEndpointSpec(BaseModel):
 
 
 def register_endpoints(endpoints: dict[str, RewardEndpointSpec]) -> dict[str, RewardEndpointSpec]:
-    """Register each endpoint as a reward function under its name (``grpo.rewards.endpoint.register_endpoint``),
+    """Register each endpoint as a reward function under its name (``cluster.rewards.endpoint.register_endpoint``),
     so ``algorithm.rewards`` and ``eval`` may name it.
 
     Raises:
@@ -86,7 +86,7 @@ def register_endpoints(endpoints: dict[str, RewardEndpointSpec]) -> dict[str, Re
             ``${VAR}`` of the headers or URLs that is not set, a URL that is not http(s):// once expanded; naming the
             endpoint and the field.
     """
-    from grpo.rewards.endpoint import expand_headers, expand_url, register_endpoint
+    from cluster.rewards.endpoint import expand_headers, expand_url, register_endpoint
 
     for name, e in endpoints.items():
         if ":" in name or not name.strip():

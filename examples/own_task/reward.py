@@ -6,16 +6,22 @@ Each is called with the completions and, as keywords, the columns of their rows 
 
 import re
 
+from grpo.rewards.final_answer import commits_to_number
+from grpo.rewards.numbers import first_number
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def correct(completions, answer):
-    """1.0 when the completion's last number equals the row's ``answer`` column, else 0.0."""
-    scores = []
-    for completion, expected in zip(completions, answer):
-        numbers = _NUMBER.findall(completion.replace(",", ""))
-        scores.append(1.0 if numbers and float(numbers[-1]) == float(expected) else 0.0)
-    return scores
+    """1.0 when the completion commits to one final answer equal to the row's ``answer`` column, else 0.0.
+
+    The final answer is what ``grpo.rewards.final_answer`` reads (a ``####`` line, a ``\\boxed{}``, "the answer is
+    ...", else the last number), and the completion must commit to it: a hedge — "it is 12 or maybe 15", a list or a
+    range of values, two different answers — scores 0.0 even when one of its values is right (docs/own_task.md, "One
+    committed final answer").
+    """
+    return [1.0 if commits_to_number(completion, first_number(str(expected))) else 0.0
+            for completion, expected in zip(completions, answer)]
 
 
 def _check_answer(answer):

@@ -18,7 +18,7 @@ per call::
     error: unknown tool 'calc'; available: calculator, python
 
 Tools: ``calculator`` (``{"expression": "..."}``, :mod:`grpo.environments.calculator`: arithmetic without ``eval``)
-and ``python`` (``{"code": "..."}``, :mod:`grpo.environments.python_tool`: the sandbox with the ``code`` reward's
+and ``python`` (``{"code": "..."}``, :mod:`sandbox.python_tool`: the sandbox with the ``code`` reward's
 limits, or ``options.sandbox``'s). What the policy did wrong — a call that is not JSON, an unknown tool, bad
 arguments, a program that raises, an output over ``max_output_chars`` (cut, with a note saying how much was left
 out) — is in the observation and counted in ``tool_errors``; the sandbox failing to start raises (an infrastructure
@@ -40,13 +40,16 @@ from typing import Any
 
 from grpo.environments.base import Observation, Turn
 from grpo.environments.calculator import CalculatorError, calculate
-from grpo.environments.python_tool import PythonTool, sandbox_config
 from grpo.environments.tool_calls import CallError, parse_tool_calls
+from grpo.registry import load_target
 
-__all__ = ["TOOL_NAMES", "TOOL_PROMPT", "ToolEnvironment", "truncate_output"]
+__all__ = ["PYTHON_TOOL", "TOOL_NAMES", "TOOL_PROMPT", "ToolEnvironment", "truncate_output"]
 
 #: The tools this environment knows.
 TOOL_NAMES = ("calculator", "python")
+#: Where the ``python`` tool is made (the ``sandbox`` package, imported when the tool is first offered: this package
+#: never imports process code, docs/architecture.md): called with the ``sandbox`` options.
+PYTHON_TOOL = "sandbox.python_tool:python_tool"
 
 #: A system prompt that teaches the format (the calculator alone), for specs and benchmarks.
 TOOL_PROMPT = ("You can use a calculator. To use it, write exactly\n"
@@ -110,7 +113,7 @@ class ToolEnvironment:
             raise ValueError(f"sandbox: expected a mapping of SandboxConfig fields, got {type(sandbox).__name__}")
         self.max_output_chars, self.max_calls_per_turn, self.role = max_output_chars, max_calls_per_turn, role
         makers: dict[str, Callable[[], Callable]] = {"calculator": _Calculator,
-                                                     "python": lambda: PythonTool(sandbox_config(sandbox))}
+                                                     "python": lambda: load_target(PYTHON_TOOL)(sandbox)}
         self.tools = {name: makers[name]() for name in tools}
         python = self.tools.get("python")
         self.longest_step_s = float(max_calls_per_turn) * (1.0 + (python.config.wall_time_s if python else 0.0))

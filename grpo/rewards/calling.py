@@ -13,8 +13,12 @@ Two conventions, told apart by the function's parameters (:func:`signature_of`):
   ``prompts``, and is not ``(completions, <other name>)`` (that one asks for the column of that name).
 
 Either may be ``async def`` (or return an awaitable): it is run to completion with :mod:`asyncio` (in a helper thread
-when the calling thread already runs an event loop). It returns N values: a float (ints and bools count), or None
-for "no score" (an infrastructure failure: the completion is left out of its group's statistics and of the loss).
+when the calling thread already runs an event loop). It returns N values: a finite float (ints and bools count), or
+None (NaN likewise) for "no score": TRL's convention, "this reward does not apply to this row" — the row's total is
+the weighted sum of the rewards that do score it, and a row no weighted reward scores is an infrastructure failure
+(``grpo.rewards.combine_rewards``). A verifier that could not score a row it applies to (its service or sandbox
+failed) returns :data:`UNSCORED` there: that row has no reward (an infrastructure failure) whatever the other rewards
+give it, as when a weighted function raises. ±inf is refused, naming the function and where it is defined.
 
 Errors name the function's file and line (:func:`where_defined`) and are :class:`RewardError` s.
 """
@@ -33,13 +37,31 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["REFERENCES", "RESERVED_KEYWORDS", "WHOLE_ROW", "RewardError", "RewardOutputError", "RewardSignature",
-           "call_reward", "run_awaitable", "signature_of", "values_to_tensor", "where_defined"]
+__all__ = ["REFERENCES", "RESERVED_KEYWORDS", "UNSCORED", "WHOLE_ROW", "RewardError", "RewardOutputError",
+           "RewardSignature", "call_reward", "run_awaitable", "signature_of", "unscored_rows", "values_to_tensor",
+           "where_defined"]
 
 REFERENCES: Literal["references"] = "references"
 WHOLE_ROW: Literal["row"] = "row"
 #: Keywords every whole-row reward gets from the loop; no data column may be named so.
 RESERVED_KEYWORDS = frozenset({"prompts", "completions"})
+#: Largest float32: a reward beyond it would become ±inf in the [N] float32 reward tensor.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class _Unscored:
+    """The type of :data:`UNSCORED` (one instance; pickled by name, so it stays the same object)."""
+
+    def __repr__(self) -> str:
+        return "UNSCORED"
+
+    def __reduce__(self) -> str:
+        return "UNSCORED"
+
+
+#: What a reward returns for a row it applies to but could not score (the verifier, its service or sandbox failed):
+#: an infrastructure failure of that row even where another weighted reward scores it. None means "does not apply".
+UNSCORED = _Unscored()
 
 
 class RewardError(RuntimeError):
@@ -166,15 +188,40 @@ def call_reward(fn: Callable, signature: RewardSignature, completions: Sequence[
     return run_awaitable(fn(**signature.keywords(available)))
 
 
-def values_to_tensor(name: str, fn: Callable, values: object, n: int) -> torch.Tensor:
-    """A reward function's N values as a [N] float32 tensor, NaN for None.
-
-    Accepts any sequence (or an object with ``tolist()``, e.g. a numpy array or tensor) of real numbers (ints and bools
-    count) and None.
+def _finite(name: str, where: str, row: int, value: Real) -> float:
+    """``value`` as a float; NaN stays NaN (no score).
 
     Raises:
-        RewardOutputError: not a sequence, not N values, or a value that is neither a real number nor None; naming
-            ``name``, :func:`where_defined` and the row.
+        RewardOutputError: ±inf, or a number beyond float32's range (it would become ±inf in the reward tensor).
+    """
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        number = math.inf
+    if math.isinf(number) or abs(number) > _FLOAT32_MAX:
+        raise RewardOutputError(f"reward function {name!r} returned {value!r:.40} at row {row}, expected a finite "
+                                f"number (within float32's range) or None for no score (defined at {where})")
+    return number
+
+
+def unscored_rows(values: object) -> list[bool]:
+    """Which of a reward function's values are :data:`UNSCORED` (its verifier could not score the row); all False
+    for values that cannot hold it (a numpy array or tensor of numbers)."""
+    if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):
+        values = values.tolist()
+    return [v is UNSCORED for v in values] if isinstance(values, Sequence) else []
+
+
+def values_to_tensor(name: str, fn: Callable, values: object, n: int) -> torch.Tensor:
+    """A reward function's N values as a [N] float32 tensor, NaN for None and :data:`UNSCORED` (and for NaN: no
+    score; :func:`unscored_rows` tells UNSCORED apart).
+
+    Accepts any sequence (or an object with ``tolist()``, e.g. a numpy array or tensor) of real numbers (ints and bools
+    count), None and UNSCORED.
+
+    Raises:
+        RewardOutputError: not a sequence, not N values, a value that is neither a real number nor None, or ±inf (or
+            a number float32 rounds to ±inf); naming ``name``, :func:`where_defined` and the row.
     """
     if hasattr(values, "tolist") and not isinstance(values, (str, bytes)):
         values = values.tolist()
@@ -187,10 +234,10 @@ def values_to_tensor(name: str, fn: Callable, values: object, n: int) -> torch.T
                                 f"completion; defined at {where})")
     out = []
     for i, v in enumerate(values):
-        if v is None:
+        if v is None or v is UNSCORED:
             out.append(math.nan)
         elif isinstance(v, Real):
-            out.append(float(v))
+            out.append(_finite(name, where, i, v))
         else:
             raise RewardOutputError(f"reward function {name!r} returned {type(v).__name__} at row {i}, expected float "
                                     f"or None (defined at {where})")

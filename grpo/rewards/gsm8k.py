@@ -1,10 +1,16 @@
 """GSM8K answer extraction and rule-based rewards (accuracy, format).
 
 GSM8K (Cobbe et al. 2021, "Training Verifiers to Solve Math Word Problems") ends every reference solution with a
-line "#### <answer>". A completion's answer is, in order of preference:
+line "#### <answer>". The number a completion's final answer names (:func:`extract_answer`) is, in order of preference:
     1. the first number after the last "####" marker that has a number after it;
     2. else the last number inside the last \\boxed{...} (nested braces handled);
     3. else the last number anywhere in the text.
+The accuracy reward pays it only when the completion commits to it (:func:`committed_answer`, the rule of
+:mod:`grpo.rewards.final_answer`): every final-answer statement ("####" lines, boxes, <answer> tags, "the answer is"
+phrases) names that same number and offers no alternative, and none follows the last one; without a statement, the
+last number is not one of a list, a range or a disjunction. "#### 3\\n#### 4", "\\boxed{3} or \\boxed{4}",
+"#### 3 or 4", "the answer is 3 (or maybe 5)", "either 12, 13 or 14" and "between 3 and 5" pay nothing, whichever
+value is right; "12 - 9 = 3.\\n#### 3" and "#### $3" pay.
 The text is normalised first (:func:`grpo.rewards.answer_text.clean_text`: sign characters, currency prefixes,
 spaces, LaTeX and Unicode fractions) and numbers are read and compared by :mod:`grpo.rewards.numbers` (mixed
 numbers, what is not a number, exact comparison with a relative tolerance of 1e-6); the kinds of notation and the
@@ -13,12 +19,14 @@ deterministic.
 
 Format rule (``format_reward``): it pays 1.0 only for a worked solution in GSM8K's own shape, never for an answer
 line alone (the 40-step CPU demo under the old rule "last line is '#### <number>'" learned to print "#### N" at once:
-length 125 → 10 tokens, format saturated, pass@1 3.0 % → 1.5 %). All five must hold:
+length 125 → 10 tokens, format saturated, pass@1 3.0 % → 1.5 %). All six must hold:
     F1 exactly one "####" in the completion;
     F2 it is on the last non-empty line (nothing after the answer line);
     F3 after it, one number (a currency prefix before it, "." and whitespace after it allowed; no units after it);
     F4 the reasoning (all text before "####") has >= MIN_REASONING_CHARS = 30 non-whitespace characters;
-    F5 the reasoning holds >= MIN_REASONING_NUMBERS = 3 numbers, at least one of them not equal to the final answer.
+    F5 the reasoning holds >= MIN_REASONING_NUMBERS = 3 numbers, at least one of them not equal to the final answer;
+    F6 the answer line is the completion's one final answer: a box or an answer phrase in the reasoning names the same
+       number and offers no alternative (:func:`grpo.rewards.final_answer.commits_to_number`).
 Thresholds from the GSM8K reference solutions (``answer`` fields, train 7,473 + test 1,319 rows, 2026-12-01): every
 one has exactly one "####", on its last line; its reasoning has >= 2 non-empty lines, >= 38 non-whitespace
 characters and >= 4 numbers as written (>= 31 characters and >= 3 numbers once the "<<48/2=24>>" calculator
@@ -61,11 +69,12 @@ import re
 from collections import Counter
 
 from grpo.rewards.answer_text import clean_text
+from grpo.rewards.final_answer import commits_to_number, committed_number
 from grpo.rewards.numbers import (MAX_DIGITS, NUMBER_BODY, NUMBER_RE, first_number, last_number, mixed_value,
                                   normalize_number, numbers_equal)
 
-__all__ = ["MAX_DIGITS", "MIN_REASONING_CHARS", "MIN_REASONING_NUMBERS", "accuracy_reward", "extract_answer",
-           "format_reward", "normalize_number", "parse_reference"]
+__all__ = ["MAX_DIGITS", "MIN_REASONING_CHARS", "MIN_REASONING_NUMBERS", "accuracy_reward", "committed_answer",
+           "extract_answer", "format_reward", "normalize_number", "parse_reference"]
 
 MIN_REASONING_CHARS = 30
 """Fewest non-whitespace characters of reasoning before "####" that `format_reward` pays for (rule F4, module doc)."""
@@ -105,7 +114,8 @@ def _last_boxed_content(text: str) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final numeric answer of a completion as a canonical string, or None if it has no number.
+    """The number a completion's final answer names, as a canonical string, or None if it has no number; whether the
+    completion commits to it is :func:`committed_answer`'s question.
 
     Args:
         text: model completion (EOS already stripped).
@@ -130,6 +140,15 @@ def extract_answer(text: str) -> str | None:
     return value
 
 
+def committed_answer(text: str) -> str | None:
+    """The number the completion commits to as its one final answer (C1-C4 of :mod:`grpo.rewards.final_answer`),
+    canonical, else None: no number, or a hedge (two different final answers, alternatives in one, a hedge after it,
+    a last number that is one of a list or a range). When it is not None it is the number every final-answer
+    statement names ("####" lines, boxes, tags, "the answer is" phrases), or without one the last number; so it
+    equals :func:`extract_answer` but where the reading rules skip a phrase ("The answer is 3, which is 4 - 1.")."""
+    return committed_number(text)
+
+
 def parse_reference(answer_field: str) -> str:
     """Canonical reference answer from a GSM8K `answer` field ("... #### 72") or a bare number ("72", "1,000").
 
@@ -144,7 +163,8 @@ def parse_reference(answer_field: str) -> str:
 
 
 def accuracy_reward(completion: str, reference_answer: str) -> float:
-    """1.0 if the completion's extracted answer equals the reference numerically, else 0.0.
+    """1.0 if the completion commits to one final answer (:func:`committed_answer`) that equals the reference
+    numerically, else 0.0: a hedge scores 0.0 whichever of its values is right.
 
     Equal means |a - b| <= 1e-6 · max(|a|, |b|), computed exactly with fractions (no float overflow: two numbers
     of 400 digits that differ are not equal). Never raises for a str completion.
@@ -157,7 +177,7 @@ def accuracy_reward(completion: str, reference_answer: str) -> float:
         ValueError: the reference has no number (`parse_reference`).
     """
     reference = parse_reference(reference_answer)
-    predicted = extract_answer(completion)
+    predicted = committed_answer(completion)
     if predicted is None:
         return 0.0
     return 1.0 if numbers_equal(predicted, reference) else 0.0
@@ -197,15 +217,17 @@ def _shows_work(reasoning: str, answer: str) -> bool:
 
 
 def format_reward(completion: str) -> float:
-    """1.0 for a well-formed worked solution, else 0.0: all of rules F1-F5 of the module doc hold.
+    """1.0 for a well-formed worked solution, else 0.0: all of rules F1-F6 of the module doc hold.
 
     F1 exactly one "####" in the completion; F2 it is on the last non-empty line; F3 what follows it there is one
     number (a currency prefix before it, a "." and whitespace after it allowed; no units; at most MAX_DIGITS digits
     per part);
     F4 the reasoning (all text before "####", the marker line's own prefix included) has at least
     MIN_REASONING_CHARS = 30 non-whitespace characters; F5 it holds at least MIN_REASONING_NUMBERS = 3 numbers, one
-    of them different in value from the final answer. So a bare "#### 5", a one-line filler before it, a restated
-    answer ("5 5 5"), a second marker, or text after the answer line all score 0.0. Every GSM8K reference solution
+    of them different in value from the final answer; F6 the answer line is the completion's one final answer (a box
+    or an answer phrase before it names the same number, with no alternative). So a bare "#### 5", a one-line filler
+    before it, a restated answer ("5 5 5"), a second marker, text after the answer line, or "\\boxed{13}" before
+    "#### 12" all score 0.0. Every GSM8K reference solution
     (train and test, 8,792) scores 1.0; the measurements behind the thresholds are in the module doc.
 
     Args:
@@ -220,6 +242,6 @@ def format_reward(completion: str) -> float:
     if len(tail.splitlines()) > 1:
         return 0.0
     answer = _final_answer(tail)
-    if answer is None or not _shows_work(reasoning, answer):
+    if answer is None or not _shows_work(reasoning, answer) or not commits_to_number(completion, answer):
         return 0.0
     return 1.0

@@ -32,8 +32,8 @@ from typing import Literal
 
 from grpo.rewards.calling import RewardError, signature_of
 
-__all__ = ["HOW_TO_NAME_A_REWARD", "RewardLocation", "is_location", "load_reward", "parse_location",
-           "register_spec_reward", "spec_reward_base_dir"]
+__all__ = ["HOW_TO_NAME_A_REWARD", "RewardLocation", "import_target", "is_location", "load_located", "load_reward",
+           "locate_target", "parse_location", "register_spec_reward", "spec_reward_base_dir"]
 
 HOW_TO_NAME_A_REWARD = (
     "register one with @grpo.rewards.register_reward_function('name') in a module given to --import, or name a "
@@ -65,9 +65,9 @@ def is_location(key: str) -> bool:
     return ":" in key
 
 
-def parse_location(key: str, base_dir: str | Path | None = None) -> RewardLocation:
+def parse_location(key: str, base_dir: str | Path | None = None, what: str = "reward") -> RewardLocation:
     """Split ``key`` into its module or file and its function; a relative file is resolved against ``base_dir``
-    (default: the working folder).
+    (default: the working folder). ``what`` names the thing in messages (``reward``, ``agent``).
 
     Raises:
         RewardError: not ``target:function`` with a Python identifier as function and a module name or ``.py`` path
@@ -75,15 +75,26 @@ def parse_location(key: str, base_dir: str | Path | None = None) -> RewardLocati
     """
     target, _, function = key.rpartition(":")
     if not target or not function.isidentifier():
-        raise RewardError(f"reward {key!r}: expected 'module:function' or 'path/to/file.py:function' with a Python "
+        raise RewardError(f"{what} {key!r}: expected 'module:function' or 'path/to/file.py:function' with a Python "
                           f"function name after the last ':', got {function!r}")
+    return locate_target(key, target, base_dir, what, function)
+
+
+def locate_target(key: str, target: str, base_dir: str | Path | None = None, what: str = "reward",
+                  function: str = "") -> RewardLocation:
+    """The location of ``target`` (a module name or a ``.py`` path, relative to ``base_dir``) for the spec key
+    ``key`` (as :func:`parse_location` locates the target of ``target:function``).
+
+    Raises:
+        RewardError: neither a module name nor a ``.py`` path.
+    """
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = Path(os.path.expanduser(target))
         if not path.is_absolute():
             path = Path(base_dir or os.getcwd()) / path
         return RewardLocation(key, "file", target, function, Path(os.path.normpath(os.path.abspath(path))))
     if not _MODULE_RE.fullmatch(target):
-        raise RewardError(f"reward {key!r}: {target!r} is neither a module name (dotted identifiers) nor a .py file")
+        raise RewardError(f"{what} {key!r}: {target!r} is neither a module name (dotted identifiers) nor a .py file")
     return RewardLocation(key, "module", target, function, None)
 
 
@@ -105,47 +116,64 @@ def _failure_site(exc: BaseException, path: Path | None) -> str:
     return f"{mine[-1].filename}:{mine[-1].lineno}" if mine else str(path or "?")
 
 
-def _import_file(loc: RewardLocation):
+def _import_file(loc: RewardLocation, what: str = "reward"):
     path = loc.path
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "not found"
-        raise RewardError(f"reward {loc.key!r}: file {path} {what} (a relative path is taken from the spec file's "
-                          f"folder); expected a Python file defining {loc.function}()")
+        problem = "is a folder" if path.is_dir() else "not found"
+        raise RewardError(f"{what} {loc.key!r}: file {path} {problem} (a relative path is taken from the spec file's "
+                          f"folder){f'; expected a Python file defining {loc.function}()' if loc.function else ''}")
     stem = re.sub(r"\W", "_", path.stem)
     name = f"grpo_spec_reward_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{stem}"
     mtime = path.stat().st_mtime_ns
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__grpo_mtime__", None) == mtime:
         return module
-    _add_to_path(path.parent)
     spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:  # no loader for the file's suffix: not Python source (or bytecode)
+        raise RewardError(f"{what} {loc.key!r}: file {path} is not a Python file (no .py name); expected a .py "
+                          f"file{f' defining {loc.function}()' if loc.function else ''}")
+    _add_to_path(path.parent)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look the module up while it executes
     try:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any error in user code, with its location, no traceback
         sys.modules.pop(name, None)
-        raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, path)}: cannot import {path}: "
+        raise RewardError(f"{what} {loc.key!r}: {_failure_site(exc, path)}: cannot import {path}: "
                           f"{type(exc).__name__}: {exc}") from None
     module.__grpo_mtime__ = mtime
     return module
 
 
-def _import_module(loc: RewardLocation, base_dir: Path):
+def _import_module(loc: RewardLocation, base_dir: Path, what: str = "reward"):
     _add_to_path(base_dir, Path.cwd())
     try:
         return importlib.import_module(loc.target)
     except ModuleNotFoundError as exc:
         if exc.name is not None and (loc.target == exc.name or loc.target.startswith(exc.name + ".")):
-            raise RewardError(f"reward {loc.key!r}: no module {exc.name!r} among the installed packages, the spec "
+            raise RewardError(f"{what} {loc.key!r}: no module {exc.name!r} among the installed packages, the spec "
                               f"file's folder ({base_dir}) and the working folder ({Path.cwd()}); put "
-                              f"{loc.target.split('.')[0]}.py there, or name the file: 'path/to/file.py:"
-                              f"{loc.function}'") from None
-        raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
+                              f"{loc.target.split('.')[0]}.py there, or name the file: 'path/to/file.py"
+                              f"{':' + loc.function if loc.function else ''}'") from None
+        raise RewardError(f"{what} {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
                           f"{type(exc).__name__}: {exc}") from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - as in _import_file
-        raise RewardError(f"reward {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
+        raise RewardError(f"{what} {loc.key!r}: {_failure_site(exc, None)}: cannot import {loc.target}: "
                           f"{type(exc).__name__}: {exc}") from None
+
+
+def import_target(key: str, target: str, base_dir: str | Path | None = None, what: str = "reward"):
+    """Import the module or file ``target`` (``module.name`` or ``path/to/file.py``, relative to ``base_dir``, the
+    spec file's folder, which is importable; default the working folder) as :func:`load_located` imports the target
+    of a ``target:function`` key, and return the module. ``key`` is the spec key as written, for messages.
+
+    Raises:
+        RewardError: naming the key, the file and line: not found, not a module name nor a ``.py`` path, fails to
+            import.
+    """
+    base = Path(base_dir or os.getcwd()).resolve()
+    loc = locate_target(key, target, base, what)
+    return _import_file(loc, what) if loc.kind == "file" else _import_module(loc, base, what)
 
 
 def load_reward(key: str, base_dir: str | Path | None = None) -> Callable:
@@ -160,19 +188,31 @@ def load_reward(key: str, base_dir: str | Path | None = None) -> Callable:
         RewardError: naming the key, the file and line: not found, fails to import, no such function, not callable,
             or an unusable signature (``grpo.rewards.calling.signature_of``).
     """
+    fn = load_located(key, base_dir)
+    signature_of(fn, key)
+    return fn
+
+
+def load_located(key: str, base_dir: str | Path | None = None, what: str = "reward") -> Callable:
+    """Import the callable ``key`` names (``module:function`` or ``path/to/file.py:function``, module docstring)
+    without checking its signature; ``what`` names it in messages (``reward``, ``agent``: ``rollout.agent`` is
+    loaded the same way, ``cluster.agents.loading``).
+
+    Raises:
+        RewardError: naming the key, the file and line: not found, fails to import, no such function, not callable.
+    """
     base = Path(base_dir or os.getcwd()).resolve()
-    loc = parse_location(key, base)
-    module = _import_file(loc) if loc.kind == "file" else _import_module(loc, base)
+    loc = parse_location(key, base, what)
+    module = _import_file(loc, what) if loc.kind == "file" else _import_module(loc, base, what)
     where = loc.path if loc.kind == "file" else getattr(module, "__file__", loc.target)
     fn = getattr(module, loc.function, None)
     if fn is None:
         defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                          and getattr(v, "__module__", None) == module.__name__)
-        raise RewardError(f"reward {key!r}: {where} has no function {loc.function!r} (it defines: "
+        raise RewardError(f"{what} {key!r}: {where} has no function {loc.function!r} (it defines: "
                           f"{', '.join(defined) or 'none'})")
     if not callable(fn):
-        raise RewardError(f"reward {key!r}: {where}: {loc.function!r} is a {type(fn).__name__}, not a function")
-    signature_of(fn, key)
+        raise RewardError(f"{what} {key!r}: {where}: {loc.function!r} is a {type(fn).__name__}, not a function")
     return fn
 
 

@@ -29,7 +29,7 @@ import re
 from fractions import Fraction
 
 __all__ = ["MAX_DIGITS", "NUMBER_RE", "NUMBER_BODY", "first_number", "last_number", "mixed_value",
-           "normalize_number", "numbers_equal"]
+           "normalize_number", "numbers_and_gaps", "numbers_equal"]
 
 MAX_DIGITS = 1000
 """Most digits a number may have before, and again after, its decimal point; longer runs are not numbers. Keeps
@@ -170,3 +170,44 @@ def numbers_equal(a: str, b: str) -> bool:
     if fa is None or fb is None:
         return False
     return abs(fa - fb) <= _REL_TOL * max(abs(fa), abs(fb))
+
+
+def numbers_and_gaps(text: str) -> tuple[list[str], list[str]]:
+    """(numbers, gaps) of a normalised text (:func:`grpo.rewards.answer_text.clean_text`): its numbers in order,
+    canonical (a mixed number "2 1/2" as one; numbers that do not parse are part of a gap), and ``gaps[i]``, the text
+    between number i-1 and number i (``gaps[0]``: before the first; ``gaps[-1]``, one more than the numbers: after
+    the last).
+
+    One C-level split; each distinct number is normalised once (a 1 MB run of one number costs one parse).
+    """
+    pieces = NUMBER_RE.split(text)  # [text, num, den, text, num, den, ..., text]; den None when absent
+    cache: dict[tuple[str, str | None], str | None] = {}
+    vals: list[str] = []
+    gaps: list[str] = []
+    gap = pieces[0]
+    for k in range(1, len(pieces) - 1, 3):
+        raw = (pieces[k], pieces[k + 1])
+        if raw not in cache:
+            cache[raw] = normalize_number(*raw)
+        value = cache[raw]
+        if value is None:
+            gap += pieces[k] + ("" if raw[1] is None else "/" + raw[1]) + pieces[k + 2]
+            continue
+        mixed = _mixed_across(vals, gap, raw)
+        if mixed is not None:
+            vals[-1] = mixed
+        else:
+            vals.append(value)
+            gaps.append(gap)
+        gap = pieces[k + 2]
+    return vals, [*gaps, gap]
+
+
+def _mixed_across(vals: list[str], gap: str, raw: tuple[str, str | None]) -> str | None:
+    """The mixed number "whole numerator/denominator" when a proper fraction ``raw`` (numerator, denominator as
+    written) follows the integer ``vals[-1]`` across a gap of spaces or tabs only ("2 1/2"); else None."""
+    if not vals or raw[1] is None or not gap or gap.strip(" \t") or "/" in vals[-1] or "." in vals[-1]:
+        return None
+    if not (raw[0].isdigit() and raw[1].isdigit()):
+        return None
+    return mixed_value(vals[-1], raw[0], raw[1])

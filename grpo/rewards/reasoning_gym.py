@@ -9,13 +9,21 @@ their ranges ``[seed, seed + size)`` do not overlap (:func:`seed_ranges_overlap`
 
 Each problem's reference, as the reward functions receive it, is a JSON object (:func:`encode_reference`) naming that
 tuple; the reward regenerates the entry (question, answer, metadata) and calls the task's ``score_answer`` on the
-answer extracted from the completion (:func:`extract_final_answer`): the text after the last ``####`` (the project's
-answer-line convention, see ``grpo.rewards.gsm8k``), else reasoning-gym's own ``<answer>…</answer>`` tag, else none
-(score 0). With ``answer_extraction: last_number`` (``data.reasoning_gym.answer_extraction``, carried in the
-reference) a completion with neither falls back to its last number (lm-evaluation-harness's "flexible-extract" rule for
-GSM8K): small instruct models rarely write the marker (``../shared/GUIDE.md``: SmolLM2-135M-Instruct on chain_sum), so
-under the strict rule nearly every group is all-zero and carries no GRPO signal. The fallback still pays only a
-correct number: it cannot be won without the answer.
+answer the completion commits to (:func:`committed_final_answer`). Its final answer (:func:`extract_final_answer`) is
+the text after the last ``####`` (the project's answer-line convention, see ``grpo.rewards.gsm8k``), else
+reasoning-gym's own ``<answer>…</answer>`` tag, else none (score 0). It counts only when the completion commits to it,
+by the rule of :mod:`grpo.rewards.final_answer` (every answer verifier's): every final-answer statement (``####``
+lines, ``<answer>`` tags, ``\\boxed{}``, "the answer is" phrases) names the same answer — for a numeric answer, the
+same number with no alternative in any statement and no hedge after the last one; for a text answer, the same text
+(a phrase: containing it, with no hedge word it lacks). "#### 30\\n#### 31", "<answer>30</answer><answer>31</answer>"
+and "The answer is 30.\\n#### 31" score 0 whichever value is right.
+
+With ``answer_extraction: last_number`` (``data.reasoning_gym.answer_extraction``, carried in the reference) a
+completion with neither falls back to the number it commits to: the one its boxes and answer phrases name, else its
+last number (lm-evaluation-harness's "flexible-extract" rule for GSM8K), when that is not one of a list, a range or a
+disjunction ("either 30 or 31" scores 0). Small instruct models rarely write the marker (``../shared/GUIDE.md``:
+SmolLM2-135M-Instruct on chain_sum), so under the strict rule nearly every group is all-zero and carries no GRPO
+signal. The fallback still pays only a correct number: it cannot be won without the answer.
 
 Partial credit. Some reasoning-gym scorers pay part of a point for a wrong answer: chain_sum's decimal scorer pays
 ``len(oracle) / len(answer)`` when the answer contains the oracle as a substring, so ``-191``, ``1911`` and ``191.5``
@@ -36,9 +44,11 @@ from functools import lru_cache
 from typing import Any
 
 from grpo.rewards.answer_text import normalize_signs
+from grpo.rewards.final_answer import HEDGE_WORDS, commits_to_number, committed_number, statements
+from grpo.rewards.numbers import normalize_number
 
-__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "encode_reference",
-           "extract_final_answer",
+__all__ = ["ANSWER_EXTRACTIONS", "REFERENCE_KIND", "check_reference", "check_task", "committed_final_answer",
+           "encode_reference", "extract_final_answer",
            "generate_entries", "reasoning_gym_reward", "score_completion", "seed_ranges_overlap"]
 
 REFERENCE_KIND = "reasoning_gym"
@@ -200,15 +210,48 @@ def _ascii_signed_number(answer: str) -> str:
     return normalized if normalized != answer and _NUMBER.fullmatch(normalized.lstrip("+")) else answer
 
 
+def _as_number(answer: str) -> str | None:
+    """The canonical number an answer text is (signs normalised, commas and one trailing "." allowed: "1,000.",
+    "−7"), else None."""
+    text = normalize_signs(answer).strip().removesuffix(".").replace(",", "")
+    return normalize_number(text) if _NUMBER.fullmatch(text.lstrip("+")) else None
+
+
+def _same_text(answer: str, statement) -> bool:
+    """A statement names the text answer ``answer``: its text is the answer (stripped, a trailing "." and the sign
+    characters aside); an answer phrase may hold more words, but must contain it and no hedge word it lacks."""
+    said = _ascii_signed_number(statement.text.strip().removesuffix(".").strip())
+    if statement.kind != "phrase":
+        return said == answer or said == answer.removesuffix(".")
+    hedges = {w for w in HEDGE_WORDS if re.search(rf"(?i)\b{w}\b", said) and not re.search(rf"(?i)\b{w}\b", answer)}
+    return answer in said and not hedges
+
+
+def committed_final_answer(completion: str, answer_extraction: str = "marker") -> str | None:
+    """The answer the completion commits to (module doc; C1-C4 of :mod:`grpo.rewards.final_answer`), else None (a
+    hedge, or no answer): its ``####`` line or ``<answer>`` tag (:func:`extract_final_answer`) when every statement
+    names the same answer; with ``answer_extraction="last_number"`` and neither, the number it commits to (the one
+    its boxes and answer phrases name, else its last number)."""
+    answer = extract_final_answer(completion, "marker")
+    if answer is None:
+        return committed_number(completion) if answer_extraction == "last_number" else None
+    number = _as_number(answer)
+    if number is not None:
+        return answer if commits_to_number(completion, number) else None
+    named = [s for s in statements(completion) if s.text.strip()]
+    return answer if all(_same_text(answer, s) for s in named) else None
+
+
 def score_completion(completion: str, reference: str) -> float:
-    """The completion's score for the referenced item: 1.0 when reasoning-gym's ``score_answer`` gives its extracted
-    answer full credit, else 0.0; with ``partial_credit`` in the reference, ``score_answer`` itself (float in [0, 1]).
+    """The completion's score for the referenced item: 1.0 when reasoning-gym's ``score_answer`` gives the answer it
+    commits to (:func:`committed_final_answer`) full credit, else 0.0 (also for a hedge); with ``partial_credit`` in
+    the reference, ``score_answer`` itself (float in [0, 1]; a hedge still scores 0).
 
     Raises:
         ValueError: ``reference`` is not a reasoning-gym reference (a data error: GSM8K data with this reward).
     """
     dataset, entry, extraction, partial = _decode_reference(reference)
-    score = float(dataset.score_answer(extract_final_answer(completion, extraction), entry))
+    score = float(dataset.score_answer(committed_final_answer(completion, extraction), entry))
     return score if partial else (1.0 if score >= 1.0 else 0.0)
 
 

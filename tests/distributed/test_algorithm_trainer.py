@@ -58,7 +58,8 @@ def _rank_main(rank: int, model_dir: str, ports: list[int], runs: list[dict], ou
             worker.set_kl_coef(run["set_kl_coef"])
         result = worker.train_step(microbatches(run.get("nan_engine_logprob", False)), sum(VALID),
                                    sum(v > 0 for v in VALID))
-        torch.save({"metrics": result.metrics, "policy_version": result.policy_version, "calls": list(calls)}, f"{out_dir}/{run['name']}.pt")
+        torch.save({"metrics": result.metrics, "policy_version": result.policy_version, "calls": list(calls)},
+                   f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 

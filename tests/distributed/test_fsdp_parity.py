@@ -89,7 +89,8 @@ def _ranks_main(rank: int, world: int, model_dir: str, ports: list[int], runs: l
         result = worker.train_step([pack(idx) for idx in run["microbatches"][rank]], num_tokens, N)
         after = _full_params(worker)
         if rank == 0:
-            torch.save({"result": asdict(result), "metrics": result.metrics, "params": after, "initial": before, "grads": grads}, f"{out_dir}/{run['name']}.pt")
+            torch.save({"result": asdict(result), "metrics": result.metrics, "params": after, "initial": before,
+                        "grads": grads}, f"{out_dir}/{run['name']}.pt")
         worker.shutdown()
 
 

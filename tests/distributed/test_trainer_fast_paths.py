@@ -7,9 +7,9 @@
    per micro-batch) and the unfused head (full [M, V] logits, ``logprobs_from_logits``, ``entropy_from_logits``).
    Loss, KL, entropy, grad norm, the clipped gradients of both steps and the parameters after them must agree
    within float32 tolerance.
-2. The lean CPU paths that ``train.activation_checkpointing`` turns on (issue 29; formerly
-   tests/distributed/test_lean_memory.py): the rank reduce-scatters its gradients after every micro-batch (it holds a
-   gradient shard, not a full-size gradient) and shards the frozen reference policy. The mode is in effect (the
+2. The lean CPU paths that ``train.activation_checkpointing`` turns on (issue 29): the rank reduce-scatters its
+   gradients after every micro-batch (it holds a gradient shard, not a full-size gradient) and shards the frozen
+   reference policy. The mode is in effect (the
    reference is an FSDP2 module; the sharded parameters hold their gradient after the first of a rank's two
    micro-batches, where the speed paths leave them empty until the last; the decoder layers are resharded after
    every forward and backward, where the speed paths keep them unsharded until the last backward), and both steps

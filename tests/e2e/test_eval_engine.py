@@ -11,7 +11,7 @@ Three commands, each its own process and engine: ``eval --data`` with 8 and with
 default prompt and verifier: cluster/data/evaluate.py) and ``eval --spec`` (the spec's held-out data and scorer, the
 loop's ``RolloutEngine``: cluster/ops/spec_eval.py). They are started together by one module fixture: an engine start
 is mostly single-threaded imports in three processes, so the two cores start them side by side (≈ 1.5 minutes in all
-instead of ≈ 3; formerly also tests/e2e/test_own_task_eval_spec_engine.py).
+instead of ≈ 3).
 
     flock /tmp/grpo-heavy.lock .venv/bin/python -m pytest tests/e2e/test_eval_engine.py -q
 """

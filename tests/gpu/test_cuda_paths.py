@@ -27,13 +27,13 @@ def test_cuda_engine_logprobs_and_nccl_sync(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from contract.messages import GroupRequest
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
     from weight_sync.buckets import bucket_checksums, pack_bucket, plan_buckets
     from weight_sync.group import SyncGroup, free_port
 
     if torch.cuda.device_count() < 2:
         pytest.skip("NCCL between a trainer and an engine needs two GPUs (NCCL cannot put two ranks on one GPU)")
-    engine = RolloutEngine(tiny_model_dir, _rollout_spec(), "float32", 0, 256)
+    engine = VLLMEngine(tiny_model_dir, _rollout_spec(), "float32", 0, 256)
     prompt = list(range(10, 30))
     (group,), _ = engine.generate([GroupRequest(0, prompt)], 2)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to("cuda:1")

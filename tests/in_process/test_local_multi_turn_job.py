@@ -102,6 +102,16 @@ def test_multi_turn_job_trains_on_episodes_in_every_mode(job_run):
         assert all(m["rollout/logprob_diff"] < 2e-5 for m in history), [m["rollout/logprob_diff"] for m in history]
 
 
+def test_goodput_environment_pool_adds_up_in_every_mode(job_run):
+    """The environment slots (``rollout.multi_turn.parallel``) are a pool of the goodput ledger; every pool's parts
+    add up to workers × ``timing/step_s`` whatever the mode (partial rollouts and held-out episodes included)."""
+    from tests.unit.test_goodput import check_adds_up
+
+    for m in job_run["history"]:
+        assert not check_adds_up(m, m["timing/step_s"]), check_adds_up(m, m["timing/step_s"])
+        assert m["time/environment_workers"] >= 1 and m["time/environment_busy_s"] >= 0
+
+
 def test_multi_turn_job_evaluates_held_out_episodes(job_run):
     rows = job_run["rows"]
     evals = [r for r in rows if "eval/accuracy" in r]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.in_process.sampling import RowJob, Sampling, sample_rows
+from rollout_workers.hf.sampling import RowJob, Sampling, sample_rows
 from contract.messages import GroupRequest, SamplingOverride
 from grpo.logprobs import logprobs_from_logits
 from tests.local_runtime import PROMPTS, local_spec, max_gap, microbatch, requests_for, rows_of, running

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.messages import SyncReport
+from contract.sync_reports import SyncReport
 from tests.local_runtime import PROMPTS, local_spec, requests_for, running, train_on
 from train_workers.lora import ADAPTER, hf_name, is_adapter
 from train_workers.sharding import full_tensor

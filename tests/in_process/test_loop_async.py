@@ -1,6 +1,5 @@
 """``rollout.mode: async`` in the loop, on the in-process runtime (tiny random Llama, transformers sampling in the
-producer thread, one train rank; seconds). (Moved from tests/ray/test_one_step_off_loop.py and
-tests/ray/test_partial_rollout_loop.py; the real engine's async loop, with partial rollouts and pinned cores, is
+producer thread, one train rank; seconds). (The real engine's async loop, with partial rollouts and pinned cores, is
 tests/ray/test_loop_modes.py.)
 
 - max_staleness 2: a producer generates while each step trains, so step 2 trains on version 0's samples at version 1

@@ -47,7 +47,7 @@ def _trained_prompts(spec) -> list[list[int]]:
 
 
 def _metrics(spec) -> list[dict]:
-    from cluster.ops.metrics import read_metrics_jsonl
+    from cluster.sinks.metrics import read_metrics_jsonl
 
     rows = read_metrics_jsonl(Path(spec.output_dir) / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"

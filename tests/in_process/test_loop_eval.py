@@ -1,7 +1,7 @@
 """Held-out evaluation inside the loop, on the in-process runtime (``cluster.in_process.local_job``: tiny_cpu
 example, tiny random Llama, transformers sampling, one train rank; 2 steps, seconds): the starting weights' row
 (step 0), eval/* keys on the steps' rows, sane values, Prometheus gauges, and ``checkpoint.keep_best`` keeping the
-best step's checkpoint past ``keep_last``. (Moved from tests/ray/test_eval_loop.py: none of it needs Ray or vLLM.)
+best step's checkpoint past ``keep_last``. None of it needs Ray or vLLM.
 
 A random model never solves GSM8K, so which step is best is set by a test reward used as ``eval.accuracy_reward``:
 ``eval_script`` pays no problem, every problem and the first problem only at the job's first, second and third
@@ -66,8 +66,8 @@ def eval_run(tiny_model_dir, gsm8k_train_path, parity_registered, eval_script, t
 
 
 EVAL_KEYS = {"eval/accuracy", "eval/accuracy_ci_low", "eval/accuracy_ci_high", "eval/n", "eval/problems",
-             "eval/response_length_mean", "eval/truncated_fraction", "eval/format_rate", "eval/seconds",
-             "eval/best_accuracy", "eval/best_step", "eval/dropped"}
+             "eval/unscored", "eval/response_length_mean", "eval/truncated_fraction", "eval/format_rate",
+             "eval/format_unscored", "eval/seconds", "eval/best_accuracy", "eval/best_step", "eval/dropped"}
 
 
 def test_step_0_row_then_eval_keys_on_every_step_row(eval_run):

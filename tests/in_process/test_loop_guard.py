@@ -1,7 +1,7 @@
 """The reward-hacking guard in the loop, on the in-process runtime (``cluster.in_process.local_job``: tiny random
-Llama, one train rank; seconds): ``examples/tiny_cpu.yaml`` with a hackable reward (``short``: pays for short answers)
-beside the verifiable one, ``monitor.action: rollback`` and one rollback allowed; then ``action: warn``. (Moved from
-tests/ray/test_guard_rollback.py: the guard acts through the loop, which needs neither Ray nor vLLM.)
+Llama, one train rank; seconds): ``tests/tiny_cpu.yaml`` with a hackable reward (``short``: pays for short answers)
+beside the verifiable one, ``monitor.action: rollback`` and one rollback allowed; then ``action: warn``. (The guard
+acts through the loop, which needs neither Ray nor vLLM.)
 
 What is under test is the wiring (detector → metrics → rollback through the resume machinery → stop → resume
 refusal), not the thresholds (measured on recorded sequences in tests/unit/test_grpo_monitor.py): a random tiny model
@@ -47,7 +47,7 @@ def test_guard_rolls_back_then_stops_and_resume_refuses(tiny_model_dir, gsm8k_tr
     from cluster.in_process import local_job
     from cluster.loop.guard import GUARD_STATE, LAST_GOOD
     from cluster.loop.setup import SetupError
-    from cluster.ops.metrics import read_metrics_jsonl
+    from cluster.sinks.metrics import read_metrics_jsonl
 
     spec = _spec(tiny_model_dir, gsm8k_train_path, tmp_path, "rollback")
     out = tmp_path / "out"

@@ -2,8 +2,7 @@
 Llama, transformers sampling in the producer thread, one train rank; seconds): the batch of step k+1 is generated
 while step k trains, so every batch after the first is trained one policy version after the one that sampled it; then
 a resume from the step-2 checkpoint, taken while step 3's batch was in flight, samples that batch's prompts again:
-none lost, none trained twice. (Moved from tests/ray/test_one_step_off_loop.py; the real engine's one_step_off loop
-is tests/ray/test_loop_modes.py.)
+none lost, none trained twice. (The real engine's one_step_off loop is tests/ray/test_loop_modes.py.)
 
 Six prompts, two per step: the three steps are exactly one epoch, so every prompt is trained once.
 """

@@ -37,8 +37,8 @@ logging.getLogger("ray.worker").error("an engine died")
 
 VLLM_WORKER = """
 import logging, os, sys
-from contract.console import route_worker_logs
-route_worker_logs("engine-0", vllm=True)  # as RolloutEngine does, before vLLM is imported
+from rollout_workers.vllm.console import route_vllm_logs
+route_vllm_logs("engine-0")  # as the vLLM engine does, before vLLM is imported
 from vllm.logger import init_logger
 log = init_logger("vllm.model_executor.model_loader.reload")
 log.warning("RotaryEmbedding: Failed to load weights")

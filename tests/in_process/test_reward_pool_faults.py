@@ -17,7 +17,7 @@ from cluster.loop.step_metrics import _sampling_metrics
 from cluster.spec import load_spec_text
 from contract.messages import GroupRequest, GroupResult
 from grpo.rewards import REWARD_FUNCTIONS, register_reward_function
-from grpo.rewards.sandbox import SandboxConfig, check_sandbox
+from sandbox import SandboxConfig, check_sandbox
 from tests.reward_faults import RewardServer, code_or_broken_sandbox, exact_or_fault
 
 EOS = 2
@@ -75,7 +75,8 @@ def round_of(fault: str, injected: bool) -> tuple[list[GroupResult], list[Exampl
         for g, at in INJECTED_AT.items():
             rows.setdefault(g, [])[at:at] = [(f"{marker}{k}", 8, False) for k in range(INJECTED_ROWS[g])]
     gids = sorted(rows)
-    examples = [Example(g, f"q{g}", "7", "7", columns={"answer": "7", "tests": "assert f() == 1"}) for g in gids]
+    examples = [Example(g, f"q{g}", "7", "7", columns={"answer": "7", "tests": [{"args": [], "expected": 1}],
+                                                       "entry_point": "f"}) for g in gids]
     return [group(g, rows[g]) for g in gids], examples
 
 

@@ -31,7 +31,7 @@ if sys.argv[1] == "plain":  # what `run` and bench/step_budget did before
         print(json.dumps({"error": str(exc)}))
         sys.exit(0)
 else:
-    init_ray(load_spec("examples/tiny_cpu.yaml", ["output_dir=/tmp/unused"]), None)
+    init_ray(load_spec("tests/tiny_cpu.yaml", ["output_dir=/tmp/unused"]), None)
 ours = {p.pid for p in psutil.Process().children(recursive=True)}
 listen = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.pid in ours}
 print(json.dumps({"gcs": ray.get_runtime_context().gcs_address, "nodes": [n["NodeManagerAddress"] for n in ray.nodes()],
@@ -76,7 +76,7 @@ def test_validate_with_address_names_the_missing_resources(head_found_by_default
     """``validate --address`` joins the 1-CPU head and compares with what tiny_cpu.yaml reserves (2 CPUs)."""
     head, _ = head_found_by_default
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    args = ["validate", "examples/tiny_cpu.yaml", "--set", f"model.path={tiny_model_dir}", "--set",
+    args = ["validate", "tests/tiny_cpu.yaml", "--set", f"model.path={tiny_model_dir}", "--set",
             f"output_dir={tmp_path / 'out'}", "--address", f"127.0.0.1:{head.gcs_port}"]
     short = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=REPO, env=env, capture_output=True,
                            text=True, timeout=300)

@@ -45,6 +45,23 @@ def test_every_step_trains_and_syncs_verified(reference_run):
     assert all(m["rollout/logprob_diff"] < 2e-5 for m in history), [m["rollout/logprob_diff"] for m in history]
 
 
+def test_goodput_parts_add_up_to_the_step_wall_on_ray(reference_run):
+    """Every pool's busy + waiting + idle equals its workers × ``timing/step_s`` within 2 % (``check_adds_up``), with
+    the engines' and the ranks' own busy seconds measured in their actors."""
+    from tests.unit.test_goodput import check_adds_up
+
+    spec = reference_run["spec"]
+    for m in reference_run["history"]:
+        assert not check_adds_up(m, m["timing/step_s"]), check_adds_up(m, m["timing/step_s"])
+        assert m["time/rollout_workers"] == spec.rollout.replicas and m["time/train_workers"] == spec.train.world_size
+        assert 0 < m["time/rollout_busy_s"] <= m["timing/generate_s"] * spec.rollout.replicas * 1.02
+        assert 0 < m["time/train_busy_s"] <= m["timing/train_s"] * spec.train.world_size * 1.02
+        assert m["time/driver_waiting_s"] > 0.5 * (m["timing/train_s"] + m["timing/sync_s"])
+        cores = spec.rollout.replicas * spec.rollout.num_cpus_per_replica + (
+            spec.train.world_size * spec.train.num_cpus_per_worker)
+        assert m["goodput/cores"] == pytest.approx(cores) and m["goodput/trained_tokens"] > 0
+
+
 def test_learning_signal_gives_a_gradient(reference_run):
     """A step with a non-flat group has nonzero advantages, hence a nonzero gradient."""
     history = reference_run["history"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml"
 #: Wall-time bound of the job in this file after its start: a replacement engine start (≈ 30-60 s on 2 loaded cores),
 #: the :data:`ROOM_WAIT_S` wait for room that finds none, steps of a few seconds.
 JOB_WALL_S = 360

@@ -49,7 +49,7 @@ def _trained_prompts(output_dir) -> list[list[int]]:
 
 
 def _metrics(output_dir) -> list[dict]:
-    from cluster.ops.metrics import read_metrics_jsonl
+    from cluster.sinks.metrics import read_metrics_jsonl
 
     rows = read_metrics_jsonl(Path(output_dir) / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "a step recorded twice or missing"

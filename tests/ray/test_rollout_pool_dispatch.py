@@ -1,7 +1,9 @@
 """``RolloutPool.generate`` on a local Ray cluster with fake engine actors (no vLLM): load-based dispatch of whole
 groups, results in request order, ``on_groups`` called per engine as each finishes (fast engine first), the
 ``engine_idle_fraction`` formula, and the timeout; and the fleet over such a pool (``EngineFleet``): an engine that
-dies past ``rollout.max_engine_restarts`` stops it with ``EngineFailure``.
+dies past ``rollout.max_engine_restarts`` stops it with ``EngineFailure``. Request-level generation
+(``cluster.ray_shell.requests``): many requests in flight per engine actor (its ``requests`` concurrency group), and
+the requests of an engine killed mid-request sampled again on its replacement.
 
 A fake engine sleeps a fixed number of seconds per call and reports them as its busy seconds, so the expected idle
 fraction is 1 − Σ sleeps / (num_engines × wall seconds).
@@ -132,3 +134,72 @@ def test_engine_failures_beyond_the_restart_bound_stop_the_fleet(local_ray):
                                             r"rollout.max_engine_restarts=0: stopping"):
         fleet.generate(requests())
     assert pool.restarts == 0 and fleet.restarts == 0
+
+
+# ---- request-level generation: many Ray calls in flight per engine, and a lost engine ----------------------------
+
+
+def fake_server_class():
+    """A fake engine serving requests (``serve``): sleeps ``delay_s`` per request, answers one token with its name
+    (built inside a function so that Ray pickles it by value)."""
+    from contract.requests import TokenResult
+
+    class FakeServer:
+        def __init__(self, name: str, delay_s: float):
+            self.name, self.delay_s = name, delay_s
+
+        def ready(self) -> bool:
+            return True
+
+        def serve(self, request):
+            time.sleep(self.delay_s)
+            return TokenResult(request.request_id, request.prompt_ids, [7], [-0.1], [0], "stop", text=self.name,
+                               busy_s=self.delay_s)
+
+    return FakeServer
+
+
+class ServingFleet:
+    """What ``RequestDispatch`` reads of an ``EngineFleet``, over fake serving actors in the ``requests`` group;
+    ``recover_engines`` replaces a killed actor with a new one named ``replacement``."""
+
+    def __init__(self, ray, delays: list[float]):
+        from cluster.ray_shell.requests import REQUEST_GROUP
+
+        self.ray, self.recovered = ray, []
+        self.actor = ray.remote(num_cpus=0, concurrency_groups={REQUEST_GROUP: 16})(fake_server_class())
+        self.rollout = SimpleNamespace(engines=[self.actor.remote(f"engine{k}", d) for k, d in enumerate(delays)])
+        ray.get([e.ready.remote() for e in self.rollout.engines], timeout=60)
+
+    def recover_engines(self, cause) -> None:
+        self.recovered.append(type(cause).__name__)
+        for i, engine in enumerate(self.rollout.engines):
+            try:
+                self.ray.get(engine.ready.remote(), timeout=30)
+            except self.ray.exceptions.RayActorError:
+                self.rollout.engines[i] = self.actor.remote("replacement", 0.1)
+
+    def record_request(self, engine, result, submitted, done) -> None:
+        pass
+
+
+def test_rollout_engine_requests_run_many_at_once_per_engine_and_survive_a_lost_engine(local_ray):
+    from cluster.ray_shell.requests import RequestDispatch
+    from contract.requests import TokenRequest
+
+    fleet = ServingFleet(local_ray, [0.5, 0.5])
+    dispatch = RequestDispatch(fleet)
+    t0 = time.perf_counter()
+    futures = [dispatch.submit(TokenRequest(f"r{i}", (1, 2), 4, seed=i)) for i in range(12)]
+    results = [f.result(60) for f in futures]
+    wall = time.perf_counter() - t0
+    assert wall < 2.0, wall  # 12 requests of 0.5 s on 2 engines, in flight together (one at a time: 3 s)
+    assert sorted(r.engine for r in results) == ["engine-0"] * 6 + ["engine-1"] * 6  # fewest tokens in flight
+
+    slow = [dispatch.submit(TokenRequest(f"s{i}", (1, 2), 4, seed=i, group_id=1)) for i in range(3)]
+    time.sleep(0.2)
+    local_ray.kill(fleet.rollout.engines[0], no_restart=True)  # the group's engine dies with its requests
+    answers = [f.result(90) for f in slow]
+    assert fleet.recovered and {a.text for a in answers} == {"replacement"}
+    assert [a.request_id for a in answers] == ["s0", "s1", "s2"]
+    dispatch.shutdown()

@@ -45,7 +45,7 @@ from tests.prometheus_scrape import scrape
 from tests.ray_head import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
+EXAMPLE = REPO / "tests" / "tiny_cpu.yaml"
 PARITY = 'algorithm.rewards={"parity": 1.0, "accuracy": 0.0, "format": 0.0}'
 OWN_TASK = REPO / "examples" / "own_task"
 
@@ -301,7 +301,7 @@ def test_scale_through_the_control_actor(head, client, tmp_path):
     from cluster.spec import load_spec
 
     (tmp_path / "fake_driver.py").write_text(FAKE_DRIVER)
-    spec = load_spec(EXAMPLE, ["ray.address=auto"])  # what `submit` would have recorded for examples/tiny_cpu.yaml
+    spec = load_spec(EXAMPLE, ["ray.address=auto"])  # what `submit` would have recorded for tests/tiny_cpu.yaml
     job_id = client.submit_job(entrypoint=f"{sys.executable} fake_driver.py",
                                runtime_env={"working_dir": str(tmp_path)},
                                metadata={jobs.METADATA_SPEC: spec.model_dump_json()})

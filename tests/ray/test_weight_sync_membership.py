@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml"
 TIMEOUT_S = 30.0
 
 
@@ -62,10 +62,10 @@ class Train:
 
 
 def start_engine(ray, spec, model_path, seed):
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     r = spec.rollout
-    return ray.remote(RolloutEngine).options(num_cpus=r.num_cpus_per_replica).remote(
+    return ray.remote(VLLMEngine).options(num_cpus=r.num_cpus_per_replica).remote(
         model_path, r, spec.model.dtype, seed, 256)
 
 

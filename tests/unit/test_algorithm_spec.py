@@ -32,8 +32,8 @@ def test_defaults_are_the_demos_grpo():
     assert (alg.mask_truncated, alg.dynamic_sampling, alg.group_size_schedule, alg.group_size_max) == (
         False, False, (), None)
     assert (alg.reward_combine, alg.reward_on_error) == ("sum-then-normalise", "raise")
-    for name in ("gsm8k_smollm2_cpu.yaml", "tiny_cpu.yaml"):
-        demo = load_spec_text((EXAMPLES / name).read_text(), source=name).algorithm
+    for path in (EXAMPLES / "gsm8k_smollm2_cpu.yaml", EXAMPLES.parent / "tests" / "tiny_cpu.yaml"):
+        demo = load_spec_text(path.read_text(), source=path.name).algorithm
         assert demo.model_dump(exclude={"rewards"}) == AlgorithmSpec().model_dump(exclude={"rewards"})
 
 
@@ -122,12 +122,14 @@ def test_group_sizes_and_iterations_have_upper_bounds(override, message):
                 "algorithm.num_iterations=1024").algorithm.group_size_max == 1024
 
 
-@pytest.mark.parametrize("name", ["mean", "std", "failed", "none_fraction", "infra_failed", "overlong_penalty"])
+@pytest.mark.parametrize("name", ["mean", "std", "failed", "none_fraction", "infra_failed", "not_applicable",
+                                  "overlong_penalty"])
 def test_reserved_reward_names_refused_at_spec_load(name):
     with pytest.raises(SpecError) as info:
         load(f'algorithm.rewards={{"{name}": 1.0}}')
     message = (f"reward name '{name}' is reserved: reward/{name} is a metric the driver reports "
-               f"(reserved: failed, infra_failed, mean, none_fraction, overlong_penalty, std); rename the function")
+               f"(reserved: failed, infra_failed, mean, none_fraction, not_applicable, overlong_penalty, std); rename "
+               f"the function")
     assert f"--set algorithm.rewards: {message}" in str(info.value)
     with pytest.raises(SpecError) as info:
         load_spec_text(MINIMAL + f"algorithm:\n  rewards:\n    accuracy: 1.0\n    {name}: 0.5\n", source="job.yaml")

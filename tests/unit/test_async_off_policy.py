@@ -31,7 +31,7 @@ from grpo import (
     truncated_importance_weights,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml"
 E = math.e
 
 

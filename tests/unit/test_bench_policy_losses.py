@@ -29,7 +29,8 @@ def test_each_losss_command_is_a_valid_demo_spec(tmp_path, loss):
 def test_the_summary_reads_the_held_out_curve_and_the_step_means(tmp_path, capsys):
     run = tmp_path / "gspo"
     run.mkdir()
-    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/accuracy_ci_low": 0.05, "eval/accuracy_ci_high": 0.2, "eval/n": 205},
+    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/accuracy_ci_low": 0.05, "eval/accuracy_ci_high": 0.2,
+             "eval/n": 205},
             {"step": 1, "reward/mean": 0.2, "actor/clip_fraction": 0.1, "actor/entropy": 1.0, "timing/step_s": 60.0},
             {"step": 2, "reward/mean": 0.4, "actor/clip_fraction": 0.3, "actor/entropy": 0.8, "timing/step_s": 50.0,
              "eval/accuracy": 0.2, "eval/accuracy_ci_low": 0.15, "eval/accuracy_ci_high": 0.26, "eval/n": 205}]

@@ -14,6 +14,8 @@ import pytest
 
 from cluster.cli import main
 from tests.stand_ins import stand_in_job
+
+TINY = str(Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml")  # not relative to the working folder
 from cluster.loop.checkpoints import TRAINER_STATE, latest_checkpoint
 from cluster.loop.setup import SetupError
 from cluster.spec import SpecError, load_spec_text
@@ -38,7 +40,8 @@ def test_cli_run_recursive_alias_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("address", ["http://[::1", "http://127.0.0.1:99999", "http://127.0.0.1:abc"])
-@pytest.mark.parametrize("command", [["submit", "examples/tiny_cpu.yaml"], ["status", "j"], ["logs", "j"], ["stop", "j"]])
+@pytest.mark.parametrize("command", [["submit", TINY], ["status", "j"], ["logs", "j"], ["stop", "j"]],
+                         ids=["submit", "status", "logs", "stop"])
 def test_cli_job_commands_malformed_address_exit_2(command, address, capsys):
     """A malformed ``--address`` raised ValueError out of urllib/ray ('Invalid IPv6 URL', 'Port out of range
     0-65535', 'Port could not be cast to integer') — a traceback with exit 1 (``scale`` already gave exit 2)."""
@@ -121,7 +124,7 @@ def test_run_with_a_jobs_api_http_address_exits_2(tmp_path, tiny_model_dir, monk
     cluster."""
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
-    args = ["run", "examples/tiny_cpu.yaml", "--no-progress", "--set", f"model.path={tiny_model_dir}",
+    args = ["run", TINY, "--no-progress", "--set", f"model.path={tiny_model_dir}",
             "--set", f"output_dir={tmp_path / 'out'}", "--set", f"data.train_path={data}", "--set", "metrics.port=null"]
     if how == "flag":
         args += ["--address", "http://127.0.0.1:1"]

@@ -181,7 +181,7 @@ def test_eval_per_problem_folder_is_tried_for_real(tmp_path, capsys):
 def test_plot_of_a_running_job_leaves_out_the_partial_last_line_with_a_note(tmp_path, capsys):
     """``grpo-cluster plot RUN_DIR`` while the job is writing metrics.jsonl's last line; the title is the job's name
     from its spec.yaml and counts training steps (the step-0 evaluation row is not a step)."""
-    from cluster.ops.plot import job_name, run_data
+    from cluster.sinks.plot import job_name, run_data
 
     run = tmp_path / "dev_run_7"
     run.mkdir()

@@ -13,7 +13,7 @@ import pytest
 from cluster.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
+EXAMPLE = REPO / "tests" / "tiny_cpu.yaml"
 
 
 def _spec_file(tmp_path: Path, model: str) -> Path:
@@ -21,8 +21,8 @@ def _spec_file(tmp_path: Path, model: str) -> Path:
     rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(5)] + ["not json"]
     data.write_text("".join((json.dumps(r) if isinstance(r, dict) else r) + "\n" for r in rows))
     spec = tmp_path / "job.yaml"
-    spec.write_text(f"name: check\noutput_dir: {tmp_path / 'out' / 'deeper'}\ntotal_steps: 3\nmodel: {{path: {model}}}\n"
-                    f"data: {{train_path: {data}, on_bad_row: skip}}\nmetrics: {{port: 0}}\n")
+    spec.write_text(f"name: check\noutput_dir: {tmp_path / 'out' / 'deeper'}\ntotal_steps: 3\n"
+                    f"model: {{path: {model}}}\ndata: {{train_path: {data}, on_bad_row: skip}}\nmetrics: {{port: 0}}\n")
     return spec
 
 
@@ -90,8 +90,9 @@ def test_input_errors_name_the_spec_file_and_line_of_the_field(tmp_path, tiny_mo
 
 
 def test_custom_resources_on_the_local_cluster_exit_2(tmp_path, tiny_model_dir, capsys, monkeypatch):
-    """Without --address, `run` starts a local cluster with no custom resources (cluster/ray_shell/ray_init.py), where pools
-    reserving ``rollout.resources`` could never be placed; validate said "valid" and run stopped after starting Ray."""
+    """Without --address, `run` starts a local cluster with no custom resources (cluster/ray_shell/ray_init.py), where
+    pools reserving ``rollout.resources`` could never be placed; validate said "valid" and run stopped after starting
+    Ray."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     spec = _spec_file(tmp_path, tiny_model_dir)
     assert main(["validate", str(spec), "--set", "rollout.resources={rollout_node: 1}"]) == 2

@@ -11,7 +11,7 @@ import torch
 
 from cluster.spec import SpecError, load_spec
 from cluster.spec.sections import RolloutSpec, TrainSpec
-from rollout_workers import cpu_engine, engine
+from rollout_workers.vllm import cpu as cpu_engine, engine
 from train_workers import cpu_affinity
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "gsm8k_smollm2_cpu.yaml"

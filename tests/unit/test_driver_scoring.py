@@ -34,8 +34,9 @@ def job(*overrides: str) -> Scoring:
 
 
 def group(gid: int, responses: list[list[int]], texts: list[str]) -> GroupResult:
+    """Finish reasons as an engine reports them: ``"stop"`` with an EOS, ``"length"`` without (cut at the cap)."""
     return GroupResult(gid, [EOS, 11], responses, [torch.full((len(r),), -0.5) for r in responses],
-                       ["stop"] * len(responses), texts, 0)
+                       ["stop" if EOS in r else "length" for r in responses], texts, 0)
 
 
 # Group 0: a correct EOS-terminated answer, a wrong one with tokens after EOS, and a correct one cut at the cap (its

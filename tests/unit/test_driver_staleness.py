@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cluster.loop.requests import request_seed
-from cluster.ray_shell.fleet import EngineFleet, StaleSamplesError
+from cluster.ray_shell.fleet import EngineFleet
+from contract.errors import StaleSamplesError
 from cluster.loop.requests import PromptQueue
 from contract.versions import PolicyVersionError, PolicyVersionLedger
 from cluster.spec import load_spec_text

@@ -48,7 +48,7 @@ def test_set_overrides_reach_the_optional_section_and_round_trip():
     ("eval: {temperature: -1}", "eval.temperature", "greater than or equal to 0"),
     ("eval: {temperature: 0.005}", "eval.temperature", "expected 0 (greedy) or a temperature >= 0.01"),
     ("eval: {accuracy_reward: nope}", "eval.accuracy_reward",
-     "unknown reward 'nope'; allowed: accuracy, code, format, math, reasoning_gym; register"),
+     "unknown reward 'nope'; allowed: accuracy, code, code_asserts, format, math, reasoning_gym; register"),
     ("eval: {format_reward: nope}", "eval.format_reward", "unknown reward 'nope'"),
     ("eval: {at_start: false, at_end: false}", "eval.every_steps", "eval never runs"),
     ("eval: {max_tokens: 300}", "eval.max_tokens", "expected data.max_prompt_tokens + eval.max_tokens <= the engine "

@@ -52,18 +52,20 @@ class FakeTokenizer:
 
 
 def install_fakes(monkeypatch) -> dict:
-    """Fake vllm (LLM, SamplingParams), tokenizer and model resolution; returns what LLM was built with."""
+    """Fake vllm (LLM, SamplingParams), tokenizer and model resolution; returns what LLM was built with (through the
+    vLLM rollout engine, ``rollout_workers.vllm.engine.VLLMEngine``)."""
     seen: dict = {}
 
     class LLM:
         def __init__(self, **kwargs):
             seen.update(kwargs)
 
-        def generate(self, prompts, params, use_tqdm):
+        def generate(self, prompts, params, use_tqdm, lora_request=None):
             seen["prompts"] = prompts
             out = types.SimpleNamespace(text="2 + 3 = 5 apples in the basket, so 5 in all.\n#### 5",
-                                        token_ids=[1, 2, 3], finish_reason="stop")
-            return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
+                                        token_ids=[1, 2, 3], finish_reason="stop",
+                                        logprobs=[{t: types.SimpleNamespace(logprob=-0.5)} for t in (1, 2, 3)])
+            return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[out]) for p in prompts]
 
     fake_vllm = types.ModuleType("vllm")
     fake_vllm.LLM = LLM

@@ -35,6 +35,24 @@ def test_registry_register_lookup_and_duplicates():
     assert sorted(reg) == ["a", "b"]
 
 
+def test_registry_lazy_entries_import_on_first_lookup():
+    import sys
+
+    reg = Registry("widget")
+    reg.register_lazy("dumps", "json.tool:main")
+    reg.register_lazy("gone", "no_such_module_here:f")
+    assert "dumps" in reg and reg.targets == {"dumps": "json.tool:main", "gone": "no_such_module_here:f"}
+    sys.modules.pop("json.tool", None)
+    assert reg["dumps"] is __import__("json.tool").tool.main and reg.get("dumps") is reg["dumps"]
+    with pytest.raises(ImportError, match="widget 'gone' lives in no_such_module_here:f, which cannot be loaded"):
+        reg.lookup("gone")
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register_lazy("dumps", "json:dumps")
+    with pytest.raises(ValueError, match="widget 'x': expected a target 'package.module:attribute'"):
+        reg.register_lazy("x", "json.dumps")
+    assert "x" not in reg
+
+
 def test_grpo_imports_neither_ray_nor_torch_distributed():
     for path in MODULES:
         tree = ast.parse(path.read_text(), filename=str(path))

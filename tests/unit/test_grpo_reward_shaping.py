@@ -42,9 +42,11 @@ def test_normalise_then_sum_all_equal_function_contributes_zero_and_weight_zero_
 
 
 @pytest.mark.parametrize("combine", ["sum-then-normalise", "normalise-then-sum"])
-def test_none_reward_is_excluded_from_group_statistics(combine):
+def test_invalid_row_is_excluded_from_group_statistics(combine):
+    """A row the caller marks invalid (no total: a weighted reward raised there) leaves every group statistic."""
     rewards = {"acc": torch.tensor([1.0, NAN, 0, 0]), "fmt": torch.tensor([1.0, 1, 1, 0])}
-    adv = compute_multi_reward_advantages(rewards, {"acc": 1.0, "fmt": 1.0}, G4, combine=combine)
+    valid = torch.tensor([True, False, True, True])
+    adv = compute_multi_reward_advantages(rewards, {"acc": 1.0, "fmt": 1.0}, G4, combine=combine, valid=valid)
     assert adv[1].item() == 0.0 and torch.isfinite(adv).all()
     if combine == "normalise-then-sum":
         # acc over rows 0, 2, 3 = [1, 0, 0] and fmt = [1, 1, 0], each normalised alone
@@ -52,6 +54,27 @@ def test_none_reward_is_excluded_from_group_statistics(combine):
     else:
         # totals over rows 0, 2, 3 = [2, 1, 0]: mean 1, std 1
         torch.testing.assert_close(adv, torch.tensor([1.0, 0.0, 0.0, -1.0]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("combine", ["sum-then-normalise", "normalise-then-sum"])
+def test_trl_convention_none_reward_does_not_apply_to_its_row(combine):
+    """Issue 35: a None (NaN) reward where another weighted reward scores the row means "does not apply" (TRL):
+    sum-then-normalise sums the rewards that apply (nansum); normalise-then-sum normalises each reward over the rows
+    it scored (TRL's nanmean/nanstd per function) and adds nothing where it does not apply. A row no reward scores
+    stays out."""
+    rewards = {"acc": torch.tensor([1.0, NAN, 0, 0, NAN]), "fmt": torch.tensor([1.0, 1, 1, 0, NAN])}
+    g5 = torch.zeros(5, dtype=torch.int64)
+    adv = compute_multi_reward_advantages(rewards, {"acc": 1.0, "fmt": 1.0}, g5, combine=combine)
+    assert adv[4].item() == 0.0 and torch.isfinite(adv).all()
+    if combine == "normalise-then-sum":
+        # acc over rows 0, 2, 3 = [1, 0, 0]: [1.1547, -, -0.5774, -0.5774]; fmt over rows 0-3 = [1, 1, 1, 0]: 0.5 each
+        # above mean 0.75 / std 0.5 → [0.5, 0.5, 0.5, -1.5]
+        expected = torch.tensor([1.1547 + 0.5, 0.5, -0.57735 + 0.5, -0.57735 - 1.5, 0.0])
+        torch.testing.assert_close(adv, expected, atol=1e-4, rtol=0)
+    else:
+        # totals over rows 0-3 = [2, 1, 1, 0]: mean 1, unbiased std sqrt(2/3)
+        expected = torch.tensor([1.0, 0.0, 0.0, -1.0, 0.0]) / math.sqrt(2 / 3)
+        torch.testing.assert_close(adv, expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("combine", ["sum-then-normalise", "normalise-then-sum"])

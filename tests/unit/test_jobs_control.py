@@ -15,7 +15,7 @@ from cluster.ray_shell import control
 from cluster.spec import RolloutSpec, load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
+EXAMPLE = REPO / "tests" / "tiny_cpu.yaml"
 
 
 def test_control_state_scale_requests_and_reports():

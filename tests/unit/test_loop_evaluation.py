@@ -18,6 +18,7 @@ from cluster.loop.evaluation import EvalSet, HeldOutEval, eval_seed, load_eval_s
 from contract.messages import GroupRequest, GroupResult, SamplingOverride
 from cluster.spec import load_spec_text
 from cluster.spec.evaluation import EvalSpec
+from grpo.stats import wilson_interval
 
 WORKED = "Tom has 3 apples and buys 5 more, so 3 + 5 = 8 apples in all.\n#### {}"  # pays the format reward
 
@@ -114,9 +115,22 @@ def test_partial_credit_is_a_wrong_answer_in_pass_at_1(test_rewards):
     assert m["eval/accuracy"] == pytest.approx(1 / 4) and m["eval/n"] == 4.0
 
 
-def test_a_completion_without_a_score_counts_as_wrong_and_out_of_range_scores_are_refused(test_rewards):
+def test_denominator_an_unscored_completion_is_left_out_of_the_accuracy_and_counted(test_rewards):
+    """Issue 35: a completion the accuracy reward gave no score (None, NaN: its verifier failed) is not a wrong
+    answer: it leaves eval/accuracy, its Wilson interval, eval/n and eval/problems, and is counted in eval/unscored
+    (the training side's "None: no score, not a wrong answer"). Scores outside [0, 1] are still refused."""
     groups = [result(GroupRequest(i, [1]), [text], [1], ["stop"]) for i, text in enumerate(["x", "y", "z"])]
-    assert score_eval(groups, ["1", "2", "3"], "eval_test_unscored", None)["eval/accuracy"] == pytest.approx(1 / 3)
+    m = score_eval(groups, ["1", "2", "3"], "eval_test_unscored", None)
+    assert (m["eval/accuracy"], m["eval/n"], m["eval/problems"], m["eval/unscored"]) == (1.0, 1.0, 1.0, 2.0)
+    assert (m["eval/accuracy_ci_low"], m["eval/accuracy_ci_high"]) == pytest.approx(wilson_interval(1, 1))
+    k2 = [result(GroupRequest(0, [1], group_size=2), ["x", "z"], [1, 1], ["stop"] * 2),
+          result(GroupRequest(1, [1], group_size=2), ["a", "b"], [1, 1], ["stop"] * 2),
+          result(GroupRequest(2, [1], group_size=2), ["x", "y"], [1, 1], ["stop"] * 2)]
+    m = score_eval(k2, ["1", "2", "3"], "eval_test_unscored", None)  # problem 2 has no scored completion
+    assert (m["eval/accuracy"], m["eval/n"], m["eval/problems"], m["eval/unscored"]) == (1.0, 3.0, 2.0, 3.0)
+    assert (m["eval/accuracy_ci_low"], m["eval/accuracy_ci_high"]) == pytest.approx(wilson_interval(2, 2))
+    nothing = score_eval(groups[:2], ["1", "2"], "eval_test_unscored", None)
+    assert math.isnan(nothing["eval/accuracy"]) and (nothing["eval/n"], nothing["eval/unscored"]) == (0.0, 2.0)
     with pytest.raises(ValueError, match="reward function 'eval_test_two' gave 2.0; eval needs scores in \\[0, 1\\]"):
         score_eval(groups, ["1", "2", "3"], "eval_test_two", None)
 
@@ -237,13 +251,13 @@ def test_the_engine_samples_eval_requests_with_their_override_and_training_ones_
     from types import SimpleNamespace
 
     from cluster.spec import RolloutSpec
-    from rollout_workers.engine import RolloutEngine
+    from rollout_workers.vllm.engine import VLLMEngine
 
     engine = SimpleNamespace(rollout=RolloutSpec(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
                                                  max_response_tokens=64))
-    train = RolloutEngine._sampling(engine, GroupRequest(0, [1], seed=5))
+    train = VLLMEngine._sampling(engine, GroupRequest(0, [1], seed=5))
     assert train == {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "max_tokens": 64}
-    held = RolloutEngine._sampling(engine, GroupRequest(0, [1], seed=5, sampling=SamplingOverride(0.0, 32)))
+    held = VLLMEngine._sampling(engine, GroupRequest(0, [1], seed=5, sampling=SamplingOverride(0.0, 32)))
     assert held == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 32}
 
 
@@ -252,7 +266,7 @@ def test_dropped_held_out_rows_are_an_eval_metric_and_in_the_console_line(tmp_pa
     scores 3 and says it dropped 2 (``eval/dropped``), on its metrics row and in the console line; a file that drops
     nothing says 0."""
     import cluster.loop.evaluation as evaluation
-    from cluster.ops.metrics import format_console_line
+    from cluster.sinks.metrics import format_console_line
 
     monkeypatch.setattr(evaluation, "prompt_ids",
                         lambda data, tok, examples, what: [[0] * len(e.question) for e in examples])
@@ -273,3 +287,26 @@ def test_dropped_held_out_rows_are_an_eval_metric_and_in_the_console_line(tmp_pa
     assert "n=3 dropped 2" in line, line
     assert make_eval(2).run(0, FakeFleet({i: [(WORKED.format(i), 3, "stop")] for i in range(2)}).generate)[
         "eval/dropped"] == 0.0
+
+
+def test_denominator_held_out_eval_warns_about_unscored_completions_and_never_makes_a_nan_best(test_rewards):
+    """An evaluation with unscored completions says so (the job's status line: a warning naming the reward and the
+    counts) and shows them on the console line; one that scored nothing reports NaN and sets no best step."""
+    from cluster.sinks.metrics import format_console_line
+
+    warnings: list[str] = []
+    evaluation = make_eval(3, EvalSpec(accuracy_reward="eval_test_unscored", format_reward=None))
+    evaluation.warn = warnings.append
+    nothing = evaluation.run(0, FakeFleet({i: [("x", 3, "stop")] for i in range(3)}).generate)
+    assert math.isnan(nothing["eval/accuracy"]) and nothing["eval/unscored"] == 3.0 and nothing["eval/n"] == 0.0
+    assert evaluation.best_step is None and "eval/best_accuracy" not in nothing
+    assert warnings == ["warning: step 0: eval: 3 of 3 held-out completions got no score from eval.accuracy_reward "
+                        "'eval_test_unscored' (None: its verifier could not run); they are left out of eval/accuracy "
+                        "and its interval, which are over the 0 scored (0 problems), and counted in eval/unscored"]
+    some = evaluation.run(1, FakeFleet({0: [("x", 3, "stop")], 1: [("a", 3, "stop")], 2: [("y", 3, "stop")]}).generate)
+    assert (some["eval/accuracy"], some["eval/n"], some["eval/unscored"]) == (1.0, 1.0, 2.0)
+    assert some["eval/best_step"] == 1.0
+    assert len(warnings) == 2 and "2 of 3 held-out completions" in warnings[1]
+    assert "eval 1.000 [0.207, 1.000] n=1 unscored 2" in format_console_line(1, some)
+    clean = evaluation.run(2, FakeFleet({i: [("a", 3, "stop")] for i in range(3)}).generate)
+    assert len(warnings) == 2 and "unscored" not in format_console_line(2, clean)

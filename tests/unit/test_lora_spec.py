@@ -11,11 +11,11 @@ import pytest
 
 from cluster.cli import main
 from cluster.data.models import ModelError
-from cluster.ops.model_checks import check_lora
+from cluster.data.model_checks import check_lora
 from cluster.spec import LoraSpec, SpecError, load_spec, load_spec_text, spec_to_yaml
 from tests.unit.test_cli_validate import _spec_file
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml"
 
 
 def test_lora_absent_or_null_is_full_fine_tuning_and_round_trips():
@@ -74,7 +74,7 @@ def test_lora_engine_rank_is_vllms_smallest_max_lora_rank_that_holds_it():
     from vllm.config.lora import MaxLoRARanks
 
     from cluster.spec.lora import ENGINE_MAX_LORA_RANK
-    from rollout_workers.engine import engine_lora_rank
+    from rollout_workers.vllm.config import engine_lora_rank
 
     assert ENGINE_MAX_LORA_RANK == max(get_args(MaxLoRARanks))
     assert [engine_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]

@@ -46,7 +46,8 @@ def load(*overrides: str):
 
 @pytest.fixture
 def megatron_registered():
-    """The spec accepts strategy 'megatron' now that its worker is registered (kept as a fixture for the tests below)."""
+    """The spec accepts strategy 'megatron' now that its worker is registered (kept as a fixture for the tests
+    below)."""
     from train_workers import registry
 
     assert registry.TRAIN_BACKENDS["megatron"] == "train_workers.megatron.worker:MegatronTrainWorker"
@@ -272,12 +273,12 @@ def test_megatron_param_to_hf_refuses_one_shard_of_a_tp_split_parameter(name):
 
 
 def test_megatron_layout_checked_by_the_driver_before_workers_start(tmp_path, megatron_registered):
-    """``cluster.ops.model_checks.check_train_layout`` (the trainer's pre-start check, before Ray starts) reaches the
+    """``cluster.data.model_checks.check_train_layout`` (the trainer's pre-start check, before Ray starts) reaches the
     Megatron backend's ``check_layout`` through the registry and reports the field as a ModelError."""
     import json
 
     from cluster.data.models import ModelError
-    from cluster.ops.model_checks import check_train_layout
+    from cluster.data.model_checks import check_train_layout
 
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
     spec = load("train.strategy=megatron", "train.tensor_parallel_size=3", "train.world_size=3")

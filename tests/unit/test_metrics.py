@@ -7,7 +7,8 @@ import urllib.request
 
 import pytest
 
-from cluster.ops.metrics import MetricsLogger, format_console_line, pool_of, prometheus_name, read_metrics_jsonl
+from cluster.sinks.metric_names import pool_of, prometheus_name
+from cluster.sinks.metrics import MetricsLogger, format_console_line, read_metrics_jsonl
 from tests.prometheus_scrape import scrape
 
 
@@ -149,6 +150,20 @@ def test_console_line(tmp_path, capsys):
     assert format_console_line(2, {}) == "step 2"
     assert format_console_line(2, {"policy_version": 5.0, "response_length/mean": 95.7}) == "step 2 | v5 | len 96"
     assert format_console_line(2, {"reward/mean": "n/a"}) == "step 2 | reward/mean n/a"  # not a number: as given
+
+
+def test_console_line_shows_the_reward_components():
+    """An agent's step: its total (``reward/agent``, the reward itself) and the driver's summaries are not components;
+    every other ``reward/<name>`` is, named after acc/fmt, the first CONSOLE_COMPONENTS by name, then a count."""
+    from cluster.sinks.metrics import CONSOLE_COMPONENTS
+
+    agent = {"reward/mean": 0.125, "reward/agent": 0.125, "reward/accuracy": 0.0, "reward/tool_use": 0.5,
+             "reward/brevity": 0.25, "reward/std": 0.3, "reward/none_fraction": 0.0, "reward/failed": 0,
+             "reward/scored/tool_use": 8, "reward/note": "text", "groups/all_equal_fraction": 0.5}
+    assert format_console_line(4, agent) == "step 4 | reward 0.125 acc 0.000 brevity 0.250 tool_use 0.500 flat 0.50"
+    many = {"reward/mean": 1.0, **{f"reward/part_{i}": i / 10 for i in range(CONSOLE_COMPONENTS + 2)}}
+    shown = " ".join(f"part_{i} {i / 10:.3f}" for i in range(CONSOLE_COMPONENTS))
+    assert format_console_line(1, many) == f"step 1 | reward 1.000 {shown} +2 more"
 
 
 def test_stall_timestamp_is_set_before_the_first_step(tmp_path):

@@ -19,7 +19,7 @@ from cluster.loop.checkpoint_state import open_step_logs
 from cluster.loop.guard import (GUARD_STATE, LAST_GOOD, Guard, build_guard, check_resume, last_good_checkpoint,
                                 monitor_config)
 from cluster.loop.setup import SetupError
-from cluster.ops.metrics import MetricsLogger
+from cluster.sinks.metrics import MetricsLogger
 from cluster.spec import MonitorSpec, SpecError, load_spec_text
 from grpo.monitor import MonitorConfig
 
@@ -142,7 +142,8 @@ def test_warn_adds_metrics_and_logs_detector_value_and_onset(tmp_path):
     assert [r["monitor/tripped"] for r in rows] == [0.0] * 6 + [1.0, 1.0]
     assert [r["monitor/kl_band"] for r in rows] == [0.0] * 6 + [1.0, 1.0]
     assert set(rows[0]) - set(_row(0)) == {"step", "monitor/kl_band", "monitor/tripped"}
-    assert job.messages[0] == "monitor: step 7: reward hacking suspected: kl_band fired (actor/kl=2); onset about step 6"
+    assert job.messages[0] == ("monitor: step 7: reward hacking suspected: kl_band fired (actor/kl=2); "
+                               "onset about step 6")
     assert not (job.root / GUARD_STATE).exists() and not (job.root / LAST_GOOD).exists()
 
 

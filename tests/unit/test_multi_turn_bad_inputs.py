@@ -22,8 +22,8 @@ from grpo.environments import (ENVIRONMENTS, Observation, Turn, check_environmen
                                make_environment, register_environment)
 from grpo.environments.calculator import CalculatorError, calculate
 from grpo.environments.tool_calls import CallError, parse_tool_calls
-from grpo.rewards.sandbox import check_sandbox
-from grpo.rewards.sandbox_config import SandboxConfig
+from sandbox import check_sandbox
+from sandbox.config import SandboxConfig
 from tests.unit.test_multi_turn_spec import SPEC, problem
 
 def turn(text: str) -> Turn:

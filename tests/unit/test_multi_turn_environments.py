@@ -10,8 +10,8 @@ from grpo.environments import (ENVIRONMENTS, EnvironmentInfraError, Observation,
                                make_environment, register_environment)
 from grpo.environments.calculator import CalculatorError, calculate
 from grpo.environments.tool_calls import CallError, ToolCall, parse_tool_calls
-from grpo.rewards.sandbox import check_sandbox
-from grpo.rewards.sandbox_config import SandboxConfig
+from sandbox import check_sandbox
+from sandbox.config import SandboxConfig
 
 
 def turn(text: str, index: int = 1) -> Turn:
@@ -94,7 +94,7 @@ def test_multi_turn_python_tool_runs_in_the_sandbox_and_raises_only_for_infra_fa
 
 
 def test_multi_turn_python_tool_limits_are_the_code_rewards():
-    from grpo.rewards.code import DEFAULT_SANDBOX
+    from sandbox import DEFAULT_SANDBOX
 
     env = make_environment("tools", {"tools": ["python"], "sandbox": {"cpu_time_s": 2}})
     config = env.tools["python"].config

@@ -79,9 +79,10 @@ def test_multi_turn_reward_function_may_not_take_the_environments_component_name
     assert "algorithm.rewards: 'environment' is the reward component of a multi-turn episode's environment" in message
 
 
-def test_multi_turn_example_spec_validates(capsys, monkeypatch):
+def test_multi_turn_example_spec_validates(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert main(["validate", str(REPO / "examples" / "tool_calc_cpu.yaml")]) == 0
+    out_dir = tmp_path / "out"  # the example's output_dir is relative to the working folder, which may be read-only
+    assert main(["validate", str(REPO / "examples" / "tool_calc_cpu.yaml"), "--set", f"output_dir={out_dir}"]) == 0
     out = capsys.readouterr().out
     assert "episodes:   multi-turn with environment 'tools' {'tools': ['calculator'], 'max_output_chars': 200}: " \
            "at most 3 turns of 64 tokens, 320 tokens per episode" in out

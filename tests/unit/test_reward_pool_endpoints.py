@@ -1,7 +1,9 @@
-"""Issue #27 item 3, remote reward endpoints (``grpo.rewards.endpoint``, spec ``reward_endpoints``) against a local
-``http.server`` in a thread (``tests/reward_faults.RewardServer``): good replies in batches, a slow service (timeout),
-500s then success (retried with backoff), connection refused, the wrong count, malformed replies; the endpoint named
-in ``algorithm.rewards``; an unreachable one refused before anything starts, naming the field."""
+"""Issue #27 item 3, remote reward endpoints (``cluster.rewards.endpoint``, spec ``reward_endpoints``) against a
+local ``http.server`` in a thread (``tests/reward_faults.RewardServer``): good replies in batches, a slow service
+(timeout), 500s then success (retried with backoff), connection refused, the wrong count, malformed replies; the
+endpoint named in ``algorithm.rewards``; an unreachable one refused before anything starts, naming the field. Then
+the client itself (httpx): one kept-alive connection across batches and retries, a dropped connection retried with
+backoff, one client shared by a reward pool's threads."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pytest
 
 from cluster.loop.setup import SetupError, check_reward_endpoints
 from cluster.spec import SpecError, load_spec_text
-from grpo.rewards import REWARD_FUNCTIONS, combine_rewards
-from grpo.rewards.endpoint import EndpointReward
+from grpo.rewards import REWARD_FUNCTIONS, UNSCORED, combine_rewards
+from cluster.rewards.endpoint import EndpointReward
 from tests.reward_faults import RewardServer
 
 MINIMAL = "output_dir: runs/test\ntotal_steps: 3\ndata:\n  train_path: train.jsonl\n"
@@ -64,7 +66,7 @@ def test_reward_pool_endpoint_500s_are_retried_with_backoff_then_succeed(server)
 def test_reward_pool_endpoint_failing_for_good_gives_no_scores(server, status, attempts):
     server.fail_next, server.status = 100, status
     rm = EndpointReward("rm", server.url, max_retries=2, backoff_s=0.01)
-    assert rm(prompts=["q"] * 3, completions=["1", "2", "3"], answer=["1"] * 3) == [None, None, None]
+    assert rm(prompts=["q"] * 3, completions=["1", "2", "3"], answer=["1"] * 3) == [UNSCORED] * 3
     assert len(server.requests) == attempts  # a 4xx other than 408/429 is not retried
 
 
@@ -72,14 +74,14 @@ def test_reward_pool_endpoint_timeout_gives_no_scores_after_the_retries(server):
     server.delay_s = 3.0
     rm = EndpointReward("rm", server.url, timeout_s=0.5, max_retries=1, backoff_s=0.1, batch_size=2)
     t0 = time.monotonic()
-    assert rm(prompts=["q"] * 3, completions=["SLOW", "1", "1"], answer=["1"] * 3) == [None, None, 1.0]
-    assert time.monotonic() - t0 < 2.5  # two attempts of 0.5 s for the slow batch, not the service's 3 s
+    assert rm(prompts=["q"] * 3, completions=["SLOW", "1", "1"], answer=["1"] * 3) == [UNSCORED, UNSCORED, 1.0]
+    assert time.monotonic() - t0 < 2.9  # two attempts of 0.5 s for the slow batch, never the service's 3 s
     assert len(server.requests) == 3
 
 
 def test_reward_pool_endpoint_connection_refused_gives_no_scores():
     rm = EndpointReward("rm", closed_port_url(), max_retries=1, backoff_s=0.01)
-    assert rm(prompts=["q"], completions=["1"]) == [None]
+    assert rm(prompts=["q"], completions=["1"]) == [UNSCORED]
 
 
 @pytest.mark.parametrize("reply", [b'{"rewards": [1.0]}', b"not json", b'{"scores": [1, 0]}', b'[1, 0]',
@@ -87,7 +89,7 @@ def test_reward_pool_endpoint_connection_refused_gives_no_scores():
 def test_reward_pool_endpoint_malformed_replies_give_no_scores_without_retry(server, reply):
     server.reply = reply
     rm = EndpointReward("rm", server.url, max_retries=3, backoff_s=0.01)
-    assert rm(prompts=["q", "q"], completions=["1", "2"]) == [None, None]
+    assert rm(prompts=["q", "q"], completions=["1", "2"]) == [UNSCORED, UNSCORED]
     assert len(server.requests) == 1
 
 
@@ -150,3 +152,61 @@ def test_reward_pool_endpoint_unreachable_at_start_is_refused_naming_the_field(s
     finally:
         REWARD_FUNCTIONS.pop("rm")
         REWARD_FUNCTIONS.pop("rm2", None)
+
+
+def test_reward_pool_endpoint_reuses_its_connection_across_batches_and_retries():
+    """One kept-alive connection carries every batch and the retry after a 503 (httpx's pool), where a client that
+    opens a connection per request shows one port per POST."""
+    server = RewardServer(keep_alive=True)
+    rm = EndpointReward("rm", server.url, batch_size=2, max_retries=1, backoff_s=0.05)
+    try:
+        server.fail_next, server.status = 1, 503
+        completions, answers = rows(6)
+        assert rm(prompts=["q"] * 6, completions=completions, answer=answers) == [
+            float(c == a) for c, a in zip(completions, answers)]
+        assert len(server.requests) == 4  # three batches, the first one twice
+        assert len(set(server.peers)) == 1, server.peers
+        assert rm(prompts=["q"], completions=["1"], answer=["1"]) == [1.0]  # a later call: the same connection
+        assert len(set(server.peers)) == 1, server.peers
+    finally:
+        rm.close()
+        server.close()
+
+
+def test_reward_pool_endpoint_dropped_connection_is_retried_with_backoff():
+    """A connection closed without a reply (a service restarting) is a transport failure: retried after backoff_s,
+    then 2 × backoff_s; once the attempts are spent the batch has no scores."""
+    server = RewardServer(keep_alive=True)
+    rm = EndpointReward("rm", server.url, max_retries=2, backoff_s=0.2)
+    try:
+        server.drop_next = 2
+        t0 = time.monotonic()
+        assert rm(prompts=["q", "q"], completions=["1", "2"], answer=["1", "1"]) == [1.0, 0.0]
+        assert len(server.requests) == 3 and time.monotonic() - t0 >= 0.2 + 0.4
+        server.drop_next = 3
+        assert rm(prompts=["q"], completions=["1"], answer=["1"]) == [UNSCORED]
+        assert len(server.requests) == 6
+    finally:
+        rm.close()
+        server.close()
+
+
+def test_reward_pool_endpoint_threads_share_one_client():
+    """A reward pool's threads call one endpoint object at once: every thread gets its own rows' scores, over one
+    client whose pool holds at most one connection per concurrent request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = RewardServer(keep_alive=True)
+    rm = EndpointReward("rm", server.url, batch_size=3)
+    try:
+        def call(i):
+            completions = [str(i + k) for k in range(6)]
+            return rm(prompts=["q"] * 6, completions=completions, answer=[str(i)] * 6)
+
+        with ThreadPoolExecutor(4) as threads:
+            results = list(threads.map(call, range(8)))
+        assert results == [[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 8
+        assert len(server.requests) == 16 and len(set(server.peers)) <= 4
+    finally:
+        rm.close()
+        server.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from grpo.rewards.gsm8k import (MAX_DIGITS, MIN_REASONING_CHARS, MIN_REASONING_NUMBERS, accuracy_reward,
-                                extract_answer, format_reward, normalize_number, parse_reference)
+                                committed_answer, extract_answer, format_reward, normalize_number, parse_reference)
 
 GSM8K_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 GSM8K_TEST = GSM8K_DIR / "test.jsonl"
@@ -97,8 +97,9 @@ def test_parse_reference():
         ("#### 5\n\nSome trailing text 7", "7", 0.0),
         ("#### -3", "-3", 1.0),
         ("#### 3", "-3", 0.0),
-        ("#### 3\n#### 4", "4", 1.0),
+        ("#### 3\n#### 4", "4", 0.0),  # two final answers: a hedge, whichever is right (issue #35)
         ("#### 3\n#### 4", "3", 0.0),
+        ("#### 4\n#### 4", "4", 1.0),  # one answer restated
         ("I don't know.", "5", 0.0),
         ("#### 0.3333333", "1/3", 1.0),
         ("#### 0.33", "1/3", 0.0),
@@ -257,11 +258,13 @@ def test_rewards_never_raise_on_random_text():
         assert accuracy_reward(text, "5") in (0.0, 1.0)
         fmt = format_reward(text)
         assert fmt in (0.0, 1.0)
-        answer = extract_answer(text)
+        answer = committed_answer(text)
         if fmt == 1.0:
-            assert answer is not None, text
+            assert answer is not None, text  # a well-formed solution commits to its answer line
         if answer is not None and not answer.endswith("/0"):
             assert accuracy_reward(text, answer) == 1.0, text
+        elif extract_answer(text) is not None and not extract_answer(text).endswith("/0"):
+            assert accuracy_reward(text, extract_answer(text)) == 0.0, text  # a hedge: what it reads is not paid
 
 
 @pytest.mark.parametrize("text, expected", [

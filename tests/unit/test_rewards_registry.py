@@ -62,11 +62,18 @@ def test_zero_weight_runs_but_stays_out_of_total(temp_reward):
     assert torch.isnan(per_function["test_all_none"]).all()
 
 
-def test_none_gives_nan_in_total(temp_reward):
+def test_trl_convention_none_leaves_the_reward_out_of_the_sum_where_another_scores_the_row(temp_reward):
+    """Issue 35: None (or NaN) means "this reward does not apply to this row" when another weighted reward scores it:
+    the total is the weighted sum over the rewards that apply (TRL's nansum); a row no weighted reward scores has no
+    total (an infrastructure failure)."""
     temp_reward("test_partial", lambda c, r: [0.5, None, float("nan"), 2])
     total, per_function, _ = combine_rewards(COMPLETIONS, REFERENCES, {"format": 1.0, "test_partial": 2.0})
-    assert total[0].item() == 2.0 and total[3].item() == 4.0
-    assert math.isnan(total[1].item()) and math.isnan(total[2].item())
+    assert total.tolist() == [2.0, 0.0, 1.0, 4.0]  # format [1, 0, 1, 0] + 2 x [0.5, -, -, 2]
+    assert math.isnan(per_function["test_partial"][1].item())
+    temp_reward("test_none_where_format_is_zero", lambda c, r: [None, None, 1.0, None])
+    total, _, _ = combine_rewards(COMPLETIONS, REFERENCES, {"test_partial": 1.0, "test_none_where_format_is_zero": 1.0})
+    assert total[0].item() == 0.5 and total[2].item() == 1.0 and total[3].item() == 2.0
+    assert math.isnan(total[1].item())  # None from both: nothing scored it
 
 
 def test_wrong_count_raises_naming_function_and_counts(temp_reward):
@@ -123,7 +130,7 @@ def test_empty_batch():
     assert total.shape == (0,) and per_function["accuracy"].shape == (0,)
 
 
-RESERVED = ["mean", "std", "failed", "none_fraction", "infra_failed", "overlong_penalty"]
+RESERVED = ["mean", "std", "failed", "none_fraction", "infra_failed", "not_applicable", "overlong_penalty"]
 
 
 @pytest.mark.parametrize("name", RESERVED)
@@ -131,7 +138,7 @@ def test_reserved_names_refused_at_registration(name):
     """Issue #12: a reward function named ``mean`` overwrote ``reward/mean`` (read by the alerts)."""
     with pytest.raises(ValueError, match=rf"reward function name '{name}' is reserved: the driver reports "
                                          rf"reward/{name} .*reserved names: failed, infra_failed, mean, "
-                                         rf"none_fraction, overlong_penalty, std"):
+                                         rf"none_fraction, not_applicable, overlong_penalty, std"):
         register_reward_function(name)(lambda c, r: [1.0] * len(c))
     with pytest.raises(ValueError, match="is reserved"):
         REWARD_FUNCTIONS[name] = lambda c, r: [1.0] * len(c)
@@ -150,8 +157,9 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
     # row 1 has no total (an infrastructure failure): it is left out of every figure but the counts, format's too
     assert metrics == {"reward/accuracy": pytest.approx(1 / 3), "reward/format": pytest.approx(1 / 3),
                        "reward/mean": 0.5, "reward/std": 0.5, "reward/failed": 2, "reward/none_fraction": 0.25,
-                       "reward/infra_failed": 1}
-    summaries = {k.removeprefix("reward/") for k in metrics} - set(per_function)
+                       "reward/infra_failed": 1, "reward/not_applicable": 0, "reward/scored/accuracy": 3,
+                       "reward/scored/format": 3}
+    summaries = {k.removeprefix("reward/") for k in metrics if k.count("/") == 1} - set(per_function)
     assert RESERVED_REWARD_NAMES == summaries | {OVERLONG_PENALTY_KEY} == set(RESERVED)
     assert scoring.OVERLONG == OVERLONG_PENALTY_KEY and step_metrics.reward_metrics is reward_metrics
     with pytest.raises(ValueError, match=r"would overwrite the summary metrics reward/mean"):
@@ -161,9 +169,10 @@ def test_reserved_names_are_the_summary_metrics_the_driver_emits():
 @pytest.mark.parametrize("name", ["none-fraction", "none fraction", "none.fraction", "overlong-penalty",
                                   "overlong/penalty"])
 def test_names_that_are_a_reserved_metric_in_prometheus_are_refused(name):
-    """``reward/none-fraction`` is the Prometheus series grpo_reward_none_fraction (cluster.ops.metrics.prometheus_name),
-    the driver's own; the gauge would be overwritten as for ``none_fraction`` itself."""
-    from cluster.ops.metrics import prometheus_name
+    """``reward/none-fraction`` is the Prometheus series grpo_reward_none_fraction
+    (cluster.sinks.metric_names.prometheus_name), the driver's own; the gauge would be overwritten as for
+    ``none_fraction`` itself."""
+    from cluster.sinks.metric_names import prometheus_name
 
     reserved = name.replace("-", "_").replace(" ", "_").replace(".", "_").replace("/", "_")
     assert prometheus_name(f"reward/{name}") == prometheus_name(f"reward/{reserved}")

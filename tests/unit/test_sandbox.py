@@ -1,4 +1,4 @@
-"""grpo.rewards.sandbox: the escape table (each attempt contained, reported as the program's failure, the host
+"""sandbox.runner: the escape table (each attempt contained, reported as the program's failure, the host
 unharmed), the limits, the statuses, infrastructure failures, concurrency and the weaker rlimits mode.
 
 Needs bwrap (Debian package ``bubblewrap``; ``scripts/install_test_tools.sh`` installs it): without it the bwrap tests
@@ -13,13 +13,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from grpo.rewards.sandbox import Program, SandboxConfig, check_sandbox, run_program, run_programs
-from grpo.rewards.sandbox_launch import resolve_interpreter
+from sandbox import Program, SandboxConfig, check_sandbox, run_program, run_programs
+from sandbox.launch import resolve_interpreter
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap is not installed (Debian package "
                                  "bubblewrap; scripts/install_test_tools.sh installs it)")
@@ -357,13 +359,12 @@ def test_sandbox_rlimits_mode_limits_and_env(monkeypatch):
         assert _run("import os\nos.fork() or print('forked')", config).status == "passed"  # zombies skipped
 
 
+#: The top-level packages :data:`_UNPRIVILEGED` imports from (by path, without their dependencies).
+_HARNESS_PACKAGES = ("sandbox",)
 _UNPRIVILEGED = """
-import os, sys, types
-for name, sub in (("grpo", "grpo"), ("grpo.rewards", "grpo/rewards")):  # the sandbox modules without grpo's deps
-    module = types.ModuleType(name)
-    module.__path__ = [os.path.join(sys.argv[1], sub)]
-    sys.modules[name] = module
-from grpo.rewards.sandbox import SandboxConfig, check_sandbox, run_program
+import sys
+sys.path.insert(0, sys.argv[1])  # a copy of the sandbox package, which imports only the standard library
+from sandbox import SandboxConfig, check_sandbox, run_program
 config = SandboxConfig(cpu_time_s=2, wall_time_s=2)
 assert check_sandbox(config) is None, check_sandbox(config)
 print(run_program("import os; print(os.getuid())", config=config).stdout.strip())
@@ -373,18 +374,51 @@ print(run_program("import os\\nwhile True:\\n    try: os.fork()\\n    except OSE
 """
 
 
+def _as_uid(uid: int, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``/usr/bin/python3 ARGS`` run as ``uid`` (no groups), in ``/``, with a bare environment."""
+    return subprocess.run(["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                           "/usr/bin/python3", *args], capture_output=True, text=True, timeout=timeout, cwd="/",
+                          env={"PATH": "/usr/bin:/bin"})
+
+
+@contextmanager
+def _readable_by(uid: int):
+    """A copy of :data:`_HARNESS_PACKAGES`' sources that ``uid`` can read, wherever the checkout lives (a clone in
+    a 0700 ``mktemp -d`` folder, under a 0700 home, ...): a fresh folder (0755, files 0644) under the first of
+    ``$TMPDIR``, /tmp, /var/tmp, /dev/shm whose every parent folder lets other users in. Yields its path; skips the
+    test, saying why, when ``uid`` still cannot read it."""
+    repo = Path(__file__).resolve().parents[2]
+    bases = [Path(p) for p in (os.environ.get("TMPDIR"), "/tmp", "/var/tmp", "/dev/shm") if p]
+    base = next((b for b in bases if b.is_dir() and all(p.stat().st_mode & 0o001 for p in (b, *b.parents))), None)
+    if base is None:
+        pytest.skip(f"no folder uid {uid} can enter among {[str(b) for b in bases]} to copy the harness's modules to")
+    copy = Path(tempfile.mkdtemp(prefix="sandbox-harness-", dir=base))
+    try:
+        for package in _HARNESS_PACKAGES:
+            shutil.copytree(repo / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for folder, _, files in os.walk(copy):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        probe = _as_uid(uid, "-c", "import sys; open(sys.argv[1]).close()", str(copy / _HARNESS_PACKAGES[0] /
+                                                                                "__init__.py"))
+        if probe.returncode != 0:
+            pytest.skip(f"uid {uid} cannot read the harness's modules copied to {copy}: {probe.stderr.strip()[-200:]}")
+        yield copy
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
 @needs_bwrap
 @pytest.mark.skipif(not ROOT or not os.access("/usr/bin/python3", os.X_OK) or not os.access("/usr/bin/setpriv",
                     os.X_OK), reason="runs the harness under another uid: needs root, /usr/bin/python3, setpriv")
 def test_sandbox_unprivileged_harness():
-    """The path of a harness that is not root: bwrap makes a user namespace, the program keeps the caller's uid."""
+    """The path of a harness that is not root: bwrap makes a user namespace, the program keeps the caller's uid. The
+    harness imports the sandbox modules from a copy its uid can read (:func:`_readable_by`), not from the checkout,
+    which another user may not be able to enter."""
     uid = UID_BASE + 63
-    repo = str(Path(__file__).resolve().parents[2])
-    done = subprocess.run(["/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-                           "/usr/bin/python3", "-c", _UNPRIVILEGED, repo], capture_output=True, text=True,
-                          timeout=60, cwd="/", env={"PATH": "/usr/bin:/bin"})
-    if done.returncode != 0 and "Permission denied" in done.stderr:
-        pytest.skip(f"uid {uid} cannot read the repository: {done.stderr.strip()[-200:]}")
+    with _readable_by(uid) as modules:
+        done = _as_uid(uid, "-c", _UNPRIVILEGED, str(modules))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(uid), "failed", "timeout"]
     assert _live_processes(range(uid, uid + 1)) == []

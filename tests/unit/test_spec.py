@@ -8,6 +8,7 @@ import pytest
 from cluster.spec import JobSpec, SpecError, load_spec, load_spec_text, parse_byte_size, spec_to_yaml
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+TINY = Path(__file__).resolve().parents[2] / "tests" / "tiny_cpu.yaml"  # the tests' job, not an example
 
 MINIMAL = """\
 output_dir: runs/test
@@ -159,8 +160,8 @@ def test_bucket_bytes_errors(tmp_path):
 
 
 def test_unknown_reward_lists_allowed(tmp_path):
-    with pytest.raises(SpecError, match=r"algorithm.rewards: unknown reward 'length'; allowed: accuracy, code, format, "
-                                        r"math, reasoning_gym; register one"):
+    with pytest.raises(SpecError, match=r"algorithm.rewards: unknown reward 'length'; allowed: accuracy, code, "
+                                        r"code_asserts, format, math, reasoning_gym; register one"):
         load_spec(write(tmp_path, MINIMAL), ["algorithm.rewards={accuracy: 1, length: 1}"])
 
 
@@ -207,10 +208,10 @@ def test_data_paths_resolve_next_to_spec(tmp_path, monkeypatch):
     assert load_spec(tmp_path / "job.yaml", ["data.train_path=train.jsonl"]).data.train_path == "train.jsonl"
 
 
-@pytest.mark.parametrize("name", ["gsm8k_smollm2_cpu.yaml", "tiny_cpu.yaml"])
-def test_examples_load(name):
-    spec = load_spec(EXAMPLES / name)
-    if name == "tiny_cpu.yaml":
+@pytest.mark.parametrize("path", [EXAMPLES / "gsm8k_smollm2_cpu.yaml", TINY], ids=lambda path: path.name)
+def test_examples_load(path):
+    spec = load_spec(path)
+    if path == TINY:
         assert spec.data.train_path.endswith("gsm8k/train.jsonl")
     else:  # the hub dataset (validating the spec needs no network; loading its rows does)
         assert (spec.data.source, spec.data.hub.name, spec.data.hub.config) == ("hf_hub", "openai/gsm8k", "main")
@@ -224,7 +225,7 @@ def test_example_values():
     assert (demo.total_steps, demo.rollout.prompts_per_step, demo.rollout.group_size) == (10, 4, 4)
     assert demo.algorithm.rewards == {"accuracy": 1.0, "format": 0.2}
     assert demo.sync.bucket_bytes == 64 * 2**20
-    tiny = load_spec(EXAMPLES / "tiny_cpu.yaml", ["model.path=/tmp/tiny"])
+    tiny = load_spec(TINY, ["model.path=/tmp/tiny"])
     assert (tiny.total_steps, tiny.rollout.prompts_per_step, tiny.rollout.max_response_tokens) == (2, 2, 16)
     assert tiny.metrics.port == 0 and tiny.model.path == "/tmp/tiny"
 
@@ -323,8 +324,9 @@ def test_float_fields_refuse_booleans_and_strings(tmp_path, section, key):
         if "." in section:
             outer, inner = section.split(".")
             fields = "".join(f"    {k}: {v}\n" for k, v in required.get(section, {}).items())
-            text = MINIMAL + f"{outer}:\n  {inner}:\n{fields}    {key}: {value}\n"
-            base = MINIMAL + f"{outer}:\n  {inner}:\n{fields}"
+            head = "" if outer == "data" else f"{outer}:\n"  # MINIMAL's own data section takes the subsection
+            text = MINIMAL + f"{head}  {inner}:\n{fields}    {key}: {value}\n"
+            base = MINIMAL + f"{head}  {inner}:\n{fields}"
         else:
             text, base = with_value(section, key, value), MINIMAL
         with pytest.raises(SpecError, match=rf"{section}.{key}: Input should be a valid number"):
@@ -416,3 +418,12 @@ def test_reduce_dtype_is_float32_or_the_model_dtype(tmp_path):
         load_spec(write(tmp_path, MINIMAL), ["model.dtype=bfloat16", "train.reduce_dtype=float16"])
     with pytest.raises(SpecError, match=r"train.reduce_dtype"):
         load_spec(write(tmp_path, MINIMAL), ["train.reduce_dtype=float64"])
+
+
+@pytest.mark.parametrize("value", ["1", "'true'", "'yes'"])
+def test_boolean_fields_are_strict(tmp_path, value):
+    # a lax bool field took `health.enabled: 1` or the string 'yes' as true
+    with pytest.raises(SpecError, match=r"health.enabled: Input should be a valid boolean"):
+        load_spec(write(tmp_path, MINIMAL + f"health:\n  enabled: {value}\n"))
+    with pytest.raises(SpecError, match=r"data.shuffle: Input should be a valid boolean"):
+        load_spec(write(tmp_path, MINIMAL + f"  shuffle: {value}\n"))

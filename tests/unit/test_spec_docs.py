@@ -80,7 +80,7 @@ def test_spec_schema_accepts_the_examples_and_refuses_a_misspelt_key(capsys):
     for path in examples:
         errors = list(validator.iter_errors(yaml.safe_load(path.read_text())))
         assert not errors, (path, [e.message for e in errors])
-    bad = yaml.safe_load((REPO / "examples" / "tiny_cpu.yaml").read_text())
+    bad = yaml.safe_load((REPO / "tests" / "tiny_cpu.yaml").read_text())
     bad["rollout"]["group_sise"] = 4
     bad["sync"]["bucket_bytes"] = "64 parsecs"
     messages = [e.message for e in validator.iter_errors(bad)]

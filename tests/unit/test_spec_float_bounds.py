@@ -33,6 +33,7 @@ NO_TENSOR = {
     "train.resources": "Ray resource amounts, bounded by check_custom_resources",
     "reward_pool.num_cpus_per_worker": "a Ray resource amount",
     "reward_pool.resources": "Ray resource amounts, bounded by check_custom_resources",
+    "rollout.agent_pool.resources": "Ray resource amounts, bounded by check_custom_resources",
     "data.reasoning_gym.config": "a reasoning-gym task generator's settings, checked by reasoning-gym",
     "algorithm.kl_target": "compared with the measured KL in Python (the adaptive controller), never a tensor",
 }

@@ -125,11 +125,61 @@ def _run_train_backend(name):
     return train_backend(name) is FSDPTrainWorker
 
 
+class _RecordingTracker:
+    """A tracker (``contract.trackers.Tracker``) that records what it is given."""
+
+    name, package, install = "recording", "json", "nothing"
+    calls: list = []
+
+    def __init__(self, spec, output_dir):
+        self.output_dir = output_dir
+
+    def location(self):
+        return str(self.output_dir)
+
+    def open(self, config):
+        type(self).calls.append(("open", config["spec"]["total_steps"]))
+
+    def log(self, step, numbers):
+        type(self).calls.append(("log", step, dict(numbers)))
+
+    def artifacts(self, png, tables, spec_yaml):
+        type(self).calls.append(("artifacts", [table.name for table in tables]))
+
+    def close(self):
+        type(self).calls.append(("close",))
+
+
+def _run_tracker(name):
+    import tempfile
+
+    from cluster.sinks.trackers import build_trackers
+    from contract.trackers import Tracker
+
+    _RecordingTracker.calls = []
+    with tempfile.TemporaryDirectory() as out:
+        (sink,) = build_trackers(load(f"metrics.trackers=[{name}]"), out)
+        assert isinstance(sink.backend, Tracker)
+        sink.log(1, {"reward/mean": 0.5, "note": "text"})
+        sink.close()
+    return _RecordingTracker.calls == [("open", 3), ("log", 1, {"reward/mean": 0.5}), ("artifacts", ["eval/table"]),
+                                       ("close",)]
+
+
+def _run_rollout_engine(name):
+    from rollout_workers.hf.engine import HFEngine
+    from rollout_workers.registry import rollout_engine
+
+    return rollout_engine(name) is HFEngine
+
+
 @dataclass(frozen=True)
 class Case:
     """``selector``: the field's registry; ``register(name)``: the user's registration; ``sets(value)``: overrides
     selecting ``value``; ``yaml(value)``: spec text with the field's value on the line holding ``value``; ``typo`` is
-    refused and suggests ``close``; ``runs(name)``: the algorithm runs the registered variant."""
+    refused and suggests ``close``; ``runs(name)``: the algorithm runs the registered variant; ``value(name)``: the
+    field's value when ``name`` is selected (a list field holds it in a list); ``at``: where the loader says the
+    value is, when not the field itself."""
 
     selector: variants.Registered
     register: Callable[[str], object]
@@ -138,6 +188,13 @@ class Case:
     typo: str
     close: str
     runs: Callable[[str], bool]
+    value: Callable[[str], object] = lambda name: name
+    at: str = ""
+
+    @property
+    def located(self) -> str:
+        """The field as the loader names it in a message (a list entry: ``metrics.trackers.0``)."""
+        return self.at or self.selector.field
 
 
 def _register_advantage(name):
@@ -182,6 +239,18 @@ def _register_train(name):
     return register_train_backend(name, "train_workers.fsdp_worker:FSDPTrainWorker")
 
 
+def _register_tracker(name):
+    from cluster.sinks.trackers.registry import register_tracker
+
+    return register_tracker(name, _RecordingTracker)
+
+
+def _register_rollout_engine(name):
+    from rollout_workers.registry import register_rollout_engine
+
+    return register_rollout_engine(name, "rollout_workers.hf.engine:HFEngine")
+
+
 CASES = [
     Case(variants.ADVANTAGE_ESTIMATOR, _register_advantage, lambda v: [f"algorithm.advantage_estimator={v}"],
          lambda v: f"algorithm:\n  advantage_estimator: {v}\n", "rlo", "rloo", _run_advantage),
@@ -198,6 +267,11 @@ CASES = [
          lambda v: f"algorithm:\n  mis:\n    low: 0.5\n    level: {v}\n    high: 2.0\n", "tokn", "token", _run_mis),
     Case(variants.TRAIN_BACKEND, _register_train, lambda v: [f"train.strategy={v}"],
          lambda v: f"train:\n  world_size: 1\n  strategy: {v}\n", "megatorn", "megatron", _run_train_backend),
+    Case(variants.TRACKER, _register_tracker, lambda v: [f"metrics.trackers=[{v}]"],
+         lambda v: f"metrics:\n  trackers:\n  - {v}\n  - mlflow\n", "tensorbord", "tensorboard", _run_tracker,
+         value=lambda v: [v], at="metrics.trackers.0"),
+    Case(variants.ROLLOUT_ENGINE, _register_rollout_engine, lambda v: [f"rollout.engine={v}"],
+         lambda v: f"rollout:\n  engine: {v}\n", "vlm", "vllm", _run_rollout_engine),
 ]
 IDS = [case.selector.field for case in CASES]
 NEW = "test_registered_variant"
@@ -206,11 +280,11 @@ NEW = "test_registered_variant"
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_a_registered_variant_is_selectable_and_runs(case):
     field = case.selector.field
-    with pytest.raises(SpecError, match=rf"(--set |: ){re.escape(field)}: unknown {case.selector.kind} '{NEW}'"):
+    with pytest.raises(SpecError, match=rf"(--set |: ){re.escape(case.located)}: unknown {case.selector.kind} '{NEW}'"):
         load(*case.sets(NEW))
     with variant_registered(case.selector.load(), NEW, lambda: case.register(NEW)):
         spec = load(*case.sets(NEW))
-        assert value_at(spec, field) == NEW
+        assert value_at(spec, field) == case.value(NEW)
         assert load_spec_text(spec_to_yaml(spec), source="round trip") == spec
         assert case.runs(NEW)
         with pytest.raises(SpecError, match=rf"registered in {re.escape(case.selector.registry)}: .*\b{NEW}\b"):
@@ -223,7 +297,7 @@ def test_a_registered_variant_is_selectable_and_runs(case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_an_unknown_name_fails_with_file_line_known_names_suggestion_and_how_to_register(case, tmp_path):
     text = MINIMAL + case.yaml(case.typo)
-    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.endswith(f": {case.typo}"))
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if re.search(rf"(: |- ){case.typo}$", row))
     path = tmp_path / "job.yaml"
     path.write_text(text)
     with pytest.raises(SpecError) as info:
@@ -231,7 +305,7 @@ def test_an_unknown_name_fails_with_file_line_known_names_suggestion_and_how_to_
     message = str(info.value)
     sel = case.selector
     assert "(1 problem)" in message, message
-    assert f"{path}:{line}: {sel.field}: unknown {sel.kind} '{case.typo}' (did you mean '{case.close}'?); " \
+    assert f"{path}:{line}: {case.located}: unknown {sel.kind} '{case.typo}' (did you mean '{case.close}'?); " \
            f"expected one registered in {sel.registry}: {', '.join(sel.names())}. " in message, message
     assert f"Register a new one with {sel.register.replace('NAME', case.typo)} in a module imported before the " \
            f"spec is validated (e.g. grpo-cluster run --import MODULE)" in message, message
@@ -276,9 +350,11 @@ def test_model_parallel_fields_follow_the_registry():
 
 
 def registries() -> dict[str, set[str]]:
-    """Every registry's names: each ``grpo.registry.Registry`` defined in a ``grpo`` module, and the train backends."""
+    """Every registry's names: each ``grpo.registry.Registry`` defined in a ``grpo`` module, the train backends and
+    the rollout engines."""
     import grpo
     from grpo.registry import Registry
+    from rollout_workers.registry import ROLLOUT_ENGINES
     from train_workers.registry import TRAIN_BACKENDS
 
     found: dict[int, tuple[str, set[str]]] = {}
@@ -289,6 +365,7 @@ def registries() -> dict[str, set[str]]:
                 found.setdefault(id(value), (f"{info.name}.{attr}", set(value)))
     named = dict(found.values())
     named["train_workers.registry.TRAIN_BACKENDS"] = set(TRAIN_BACKENDS)
+    named["rollout_workers.registry.ROLLOUT_ENGINES"] = set(ROLLOUT_ENGINES)
     return named
 
 
@@ -360,10 +437,12 @@ def test_the_literal_check_finds_a_copy_in_a_nested_model():
 
 
 def selector_fields(model: type[BaseModel], prefix: str = "") -> dict[str, variants.Registered]:
-    """{dotted field: its Registered} for every field validated by a ``Registered.validator``."""
+    """{dotted field: its Registered} for every field validated by a ``Registered.validator``, on the field itself or
+    on the entries of a list field (``list[Annotated[str, validator]]``)."""
     out = {}
     for name, field in model.model_fields.items():
-        for meta in field.metadata:
+        entries = [meta for arg in get_args(field.annotation) for meta in getattr(arg, "__metadata__", ())]
+        for meta in (*field.metadata, *entries):
             owner = getattr(getattr(meta, "func", None), "__self__", None)
             if isinstance(owner, variants.Registered):
                 out[f"{prefix}{name}"] = owner

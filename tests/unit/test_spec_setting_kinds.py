@@ -19,7 +19,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from cluster.ray_shell.pools import InsufficientResources, check_cluster_resources, reserving_fields
 from cluster.spec import JobSpec, SpecError, load_spec_text
 from grpo.rewards import REWARD_FUNCTIONS
-from grpo.rewards.endpoint import expand_url
+from cluster.rewards.endpoint import expand_url
 
 MINIMAL = "output_dir: runs/test\ntotal_steps: 3\ndata:\n  train_path: train.jsonl\n"
 

@@ -19,7 +19,8 @@ TESTS = Path(__file__).resolve().parents[1]
 
 #: Attributes of a job that hold its collaborators or its parts (assigning one replaces what the loop was built with).
 COLLABORATORS = {"fleet", "trainer", "rollout", "train", "sync", "schedule", "producer", "training", "metrics",
-                 "control", "guard", "evaluation", "scoring", "versions", "requests", "sampler"}
+                 "control", "guard", "evaluation", "scoring", "versions", "requests", "sampler", "workers",
+                 "checkpoints"}
 
 #: Methods of the loop and of its collaborators' protocols (``contract.protocols``): assigning one on an object
 #: (``job.fleet.generate = ...``, ``job.run_step = ...``) patches a built job.

@@ -128,7 +128,8 @@ def test_a_tier_left_out_with_ignore_is_not_reported(tmp_path, ignore):
 def test_a_tier_skipped_whole_at_collection_counts_as_collected(tmp_path):
     """GPU-only test files skip at import when an optional dependency is missing (``pytest.importorskip``); such a
     tier is present and reported as skipped, not empty."""
-    importorskip = "import pytest\n\npytest.importorskip('no_such_module_for_this_test')\n\n\ndef test_gpu():\n    pass\n"
+    importorskip = ("import pytest\n\npytest.importorskip('no_such_module_for_this_test')\n\n\n"
+                    "def test_gpu():\n    pass\n")
     make_tree(tmp_path, {"unit": {"test_a.py": PASSING}, "gpu": {"test_c.py": importorskip}})
     result = run_pytest(tmp_path, "suite")
     assert result.returncode == 0, result.stdout + result.stderr

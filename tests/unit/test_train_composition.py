@@ -83,7 +83,7 @@ def restore_affinity():
 
 def test_pin_to_cores_is_written_once_and_keeps_each_callers_message(restore_affinity):
     from contract import affinity
-    from rollout_workers import engine
+    from rollout_workers.vllm import engine
     from train_workers import cpu_affinity
 
     assert cpu_affinity.pin_to_cores is affinity.pin_to_cores and engine.pin_to_cores is affinity.pin_to_cores
@@ -99,5 +99,5 @@ def test_pin_to_cores_is_written_once_and_keeps_each_callers_message(restore_aff
         affinity.pin_to_cores([absent], "rollout.cpu_affinity", engine.core_ranges)
     assert engine_error.value.args[0].endswith(
         f"expected ids among the cores it may use, {engine.core_ranges(allowed)}, got [{absent}]")
-    source = inspect.getsource(engine.RolloutEngine)
+    source = inspect.getsource(engine.VLLMEngine)
     assert 'pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity", core_ranges)' in source

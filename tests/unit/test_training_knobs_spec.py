@@ -72,9 +72,11 @@ def test_defaults_are_off():
 
 
 def test_model_source_passes_revision_for_hub_ids_only(tmp_path):
+    from rollout_workers.vllm.config import source_kwargs
+
     source = ModelSource.of(_spec("model: {revision: v1.2, trust_remote_code: true}").model)
     assert source.hf_kwargs("org/name") == {"trust_remote_code": True, "revision": "v1.2"}
-    assert source.vllm_kwargs("org/name") == {"trust_remote_code": True, "revision": "v1.2",
-                                              "tokenizer_revision": "v1.2"}
+    assert source_kwargs(source, "org/name") == {"trust_remote_code": True, "revision": "v1.2",
+                                                 "tokenizer_revision": "v1.2"}
     assert source.hf_kwargs(str(tmp_path)) == {"trust_remote_code": True}  # a local folder is its own revision
     assert ModelSource().hf_kwargs("org/name") == {"trust_remote_code": False}

@@ -169,7 +169,7 @@ def transformer_config(layout: MegatronLayout, params_dtype=None, use_cpu_initia
             ``bf16``/``fp16`` (in the local layer spec that only makes attention's softmax run in float32,
             ``DotProductAttention``'s ``FusedScaleMaskSoftmax(input_in_bf16=config.bf16)``) and ``pipeline_dtype``
             (the dtype of activations sent between pipeline stages); the parameters stay ``params_dtype``
-            (mixed precision: ``train_workers.megatron.worker`` module docstring).
+            (mixed precision: ``train_workers.megatron.shard`` module docstring).
         sequence_parallel: ``train.sequence_parallel`` (needs ``layout.tp`` > 1): the activations outside attention
             and MLP are split by sequence over the TP ranks ([S/tp, B, H]); the norm weights get
             ``sequence_parallel=True`` (:class:`SequenceParallelRMSNorm`) and their gradients must be summed over

@@ -48,25 +48,7 @@ Refused for now, each with a :class:`ValueError` naming the field: ``train.seque
 scaling), and sampling filters at tp > 1 (``policy.py``). Virtual pipeline stages (the interleaved schedule) are not
 built.
 
-Precision (``model.dtype``), as the FSDP2 worker's (``train_workers.sharding``): float32 trains in float32. bfloat16
-is mixed precision: the GPTModel's parameters, AdamW's state, the gradient clip, checkpoints and the weight-sync
-source stay float32 (master weights); each forward runs on bfloat16 casts of them
-(:meth:`~train_workers.megatron.policy.MegatronResponseLogprobs.run_model`, ``torch.func.functional_call``) with
-``TransformerConfig(bf16=True)`` (attention softmax in float32, bfloat16 activations between pipeline stages); the
-gradients arrive as bfloat16 and are accumulated in float32 on the parameters, as FSDP2's
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` does (``to_accumulated_grad_if_needed`` in
-``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``); the output logits are cast to float32 before the log-softmax,
-so logprobs, KL and loss are float32. The frozen reference policy is held in bfloat16. Megatron's own two modes do
-not run on CPU (megatron-core 0.16.1): (a) float32 parameters under ``torch.autocast`` (``enable_autocast``;
-``pipeline_parallel/schedules.py`` opens ``torch.autocast("cuda")``) fails in the backward on CPU because the
-tensor-parallel linear layers' autograd functions use ``custom_fwd``/``custom_bwd(device_type="cuda")``
-(``tensor_parallel/layers.py``), so the backward matmul meets a bfloat16 gradient and the float32 saved weight
-("expected m1 and m2 to have the same dtype", measured); (b) ``Float16Module`` (bfloat16 parameters) with
-``Float16OptimizerWithFloat16Params`` (float32 main parameters) allocates its found-inf and norm buffers on "cuda"
-(``optimizer/optimizer.py``, ``optimizer/clip_grads.py``) and would make the parameters that checkpoints and sync
-read bfloat16. The cast-per-forward is (b)'s arithmetic (bfloat16 weights in the matmuls, a float32 master copy
-updated by AdamW), with the bfloat16 copy made at each forward and freed after its backward (as FSDP2's unsharded
-bfloat16 parameters) instead of kept, on CPU and GPU alike.
+Precision (``model.dtype``): :mod:`train_workers.megatron.shard`, which builds the models.
 
 Sequence parallelism (``train.sequence_parallel``, tp > 1): megatron-core's ``TransformerConfig.sequence_parallel``
 (embedding output reduce-scattered by sequence, [S/tp, B, H] between the TP regions, all-gather before and
@@ -88,15 +70,18 @@ the pipeline schedule's token counter ``torch.zeros([], dtype=torch.int, device=
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from contract.batches import PackedMicroBatch
-from contract.messages import SendReport, TrainRankInfo, TrainResult
+from contract.messages import TrainRankInfo, TrainResult
+from contract.sync_reports import SendReport
 from train_workers.grpo_step import GRPOStep
-from train_workers.megatron.engine import MegatronEngine, counted_once
+from train_workers.megatron.engine import MegatronEngine
 from train_workers.megatron.pipeline import MegatronPipeline
+from train_workers.megatron.shard import build_shard, count_parameters, same_tp_rank_group
 from train_workers.megatron.sync import MegatronSyncSource
 from train_workers.rank_context import RankContext, node_address, sync_node_id
 from train_workers.sharding import as_dtype
@@ -112,7 +97,8 @@ class MegatronTrainWorker:
         policy, reference, optimizer: the models, built by :meth:`init_distributed` (None before).
         layout, tp_rank, pp_rank, tp_group, dp_group, pp_group: the Megatron layout and this rank's place in it.
         engine, step: the composed step parts (module docstring), built by :meth:`init_distributed`.
-        sender: the weight sender; its source (:class:`MegatronSyncSource`) is set by :meth:`init_distributed`.
+        sender: the weight sender; without a source until :meth:`init_distributed` builds one over Megatron's
+            tensors (:class:`MegatronSyncSource`), so a sync call made before fails with the sender's own errors.
 
     Raises:
         ValueError: at construction, a setting this backend refuses for now (module docstring), naming the field.
@@ -131,7 +117,7 @@ class MegatronTrainWorker:
         self.policy = self.reference = self.optimizer = self.layout = None
         self.engine: MegatronEngine | None = None
         self.step: GRPOStep | None = None
-        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # its source: init_distributed
+        self.sender = WeightSender(self.ctx.rank, self.ctx.device, self.ctx.use_cuda)  # no source: see init_distributed
 
     @staticmethod
     def refuse_unsupported(train, dtype: str | torch.dtype = "float32") -> None:
@@ -193,9 +179,10 @@ class MegatronTrainWorker:
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.tp_group, self.dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        metrics_group = self.dp_group if self.layout.pp == 1 else self._same_tp_rank_group()
-        self.policy = self._build(policy_path or ctx.model_path, trainable=True)
-        self.reference = self._build(ctx.model_path, trainable=False) if ctx.algorithm.kl_coef > 0 else None
+        metrics_group = self.dp_group if self.layout.pp == 1 else same_tp_rank_group(ctx, self.layout, self.tp_rank)
+        shard = partial(build_shard, ctx, self.layout, self.tp_rank, self.pp_rank)
+        self.policy = shard(policy_path or ctx.model_path, trainable=True)
+        self.reference = shard(ctx.model_path, trainable=False) if ctx.algorithm.kl_coef > 0 else None
         self.optimizer = ctx.adamw(self.policy)
         pipeline = MegatronPipeline(self.policy, self.reference, ctx.device, ctx.world_size) \
             if self.layout.pp > 1 else None
@@ -203,68 +190,9 @@ class MegatronTrainWorker:
                                      ctx.train.max_grad_norm, self.layout, self.tp_group, self.dp_group,
                                      metrics_group, pipeline)
         self.step = GRPOStep(self.engine, ctx.algorithm, ctx.train, ctx.max_response_tokens)
-        self.sender.source = MegatronSyncSource(self.policy.model, ctx.model_path, self.layout, self.pp_rank,
-                                                self.tp_group, self.pp_group)
-        return ctx.rank_info(backend, self._count_parameters())
-
-    def _build(self, path: str, trainable: bool):
-        """A ``GPTModel`` of this rank's shard (its TP slice of its pipeline stage's layers) of the HF folder
-        ``path`` (each tensor read from the safetensors files and sliced, ``convert.hf_to_megatron``), wrapped in
-        :class:`MegatronResponseLogprobs`. Trainable: float32 parameters computed in ``ctx.dtype``; frozen (the
-        reference policy): parameters in ``ctx.dtype`` (module docstring, Precision)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.models.gpt.gpt_model import GPTModel
-
-        from train_workers.megatron.config import gpt_model_kwargs, transformer_config
-        from train_workers.megatron.convert import hf_to_megatron
-        from train_workers.megatron.hf_io import SafetensorsFolder
-        from train_workers.megatron.policy import MegatronResponseLogprobs
-
-        layout, dtype = self.layout, self.ctx.dtype
-        config = transformer_config(layout, compute_dtype=dtype, sequence_parallel=self.ctx.train.sequence_parallel)
-        model = GPTModel(**gpt_model_kwargs(layout, config, parallel_output=True,
-                                            pre_process=ps.is_pipeline_first_stage(),
-                                            post_process=ps.is_pipeline_last_stage()))
-        state = hf_to_megatron(SafetensorsFolder(path), layout, self.tp_rank, self.pp_rank)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise RuntimeError(f"{path}: the converted state dict does not match the GPTModel: missing {missing[:3]}, "
-                               f"unexpected {list(unexpected)[:3]}")
-        model.to(self.ctx.device, torch.float32 if trainable else dtype)
-        model.requires_grad_(trainable)
-        model.train(trainable)
-        mixed = trainable and dtype != torch.float32
-        return MegatronResponseLogprobs(model, layout.vocab_size, self.ctx.temperature, **self.ctx.sampling_filters,
-                                        compute_dtype=dtype if mixed else None,
-                                        entropy_grad=trainable and self.ctx.algorithm.entropy_coef > 0)
-
-    def _same_tp_rank_group(self):
-        """The process group of the ranks with this rank's tensor-parallel rank, over every pipeline stage and
-        data-parallel replica (a collective: every rank creates every such group). With pp > 1 only the last stage
-        has loss sums (the others contribute zeros), so the step's sums reduced over it count each sequence once."""
-        from megatron.core import parallel_state as ps
-
-        world_size = self.ctx.world_size
-        tp_ranks = torch.zeros(world_size, dtype=torch.int64, device=self.ctx.device)
-        tp_ranks[self.ctx.rank] = ps.get_tensor_model_parallel_rank()
-        dist.all_reduce(tp_ranks)
-        mine = None
-        for t in range(self.layout.tp):
-            group = dist.new_group([r for r in range(world_size) if int(tp_ranks[r]) == t])
-            if t == self.tp_rank:
-                mine = group
-        return mine
-
-    def _count_parameters(self) -> int:
-        """Parameters of the whole model (every shard once, the last stage's copy of a tied embedding not counted):
-        a collective over the model-parallel (tp × pp) group."""
-        from megatron.core import parallel_state as ps
-
-        local = sum(p.numel() for p in self.policy.parameters() if counted_once(p))
-        total = torch.tensor([local], dtype=torch.int64, device=self.ctx.device)
-        dist.all_reduce(total, group=ps.get_model_parallel_group())
-        return int(total)
+        self.sender = WeightSender(ctx.rank, ctx.device, ctx.use_cuda, MegatronSyncSource(
+            self.policy.model, ctx.model_path, self.layout, self.pp_rank, self.tp_group, self.pp_group))
+        return ctx.rank_info(backend, count_parameters(self.policy, ctx.device))
 
     # ---- training (train_workers.grpo_step over train_workers.megatron.engine) ----------------------------------
     def set_lr(self, lr: float) -> None:
