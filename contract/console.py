@@ -21,8 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "TERMINAL_ENV", "VERBOSE_ENV", "ReloadNoteFilter",
-           "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler"]
+__all__ = ["LIBRARY_LOGGERS", "LOG_DIR_ENV", "RELOAD_NOTE", "TERMINAL_ENV", "VERBOSE_ENV", "LogFileHandler",
+           "ReloadNoteFilter", "quiet_library_terminals", "route_logs", "route_worker_logs", "terminal_handler",
+           "unroute_logs"]
 
 #: Environment variable naming the folder of the workers' log files (set by the driver for the job's workers).
 LOG_DIR_ENV = "GRPO_CLUSTER_LOG_DIR"
@@ -53,6 +54,22 @@ class ReloadNoteFilter(logging.Filter):
         return RELOAD_NOTE not in record.getMessage()
 
 
+class LogFileHandler(logging.FileHandler):
+    """The log file :func:`route_logs` adds: a ``logging.FileHandler`` whose ``emit`` never raises.
+
+    The standard handler reopens its file on the next record after it was closed (``logging.config.dictConfig``,
+    which libraries such as vLLM call when they are imported, closes every existing handler), and that reopening is
+    outside its own error handling: a folder removed meanwhile made ``logger.warning`` raise ``FileNotFoundError`` in
+    whatever thread logged, which stopped a thread whose work came after the record. Here a record that cannot be
+    written goes to ``handleError`` (one note on stderr), as any other write error does, and the caller goes on."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except Exception:  # noqa: BLE001 - a log record must never stop the code that logged it
+            self.handleError(record)
+
+
 def _terminal(handler: logging.Handler) -> bool:
     return isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in (
         sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
@@ -74,7 +91,7 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     if str(path.resolve()) in _routed:
         return _routed[str(path.resolve())]
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = LogFileHandler(path, encoding="utf-8")
     _routed[str(path.resolve())] = handler
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(FORMAT))
@@ -95,6 +112,19 @@ def route_logs(log_file: str | Path, verbose: bool = False) -> logging.Handler |
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # "Generating train split" bars
     return handler
+
+
+def unroute_logs(handler: logging.Handler | None) -> None:
+    """Undo :func:`route_logs`'s file handler (a run refused after it routed, whose output folder is removed): take
+    ``handler`` off the root logger, close it, and forget its file. Does nothing for None. The terminal handlers'
+    ERROR level stays (the process is about to exit, or runs another job that routes again)."""
+    if handler is None:
+        return
+    logging.getLogger().removeHandler(handler)
+    handler.close()
+    for path, routed in list(_routed.items()):
+        if routed is handler:
+            del _routed[path]
 
 
 def quiet_library_terminals() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -285,11 +286,11 @@ class AgentWorkerPool:
             self._track(slot)
             self.counts["lost_episodes"] += len(lost)
             self.counts["hung_workers"] += int(hung)
-        if not self._closing:
-            logger.warning("agent pool: worker %d %s; its %d running episode(s) end as infrastructure failures, the "
-                           "worker is replaced", index, reason, len(lost))
-        for running in lost:
+        for running in lost:  # first what the caller waits on: nothing below may keep these futures open
             _settle(running.future, infra_outcome(f"its agent worker {reason}"))
+        if not self._closing:
+            _log_warning("agent pool: worker %d %s; its %d running episode(s) end as infrastructure failures, the "
+                         "worker is replaced", index, reason, len(lost))
         worker.close()
         self._restart(index)
 
@@ -301,7 +302,7 @@ class AgentWorkerPool:
             try:
                 worker = self.make_worker(index)
             except Exception as exc:  # noqa: BLE001 - tried again: episodes wait for a free slot meanwhile
-                logger.warning("agent pool: worker %d could not be replaced (%s: %s); trying again in %g s", index,
+                _log_warning("agent pool: worker %d could not be replaced (%s: %s); trying again in %g s", index,
                                type(exc).__name__, exc, delay)
                 if self._stop.wait(delay):
                     return
@@ -315,6 +316,15 @@ class AgentWorkerPool:
                 self.counts["worker_restarts"] += 1
                 self._dispatch()
             return
+
+
+def _log_warning(message: str, *args) -> None:
+    """``logger.warning`` that cannot stop the pool's threads: a handler that raises (a user's, or a log file whose
+    folder is gone) makes the record a line on stderr instead."""
+    try:
+        logger.warning(message, *args)
+    except Exception as exc:  # noqa: BLE001 - the pool's work comes first
+        print(f"agent pool: {message % args} (the log handler failed: {type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def _settle(future: Future, outcome: AgentOutcome) -> None:

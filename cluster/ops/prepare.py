@@ -95,15 +95,20 @@ def prepare_job(args, dry_run: bool = False):
         print(f"grpo-cluster: {exc}", file=sys.stderr)  # its own header: file and problem count, or one line
         return 2
     fresh = _absent_folders(spec)  # a refused run removes the folders it created (nothing else)
+    routed = None
     if not dry_run:  # run: library notes below ERROR to OUTPUT_DIR/driver.log before anything loads a library
         from contract.console import route_logs
 
         try:
-            route_logs(Path(spec.output_dir) / "driver.log", verbose=getattr(args, "verbose", False))
+            routed = route_logs(Path(spec.output_dir) / "driver.log", verbose=getattr(args, "verbose", False))
         except OSError:
             pass  # an output_dir that cannot be written is reported below, naming the field
     prepared = _prepare_spec_job(args, spec, dry_run)
     if isinstance(prepared, int):
+        if routed is not None and fresh:  # its file goes with the folder: no handler left pointing into it
+            from contract.console import unroute_logs
+
+            unroute_logs(routed)
         for folder in fresh:
             shutil.rmtree(folder, ignore_errors=True)
     return prepared

@@ -132,6 +132,10 @@ def test_run_with_a_jobs_api_http_address_exits_2(tmp_path, tiny_model_dir, monk
         monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:1")
     assert main(args) == 2
     assert "http://127.0.0.1:1" in capsys.readouterr().err
+    import logging  # the refused run removed its output folder: no log handler is left pointing into it
+
+    assert not [h for h in logging.getLogger().handlers
+                if str(tmp_path) in str(getattr(h, "baseFilename", ""))], logging.getLogger().handlers
 
 
 # --------------------------------------------------------------------------------------------------------- data
