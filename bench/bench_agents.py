@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import statistics
 import threading
@@ -51,10 +52,14 @@ ENVIRONMENT = "bench_sleeping_tool"
 LATENCY_S = (0.1, 2.0)
 
 
-def tool_latencies(episodes: int, turns: int, seed: int = 0) -> list[list[float]]:
-    """[episode][turn - 1] seconds each tool call takes, uniform in :data:`LATENCY_S`, the same for both designs."""
+def tool_latencies(episodes: int, turns: int, seed: int = 0, varied: bool = False) -> list[list[float]]:
+    """[episode][turn - 1] seconds each tool call takes, uniform in :data:`LATENCY_S`, the same for both designs.
+    An episode has ``turns`` turns, or with ``varied`` a count drawn uniformly from 1..``turns`` (an agent that stops
+    when its task is done: the coding agent's episodes took 1 to 4 turns); seeded, so both designs run the same
+    episodes."""
     rng = random.Random(seed)
-    return [[rng.uniform(*LATENCY_S) for _ in range(turns)] for _ in range(episodes)]
+    counts = [rng.randint(1, turns) if varied else turns for _ in range(episodes)]
+    return [[rng.uniform(*LATENCY_S) for _ in range(count)] for count in counts]
 
 
 def tool_bound(latencies: list[list[float]]) -> float:
@@ -64,7 +69,7 @@ def tool_bound(latencies: list[list[float]]) -> float:
     time per turn in both designs adds the same to both walls and lowers the ratio; only an engine whose turns get
     faster with fewer episodes in its batch (a throughput-bound engine), which overlaps one episode's generation with
     another's tool, can take request-level past it."""
-    rounds = sum(max(column) for column in zip(*latencies))
+    rounds = sum(max(column) for column in itertools.zip_longest(*latencies, fillvalue=0.0))
     return rounds / max(map(sum, latencies))
 
 
@@ -148,18 +153,19 @@ def request_level(engine, spec, tokenizer, prompts: list[list[int]], seed: int,
     from contract.requests import TokenRequest
 
     observations = ObservationTokens(tokenizer)
-    turns, tokens = spec.rollout.multi_turn.max_turns, spec.rollout.max_response_tokens
+    tokens = spec.rollout.max_response_tokens
 
     async def episode(k: int) -> list[int]:
         ids, sampled = list(prompts[k]), []
-        for turn in range(1, turns + 1):
+        own_turns = len(latencies[k])  # K, or the episode's own count (--varied-turns)
+        for turn in range(1, own_turns + 1):
             request = TokenRequest(f"e{k}-t{turn}", tuple(ids), tokens, temperature=spec.rollout.temperature,
                                    seed=turn_seed(seed + k, 0, turn), group_id=k)
             result = await asyncio.wrap_future(engine.submit(request))
             ids += result.token_ids
             sampled += result.token_ids
             await asyncio.sleep(latencies[k][turn - 1])  # the tool runs
-            if turn < turns:
+            if turn < own_turns:
                 ids += observations.ids("tool", OBSERVATION, result.token_ids)
         return sampled
 
@@ -203,15 +209,15 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def run_shape(engine, model_path: str, tokenizer, shape: tuple[int, int, int], repeats: int, max_model_len: int,
-              slots: int | None = None) -> dict:
+              slots: int | None = None, varied_turns: bool = False) -> dict:
     """Both designs on one shape (N episodes, K turns, T tokens), alternating after a warm-up; the summary. With
     ``slots``: N episodes through that many slots (lock-step: batches in turn; request-level: refilled as episodes
-    end)."""
+    end). With ``varied_turns``: each episode's turn count drawn from 1..K (:func:`tool_latencies`)."""
     from bench.bench_multi_turn import build_prompts
 
     episodes, turns, tokens = shape
     prompts = build_prompts(tokenizer, episodes)
-    latencies = tool_latencies(episodes, turns)
+    latencies = tool_latencies(episodes, turns, varied=varied_turns)
     register_sleeping_tool(latencies)
     spec = job_spec(model_path, turns, tokens, slots or episodes, max_model_len)
     engine.rollout = spec.rollout  # the generate calls' length cap (FixedLengthEngine: every turn exactly T tokens)
@@ -229,7 +235,8 @@ def run_shape(engine, model_path: str, tokenizer, shape: tuple[int, int, int], r
     same = sum(a == b for a, b in zip(runs["lock_step"][0]["episodes"], runs["request_level"][0]["episodes"]))
     speedup = round(out["request_level"]["episodes_per_s"] / out["lock_step"]["episodes_per_s"], 3)
     bound = None if slots else round(tool_bound(latencies), 3)  # the formula is of one batch
-    return {"episodes": episodes, "slots": slots, "turns": turns, "turn_tokens": tokens, "latency_s": list(LATENCY_S),
+    return {"episodes": episodes, "slots": slots, "turns": turns, "varied_turns": varied_turns,
+            "turns_total": sum(map(len, latencies)), "turn_tokens": tokens, "latency_s": list(LATENCY_S),
             "repeats": repeats, **out, "speedup": speedup, "tool_bound": bound,
             "identical_episodes": same}
 
@@ -242,6 +249,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one shape 4x2x8, 1 repeat: a smoke run")
     p.add_argument("--slots", type=int, default=None, help="run each shape's N episodes through this many slots: "
                    "lock-step in batches one after another, request-level refilled as episodes end")
+    p.add_argument("--varied-turns", action="store_true", help="each episode's turn count drawn from 1..K "
+                   "(seeded, the same in both designs) instead of exactly K")
     p.add_argument("--model", default=DEFAULT_MODEL)
     args = p.parse_args()
     shapes = parse_shapes("4x2x8" if args.quick else args.shapes)
@@ -259,13 +268,14 @@ def main() -> None:
     register_sleeping_tool(tool_latencies(n, k))  # the spec below names the environment
     engine = FixedLengthEngine(model_path, job_spec(model_path, k, t, n, max_model_len).rollout, dtype="float32",
                                seed=0, max_model_len=max_model_len)
-    results = [run_shape(engine, model_path, tokenizer, shape, repeats, max_model_len, args.slots)
+    results = [run_shape(engine, model_path, tokenizer, shape, repeats, max_model_len, args.slots, args.varied_turns)
                for shape in shapes]
     engine.shutdown()
     shutdown_engine(engine)
     print_table(["N x K x T", "lock-step ep/s", "request-level ep/s", "speedup", "tool bound", "idle lock-step",
                  "idle request-level", "tokens", "identical"],
                 [[f"{r['episodes']}x{r['turns']}x{r['turn_tokens']}"
+                  + (" (1..K turns)" if r["varied_turns"] else "")
                   + (f" in {r['slots']} slots" if r["slots"] else ""), r["lock_step"]["episodes_per_s"],
                   r["request_level"]["episodes_per_s"], r["speedup"], r["tool_bound"],
                   r["lock_step"]["engine_idle_fraction"],

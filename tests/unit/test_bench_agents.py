@@ -52,3 +52,12 @@ def test_bench_agents_tool_bound_is_the_rounds_wait_over_the_slowest_episodes():
     # lock-step waits 2 + 2 (each round's slowest tool); request-level the slowest episode's own 2.1 s
     assert tool_bound([[2.0, 0.1], [0.1, 2.0]]) == pytest.approx(4.0 / 2.1)
     assert tool_bound([[2.0, 2.0], [0.1, 0.1]]) == pytest.approx(1.0)  # one episode is slowest every round
+    # an episode that ended waits for nothing in later rounds: 2 + 1 against the longest episode's 2.1 s
+    assert tool_bound([[2.0], [0.1, 1.0]]) == pytest.approx(3.0 / 2.0)
+
+
+def test_bench_agents_varied_turns_draw_each_episodes_count_from_one_to_k():
+    table = tool_latencies(64, 4, varied=True)
+    counts = [len(row) for row in table]
+    assert table == tool_latencies(64, 4, varied=True) and set(counts) == {1, 2, 3, 4}
+    assert all(0.1 <= s <= 2.0 for row in table for s in row)
