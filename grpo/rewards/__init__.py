@@ -16,7 +16,7 @@ scores every row: the builtins ``math`` and ``code``, whose None is a dead worke
 refused, naming the function and its file:line.
 
 Builtins: ``accuracy`` and ``format`` (GSM8K, ``grpo.rewards.gsm8k``), ``math`` (LaTeX answers with math-verify,
-``grpo.rewards.math``), ``reasoning_gym`` (``grpo.rewards.reasoning_gym``), and ``code`` and ``code_asserts``
+``sandbox.math_reward``), ``reasoning_gym`` (``grpo.rewards.reasoning_gym``), and ``code`` and ``code_asserts``
 (programs run against the row's ``tests`` in the sandbox, ``sandbox.code_reward``: the ``sandbox`` package beside
 this one, named here by import path and imported on first use, so this package never imports process code). A
 spec may also name a function by location (``module:function``, ``path/to/file.py:function``:
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
-from math import isfinite  # not `import math`: the submodule grpo.rewards.math takes that name here
+from math import isfinite
 from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
@@ -38,7 +38,6 @@ from grpo.registry import Registry
 from grpo.rewards.calling import (UNSCORED, RewardError, RewardOutputError, call_reward, signature_of,
                                   unscored_rows, values_to_tensor, where_defined)
 from grpo.rewards.gsm8k import _final_answer, accuracy_reward, extract_answer, format_reward, parse_reference
-from grpo.rewards.math import check_math_reference, math_reward
 from grpo.rewards.overlong import overlong_penalty
 from grpo.rewards.reasoning_gym import check_reference as check_reasoning_gym_reference
 from grpo.rewards.reasoning_gym import reasoning_gym_reward
@@ -242,15 +241,6 @@ def _format(completions: list[str], references: list[str]) -> list[float | None]
     return [format_reward(c) for c in completions]
 
 
-@register_reward_function("math", check_row=check_math_reference, none_is_failure=True)
-def _math(completions: list[str], references: list[str]) -> list[float | None]:
-    """LaTeX answers (``\\boxed{}``, fractions, intervals, sets) verified by math-verify in a worker process with a
-    per-completion deadline (`grpo.rewards.math`): 1.0 only for one committed final answer equivalent to the reference
-    (`grpo.rewards.final_answer`), 0.0 on a verifier timeout, None (its failure: the row has no reward) when the
-    worker died."""
-    return math_reward(completions, references)
-
-
 @register_reward_function("reasoning_gym", check_row=check_reasoning_gym_reference)
 def _reasoning_gym(completions: list[str], references: list[str]) -> list[float | None]:
     """reasoning-gym's own scorer of the task each reference names (`grpo.rewards.reasoning_gym`): for prompts from
@@ -262,9 +252,13 @@ def _reasoning_gym(completions: list[str], references: list[str]) -> list[float 
 #: ``code`` runs call and stdin/stdout tests, judged outside the program's process; ``code_asserts`` also runs test
 #: code inside it (docs/sandbox.md says what that does not catch). Imported on first lookup (grpo.registry). Both score
 #: every row they are given: their None is a sandbox's infrastructure failure, never "does not apply".
+#: ``math``: LaTeX answers verified by math-verify in a worker process with a per-completion deadline
+#: (``sandbox.math_reward``): 1.0 only for one committed final answer equivalent to the reference
+#: (`grpo.rewards.final_answer`), 0.0 on a verifier timeout, None (the row has no reward) when the worker died.
+REWARD_FUNCTIONS.register_lazy("math", "sandbox.math_reward:math_reward")
 REWARD_FUNCTIONS.register_lazy("code", "sandbox.code_reward:code_reward")
 REWARD_FUNCTIONS.register_lazy("code_asserts", "sandbox.code_reward:code_asserts_reward")
-NONE_IS_FAILURE.update({"code", "code_asserts"})
+NONE_IS_FAILURE.update({"math", "code", "code_asserts"})
 
 
 class CombinedRewards(NamedTuple):

@@ -55,16 +55,22 @@ def test_rollout_engine_requests_continue_across_a_weight_sync_on_the_new_versio
             time.sleep(0.01)  # the batch runs on version 0
         report = fleet.sync_policy()  # pauses it, loads version 1, continues it
         results = [f.result(120) for f in futures]
-        model = fleet.model
+        model, eos = fleet.model, fleet.tokenizer.eos_token_id
         assert report.policy_version == 1 and report.verified
+        spanning = 0
         for x in results:
-            assert len(x.token_ids) == 400 and x.finish_reason == "length"
-            cut = x.token_versions.index(1)  # every token of version 0 first, then version 1's
-            assert 0 < cut and x.token_versions == [0] * cut + [1] * (400 - cut)
+            n = len(x.token_ids)  # where the sync lands is timing: version 1 may sample an EOS before token 400
+            assert (n, x.finish_reason) == (400, "length") or (x.finish_reason, x.token_ids[-1]) == ("stop", eos)
+            cut = x.token_versions.count(0)  # every token of version 0 first, then version 1's
+            assert x.token_versions == [0] * cut + [1] * (n - cut)
             new = _policy_logprobs(model, list(prompt), x.token_ids)
             lps = torch.tensor(x.logprobs)
-            assert float((lps[cut:] - new[cut:]).abs().max()) < 1e-4  # sampled by the synced weights
-            assert float((lps[:cut] - new[:cut]).abs().max()) > 1e-3  # ... and these by version 0
+            if cut < n:
+                assert float((lps[cut:] - new[cut:]).abs().max()) < 1e-4  # sampled by the synced weights
+            if cut >= 8:
+                assert float((lps[:cut] - new[:cut]).abs().max()) > 1e-3  # ... and these by version 0
+            spanning += 0 < cut < n
+        assert spanning >= 1, [x.token_versions.count(0) for x in results]  # the sync landed mid-request
 
 
 def test_rollout_engine_a_turn_waits_for_the_decode_batch_not_for_other_episodes(tiny_model_dir, tmp_path):

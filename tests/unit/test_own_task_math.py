@@ -1,6 +1,6 @@
 """Issue #27, the ``math`` reward: LaTeX answers verified by math-verify in a worker process with its own deadline,
 called from a thread that is not the main one (math-verify's signal.alarm timeouts raise there), and the worker process
-itself (``grpo.rewards.verifier_process``): a hang is a timeout, a crash is a death, both survived."""
+itself (``sandbox.verifier_process``): a hang is a timeout, a crash is a death, both survived."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from grpo.rewards import REWARD_FUNCTIONS, combine_rewards, math_worker
-from grpo.rewards import math as math_reward_module
-from grpo.rewards.math import check_math_reference
-from grpo.rewards.verifier_process import Outcome, VerifierProcess
+from grpo.rewards import REWARD_FUNCTIONS, combine_rewards
+from sandbox import math_reward as math_reward_module, math_worker
+from sandbox.math_reward import check_math_reference
+from sandbox.verifier_process import Outcome, VerifierProcess
 
 pytest.importorskip("math_verify")
 

@@ -358,7 +358,7 @@ ONE_MB = 1_000_000
 def test_hack_hedges_rule_is_linear_time(name, text):
     """A megabyte of statements, nested or restated, is scored in about a second, not minutes (each statement is cut
     from the text once and read once per distinct text), and the math reward's plan of what to verify likewise."""
-    from grpo.rewards.math import final_statements
+    from sandbox.math_reward import final_statements
 
     t0 = time.thread_time()
     accuracy_reward(text, RIGHT)

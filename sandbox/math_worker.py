@@ -1,7 +1,7 @@
-"""The ``math`` reward's work inside its verifier process (``grpo.rewards.math``): math-verify parsing and comparison
+"""The ``math`` reward's work inside its verifier process (``sandbox.math_reward``): math-verify parsing and comparison
 with math-verify's own ``signal.alarm`` timeouts off (the calling process bounds the time).
 
-Loaded by path in a fresh interpreter (``grpo.rewards.verifier_process``), so it imports only the standard library and
+Loaded by path in a fresh interpreter (``sandbox.verifier_process``), so it imports only the standard library and
 math-verify: no package of this project, no torch.
 """
 
@@ -30,7 +30,7 @@ def _several(parsed: list) -> bool:
 
 def verify_item(item: tuple) -> object:
     """``("verify", reference, statements)`` → 1.0 when the completion's final-answer statements, each
-    ``(text, offers_alternatives)`` (``grpo.rewards.math`` finds them), all verify against the reference, else 0.0;
+    ``(text, offers_alternatives)`` (``sandbox.math_reward`` finds them), all verify against the reference, else 0.0;
     ``("parse", reference)`` → the string forms of the reference's parsed answers (empty when it has none). The
     reference is parsed as :func:`gold_text`, else as written.
 

@@ -18,8 +18,11 @@ that math-verify parses as several values is a hedge and scores 0.0; against ``\
 ``\\boxed{3 \\text{ or } 4}`` are the answer. Several boxes with different values, "\\boxed{3} or \\boxed{4}",
 "\\boxed{3}. Or maybe 5." and "the answer is 3 (or maybe 5)" score 0.0 whichever value is right.
 
-Where it runs: in a worker process (:class:`grpo.rewards.verifier_process.VerifierProcess`) with math-verify's
-``signal.alarm`` timeouts off (``grpo.rewards.math_worker``), so it works from any thread; each completion has
+Registered in ``grpo.rewards`` by name (imported on first lookup, like the ``code`` rewards): it supervises a process,
+so it lives in the ``sandbox`` package, not in the pure ``grpo`` one.
+
+Where it runs: in a worker process (:class:`sandbox.verifier_process.VerifierProcess`) with math-verify's
+``signal.alarm`` timeouts off (``sandbox.math_worker``), so it works from any thread; each completion has
 ``MATH_TIMEOUT_S`` seconds.
 
 What a timeout means: a completion whose parsing or comparison runs past its deadline scores **0.0**, a policy
@@ -36,11 +39,11 @@ import os
 import threading
 from collections.abc import Sequence
 
-from grpo.rewards import math_worker
+from sandbox import math_worker
 from grpo.rewards.final_answer import (answer_start, hedged_after, last_value_hedged, offers_alternatives,
                                        sentence_around, statements, values)
 from grpo.rewards.numbers import numbers_equal
-from grpo.rewards.verifier_process import VerifierProcess
+from sandbox.verifier_process import VerifierProcess
 
 __all__ = ["MATH_TIMEOUT_S", "check_math_reference", "final_statements", "math_reward"]
 
@@ -141,3 +144,7 @@ def check_math_reference(reference: str) -> None:
     shown = reference if len(reference) <= 60 else reference[:57] + "..."
     raise ValueError(f"math-verify {why} (reference {shown!r}); expected a LaTeX or plain answer such as "
                      f"'\\frac{{1}}{{2}}', '[1, 3)' or a solution ending in '\\boxed{{...}}'")
+
+
+math_reward.check_row = check_math_reference  # what it needs of every data row (grpo.rewards.checks)
+math_reward.none_is_failure = True  # it scores every row: its None is the worker's death, never "does not apply"
