@@ -27,7 +27,7 @@ EOF
 profile=$(mktemp -d)
 trap 'rm -rf "$profile"' EXIT
 chromium --headless=new --no-sandbox --disable-gpu --disable-background-networking --disable-component-update \
-  --disable-sync --no-first-run --user-data-dir="$profile" --hide-scrollbars --window-size=1400,2600 \
+  --disable-sync --no-first-run --user-data-dir="$profile" --hide-scrollbars --window-size=1400,3600 \
   --virtual-time-budget=5000 --screenshot="$out" "file://$(realpath "$run")/report.html#$fragment" 2>/dev/null
 "$python" - "$out" <<'EOF'
 import sys

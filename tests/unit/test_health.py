@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 COMPLETIONS = REPO / "tests" / "data" / "completions_smollm2.json"
 #: Recorded metrics of healthy runs (docs/results.md): examples/tool_calc_cpu.yaml's 12 steps and the demo's 15.
 HEALTHY_RUNS = [REPO / "bench" / "data" / "tool_calc_cpu_12_steps.metrics.jsonl",
-                REPO / "bench" / "data" / "demo_cpu_15_steps.metrics.jsonl"]
+                REPO / "bench" / "data" / "demo_cpu_15_steps.metrics.jsonl",  # seed 0 (its 2026-12-05 rerun: identical)
+                REPO / "bench" / "data" / "demo_cpu_15_steps_seed1.metrics.jsonl",
+                REPO / "bench" / "data" / "demo_cpu_15_steps_seed2.metrics.jsonl"]
 DETECTORS = ["repetition", "garbled", "stall", "flat_run", "kl_jump", "entropy_jump", "infra_failures",
              "engine_aborts"]
 
