@@ -64,7 +64,8 @@ SCALED = {"GRPOJobStalled": ("30 * 60", str(STALL_S))}
 #: Alert → the condition of the ``faults`` job that must make it fire.
 INJECTED = {"GRPOJobStalled": "step 4 hangs in its reward call", "GRPOGuardTripped": "entropy_band trips at step 3",
             "GRPOGuardDetector": "entropy_band trips at step 3",
-            "GRPOInfraFailureRate": "a quarter of the completions get no reward"}
+            "GRPOInfraFailureRate": "a quarter of the completions get no reward",
+            "GRPOHealthWarning": "a quarter of the completions get no reward (health infra_failures)"}
 HEALTHY_STEPS, FAULT_STEPS, TRIP_STEP = 4, 4, 3
 #: A target the dashboard once had: the driver never logs a pool-wide queue depth (only each engine does).
 NEVER_EXPORTED = 'grpo_rollout_queue_depth{job="$job",worker="driver"}'
