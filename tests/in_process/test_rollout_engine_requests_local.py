@@ -55,7 +55,8 @@ def test_rollout_engine_requests_continue_across_a_weight_sync_on_the_new_versio
             time.sleep(0.01)  # the batch runs on version 0
         report = fleet.sync_policy()  # pauses it, loads version 1, continues it
         results = [f.result(120) for f in futures]
-        model, eos = fleet.model, fleet.tokenizer.eos_token_id
+        model = fleet.model
+        eos = fleet.tokenizer.eos_token_id
         assert report.policy_version == 1 and report.verified
         spanning = 0
         for x in results:

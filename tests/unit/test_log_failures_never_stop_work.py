@@ -55,7 +55,8 @@ class _StandInWorker:
     made = 0
 
     def __init__(self, dies: bool):
-        self.dies, self.closed = dies, False
+        self.dies = dies
+        self.closed = False
         type(self).made += 1
 
     def run(self, ticket):
