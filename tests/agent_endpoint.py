@@ -112,7 +112,10 @@ class StandInEndpoint:
 
     def __init__(self, tokenizer, sampler: Sampler, chat_template: str | None = None, max_call_tokens: int = 256,
                  seeds: Callable[[int | None, int, int], int | None] = call_seed):
-        self.tokenizer, self.sampler, self.chat_template, self.seeds = tokenizer, sampler, chat_template, seeds
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.chat_template = chat_template
+        self.seeds = seeds
         self.max_call_tokens = max_call_tokens
         self.observations = ObservationTokens(tokenizer, chat_template)
         self.episodes: dict[str, _Episode] = {}

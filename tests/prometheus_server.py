@@ -50,7 +50,10 @@ class PrometheusServer:
     """
 
     def __init__(self, folder: Path, port: int, process: subprocess.Popen, log: Path):
-        self.folder, self.port, self.process, self.log = folder, port, process, log
+        self.folder = folder
+        self.port = port
+        self.process = process
+        self.log = log
         self.url = f"http://127.0.0.1:{port}"
 
     @classmethod

@@ -51,7 +51,9 @@ class ScriptedRequestServer:
                  version: int = 3, delay_s: float = 0.0, eos_id: int | None = None,
                  decode: Callable[[list[int]], str] | None = None):
         self.script = script if callable(script) else iter(script)
-        self.logprob, self.version, self.delay_s = logprob, version, delay_s
+        self.logprob = logprob
+        self.version = version
+        self.delay_s = delay_s
         self.eos_id, self.decode = eos_id, decode
         self.requests: list[TokenRequest] = []
         self._lock = threading.Lock()
@@ -100,7 +102,10 @@ class TinyModelRequestServer:
     """
 
     def __init__(self, model, tokenizer, eos_ids: frozenset[int], version: int = 0):
-        self.model, self.tokenizer, self.eos_ids, self.version = model, tokenizer, eos_ids, version
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.version = version
         self.requests: list[TokenRequest] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="tiny-model-requests", daemon=True)

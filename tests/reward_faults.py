@@ -73,7 +73,11 @@ class StallGate:
         self.stalled: tuple[float, float] | None = None
 
     def arm(self, when: Callable[[], bool], until: Callable[[], bool], deadline_s: float, poll_s: float = 0.5) -> None:
-        self.when, self.until, self.deadline_s, self.poll_s, self.stalled = when, until, deadline_s, poll_s, None
+        self.when = when
+        self.until = until
+        self.deadline_s = deadline_s
+        self.poll_s = poll_s
+        self.stalled = None
 
     def disarm(self) -> None:
         self.when = None
@@ -121,7 +125,11 @@ class RewardServer:
     """
 
     def __init__(self, keep_alive: bool = False):
-        self.delay_s, self.slow_all, self.fail_next, self.status, self.reply = 5.0, False, 0, 500, None
+        self.delay_s = 5.0
+        self.slow_all = False
+        self.fail_next = 0
+        self.status = 500
+        self.reply = None
         self.drop_next = 0
         self.requests: list[tuple[dict, dict]] = []
         self.peers: list[tuple[str, int]] = []

@@ -103,8 +103,12 @@ class AgentWorkerPool:
         if workers < 1 or episodes_per_worker < 1:
             raise ValueError(f"an agent pool needs workers >= 1 and episodes_per_worker >= 1, got {workers} and "
                              f"{episodes_per_worker}")
-        self.make_worker, self.workers, self.per_worker = make_worker, workers, episodes_per_worker
-        self.timeout_s, self.kind, self.grace_s = timeout_s, kind, grace_s
+        self.make_worker = make_worker
+        self.workers = workers
+        self.per_worker = episodes_per_worker
+        self.timeout_s = timeout_s
+        self.kind = kind
+        self.grace_s = grace_s
         self._lock = threading.RLock()
         self._slots: list[_Slot] = []
         self._waiting: deque[tuple[EpisodeTicket, Future]] = deque()

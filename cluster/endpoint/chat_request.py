@@ -51,7 +51,9 @@ class Refusal(Exception):
 
     def __init__(self, status: int, reason: str, code: str):
         super().__init__(reason)
-        self.status, self.reason, self.code = status, reason, code
+        self.status = status
+        self.reason = reason
+        self.code = code
 
 
 class ChatRequest(BaseModel):

@@ -62,7 +62,10 @@ class LocalWeightSync:
     """
 
     def __init__(self, spec, worker, engine, versions: PolicyVersionLedger):
-        self.spec, self.worker, self.engine, self.versions = spec, worker, engine, versions
+        self.spec = spec
+        self.worker = worker
+        self.engine = engine
+        self.versions = versions
         self.adapter_config = worker.sync_adapter_config()
         self.buckets = worker.sync_plan(spec.model.dtype, spec.sync.bucket_bytes)
         self.names = [slot.name for b in self.buckets for slot in b.slots]

@@ -93,7 +93,10 @@ class AgentEpisodeRunner:
                  current_version: Callable[[], int], status: Callable[[str], None] = lambda m: None,
                  sequences: Callable[[EpisodeRecord], list[AgentSequence]] = agent_sequences):
         rollout = spec.rollout
-        self.endpoint, self.pool, self.decode, self.current_version = endpoint, pool, decode, current_version
+        self.endpoint = endpoint
+        self.pool = pool
+        self.decode = decode
+        self.current_version = current_version
         self._status, self.sequences = status, sequences
         self.group_size, self.timeout_s = rollout.group_size, rollout.timeout_s
         self.multi_turn = rollout.multi_turn  # the environment kind's budget is counted after the prompt

@@ -80,7 +80,9 @@ class HFEngine:
         if rollout.cpu_affinity is not None:
             pin_to_cores(rollout.cpu_affinity, "rollout.cpu_affinity")
             torch.set_num_threads(len(rollout.cpu_affinity))
-        self.rollout, self.max_batch_rows, self.lora = rollout, max_batch_rows, lora
+        self.rollout = rollout
+        self.max_batch_rows = max_batch_rows
+        self.lora = lora
         source = source or ModelSource()
         on_gpu = torch.cuda.is_available() and rollout.num_gpus_per_replica > 0
         self.device = torch.device("cuda") if on_gpu else torch.device("cpu")

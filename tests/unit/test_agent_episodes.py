@@ -30,7 +30,9 @@ def spec(group_size=2, timeout_s=30.0):
 
 class FakeEndpoint:
     def __init__(self, fail_after: int | None = None):
-        self.opened, self.closed, self.records = [], [], {}
+        self.opened = []
+        self.closed = []
+        self.records = {}
         self.fail_after = fail_after
 
     def open_episode(self, key, *, seed, max_episode_tokens, group_id=None, sample=None, temperature=None):
@@ -50,7 +52,9 @@ class FakePool:
     """Runs ``behaviour(ticket, record) -> AgentOutcome`` in a thread per episode after ``delay(ticket)`` s."""
 
     def __init__(self, endpoint, behaviour, delay=lambda ticket: 0.0):
-        self.endpoint, self.behaviour, self.delay = endpoint, behaviour, delay
+        self.endpoint = endpoint
+        self.behaviour = behaviour
+        self.delay = delay
         self.submitted: list[str] = []
 
     def submit(self, ticket):

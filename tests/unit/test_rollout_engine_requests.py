@@ -157,7 +157,9 @@ class _Fleet:
 
     def __init__(self, engines: int, give_up: BaseException | None = None):
         self.rollout = SimpleNamespace(engines=[_Engine(f"e{i}") for i in range(engines)])
-        self.recovered, self.recorded, self.give_up = [], [], give_up
+        self.recovered = []
+        self.recorded = []
+        self.give_up = give_up
 
     def recover_engines(self, cause):
         self.recovered.append(type(cause).__name__)
