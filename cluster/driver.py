@@ -9,9 +9,9 @@ Notation: B prompts per step, G completions per prompt (a group), N = B·G seque
 (``contract.protocols.Fleet``), the train side (``Trainer``), the reward pool (``RewardPool``, optional: default the
 driver itself), metric sinks and an optional control channel — and imports neither Ray nor a runtime. Each phase is a
 call into the part that owns it (``cluster/loop/``): ``setup`` (the checks before anything starts), ``job_workers``
-(starting, stopping and scaling the collaborators), ``production`` (prompts → groups → rewards → advantages, dynamic
-sampling, partial rollouts), ``training`` (micro-batches, the update, the KL controller, skipped updates, the sync),
-``rollout_modes`` (``rollout.mode``: when each batch is generated relative to training), ``step_metrics`` (the
+(starting, stopping and scaling the collaborators), ``production`` (prompts → groups → rewards → advantages,
+dynamic sampling, partial rollouts), ``training`` (micro-batches, the update, the KL controller, skipped updates, the
+sync), ``rollout_modes`` (``rollout.mode``: when each batch is generated relative to training), ``step_metrics`` (the
 metrics row), ``job_checkpoints`` (when, what, save, resume), ``evaluation`` (held-out ``eval/*`` between steps; the
 starting weights' row has step 0) and ``guard`` (the reward-hacking guard, which acts on the job through
 :class:`cluster.loop.guard.GuardTarget`).

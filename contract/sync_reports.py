@@ -23,11 +23,13 @@ class SendReport:
         payload_crc32: (``train.lora.sync: adapter``) CRC-32 of every byte streamed, buckets in plan order: the
             adapter payload's checksum, which must change from one policy version to the next after a non-zero
             update; None for full weights.
-        merge_rounding_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − W − s·B·A‖ / ‖s·B·A‖ over every
-            merged tensor: how far the merged weights the engines receive are from the trainer's policy, in units of
-            the LoRA update (``train_workers.lora.MergeRounding``); None without a merge, or while the update is 0.
-        merge_update_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − cast(W) − s·B·A‖ / ‖s·B·A‖: the part of
-            the update the engine dtype's rounding loses (≈ 1: the update vanished); None as above.
+        merge_rounding_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − W − s·B·A‖ / ‖s·B·A‖
+            over every merged tensor: how far the merged weights the engines receive are from the trainer's
+            policy, in units of the LoRA update (``train_workers.lora.MergeRounding``); None without a merge, or
+            while the update is 0.
+        merge_update_error: (``train.lora.sync: merged``) ‖cast(W + s·B·A) − cast(W) − s·B·A‖ /
+            ‖s·B·A‖: the part of the update the engine dtype's rounding loses (≈ 1: the update vanished);
+            None as above.
     """
 
     policy_version: int

@@ -6,8 +6,8 @@ Metric keys are free-form ``group/name`` strings; each becomes a gauge ``grpo_<k
 
 - ``job``: the job name (``spec.name``);
 - ``pool``: ``rollout``, ``train``, ``sync`` or ``driver``, derived from the key for the driver's figures
-  (:func:`cluster.sinks.metric_names.pool_of`: ``actor/*`` → train, ``rollout/*`` → rollout, ``sync/*`` → sync, …)
-  or given to :meth:`MetricsLogger.log_worker`;
+  (:func:`cluster.sinks.metric_names.pool_of`: ``actor/*`` → train, ``rollout/*`` → rollout, ``sync/*`` → sync,
+  …) or given to :meth:`MetricsLogger.log_worker`;
 - ``worker``: ``driver`` for the driver's aggregate figures (:meth:`MetricsLogger.log`), else the worker's name
   (``engine-0``, ``train-3``) for per-worker figures (:meth:`MetricsLogger.log_worker`, also written to
   ``<output_dir>/workers.jsonl``).

@@ -2,12 +2,12 @@
 steps, so requests are served as they arrive, continuously batched by vLLM's scheduler.
 
 Why a stepping thread over the engine the ``LLM`` already holds, rather than vLLM's ``AsyncLLM``: the same engine
-serves both ``generate`` (``LLM.generate``: single-turn groups keep exactly the numerics and seeds they have — the same
-engine core, the same request construction, one ``n=G`` request per group) and requests; the weight sync stays what
-it is (``collective_rpc`` into the worker extension, under the engine lock); and every call into the engine is made by
-one thread at a time (vLLM's sync engine client is not thread-safe), which the engine lock and the serving thread's
-holds guarantee. vLLM's engine core runs in its own process and schedules whatever requests it holds at each step,
-so requests added between steps join the running batch (continuous batching).
+serves both ``generate`` (``LLM.generate``: single-turn groups keep exactly the numerics and seeds they have — the
+same engine core, the same request construction, one ``n=G`` request per group) and requests; the weight sync stays
+what it is (``collective_rpc`` into the worker extension, under the engine lock); and every call into the engine is
+made by one thread at a time (vLLM's sync engine client is not thread-safe), which the engine lock and the serving
+thread's holds guarantee. vLLM's engine core runs in its own process and schedules whatever requests it holds at each
+step, so requests added between steps join the running batch (continuous batching).
 
 Pauses: ``generate`` and ``receive_weights`` take the engine :meth:`VLLMServer.exclusively`: the serving thread
 finishes its step and waits; every running request is aborted through vLLM (``abort_request``), keeping its tokens,

@@ -46,7 +46,8 @@ def test_denominator_console_line_shows_what_was_not_scored_only_when_there_is_s
 
 def _rows(scored: int | None) -> list[dict]:
     """11 steps of 16 groups x G = 4: response length 100 → 150 from step 6 (a drift of +50 %) while the verifiable
-    reward rises 0.1 → 0.35; ``scored``: the rows it scored per step (``reward/scored/accuracy``; None: not logged)."""
+    reward rises 0.1 → 0.35; ``scored``: the rows it scored per step (``reward/scored/accuracy``; None: not
+    logged)."""
     rows = []
     for step in range(1, 12):
         row = {"response_length/mean": 100.0 if step <= 5 else 150.0, "reward/accuracy": 0.1 if step <= 5 else 0.35,

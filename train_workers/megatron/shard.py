@@ -1,7 +1,7 @@
-"""This rank's shard of a Megatron-core ``GPTModel`` — its TP slice of its pipeline stage's layers — built from an HF
-folder for :class:`train_workers.megatron.worker.MegatronTrainWorker` (the policy, trainable, and the frozen reference
-policy), and the two layout collectives its set-up needs: the group of the ranks sharing its tensor-parallel rank,
-and the whole model's parameter count.
+"""This rank's shard of a Megatron-core ``GPTModel`` — its TP slice of its pipeline stage's layers — built from an
+HF folder for :class:`train_workers.megatron.worker.MegatronTrainWorker` (the policy, trainable, and the frozen
+reference policy), and the two layout collectives its set-up needs: the group of the ranks sharing its tensor-parallel
+rank, and the whole model's parameter count.
 
 Precision (``model.dtype``), as the FSDP2 worker's (``train_workers.sharding``): float32 trains in float32. bfloat16
 is mixed precision: the GPTModel's parameters, AdamW's state, the gradient clip, checkpoints and the weight-sync

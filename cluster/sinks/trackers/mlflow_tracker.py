@@ -30,8 +30,8 @@ TABLE_PART_STEPS = 100
 #: many steps; the rest at the end of the job).
 TABLE_FLUSH_STEPS = 10
 #: Table files a run gets: MLflow lists a run's tables in one tag of at most 8,000 characters (≈ 68 per file), so the
-#: sample tables stop after 50 files — 2,500 steps of ``samples/train`` and ``samples/eval`` — and samples.jsonl keeps
-#: the rest.
+#: sample tables stop after 50 files — 2,500 steps of ``samples/train`` and ``samples/eval`` — and samples.jsonl
+#: keeps the rest.
 MAX_TABLE_FILES = 50
 
 
