@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+from cluster.worker_start import start_workers
 from contract.agents import AgentOutcome, EpisodeTicket
 from contract.goodput import PoolTime
 
@@ -131,26 +132,8 @@ class AgentWorkerPool:
             return
         self._closing = False
         self._stop.clear()
-        self._slots = [_Slot() for _ in range(self.workers)]
-        errors: list[BaseException] = []
-
-        def make(i: int) -> None:
-            try:
-                self._slots[i].worker = self.make_worker(i)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
-                errors.append(exc)
-
-        starters = [threading.Thread(target=make, args=(i,), name=f"agent-start-{i}") for i in range(self.workers)]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
-        if errors:
-            for slot in self._slots:
-                if slot.worker is not None:
-                    slot.worker.close()
-            self._slots = []
-            raise errors[0]
+        workers = start_workers(self.make_worker, self.workers, "agent-start")
+        self._slots = [_Slot(worker=worker) for worker in workers]
         self._started = True
         self._watchdog = threading.Thread(target=self._watch, name="agent-pool-watchdog", daemon=True)
         self._watchdog.start()

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.rewards.calls import Chunk, join_scores, lost_scores, pack_chunks, split_chunk_scores
+from cluster.worker_start import start_workers
 from contract.goodput import PoolTime
 from contract.rewards import RewardCall, RewardScores, RewardTicket
 from grpo.rewards.calling import RewardError
@@ -124,23 +125,7 @@ class WorkerPool:
             return
         self._closing = False
         self._queue = queue.Queue()  # nothing of an earlier run (abandoned chunks, stop marks)
-        self._slots = [None] * self.workers
-        errors: list[BaseException] = []
-
-        def make(i: int) -> None:
-            try:
-                self._slots[i] = self.make_worker(i)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
-                errors.append(exc)
-
-        starters = [threading.Thread(target=make, args=(i,), name=f"reward-start-{i}") for i in range(self.workers)]
-        for t in starters:
-            t.start()
-        for t in starters:
-            t.join()
-        if errors:
-            self._close_workers()
-            raise errors[0]
+        self._slots = list(start_workers(self.make_worker, self.workers, "reward-start"))
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"reward-pool-{i}", daemon=True)
                          for i in range(self.workers)]
         for t in self._threads:
